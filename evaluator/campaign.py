@@ -1,0 +1,351 @@
+"""Evidence campaign: N fresh timed processes of a workload, judged by MLPerf-EDU-style rules.
+
+    python -m evaluator.campaign run --workload eva02-imagenet1k --profile min|max|pro --runs 5 --out DIR
+    python -m evaluator.campaign verify DIR/campaign.provd.json
+    python -m evaluator.campaign package DIR --out FILE.tar.gz
+    python -m evaluator.campaign render DIR/disclosure.json
+
+`run` writes DIR/disclosure.json (authoritative), DIR/report.html (rendered from it),
+copies of every input it can name, each run's outputs, and DIR/campaign.provd.json.
+Exit status of `run`: 0 when the attempt is valid (every run passed its gate), 1 when
+it was invalidated (or not promoted under --require-promotion), 2 on a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from evaluator import disclosure, fingerprint, provd, report_html
+from evaluator.campaign_workloads import (
+    PROFILES,
+    WORKLOADS,
+    RunInputs,
+    default_runner,
+    load_reference,
+    manifest_rows,
+    prepare_min,
+    prepared_inputs,
+    run_once,
+)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class RunArgs:
+    workload: str
+    profile: str
+    runs: int
+    out: Path
+    manifest: Path | None = None
+    image_root: Path | None = None
+    reference: Path | None = None
+    artifact: Path | None = None
+    config_note: str | None = None
+    split: str = "imagenet-1k-val"
+    count: int = 64
+    seed: int = 0
+    prepared: Path | None = None
+    timeout_s: float = 1800.0
+    runner: str | None = None
+    source_dir: Path = REPO_ROOT
+    attach: tuple[Path, ...] = ()
+    require_promotion: bool = False
+
+
+class UsageError(Exception):
+    """A campaign that cannot start as asked (exit status 2)."""
+
+
+def git_state(source_dir: Path, exclude: Path | None = None) -> dict:
+    """{"sha", "dirty", "error"} of the git tree at source_dir; paths under exclude are ignored."""
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", "-C", str(source_dir), *args], capture_output=True, text=True, check=False)
+
+    head = git("rev-parse", "--verify", "HEAD")
+    if head.returncode != 0:
+        return {"sha": None, "dirty": None, "error": head.stderr.strip() or "git rev-parse HEAD failed"}
+    pathspec = ["--", "."]
+    if exclude is not None and exclude.resolve().is_relative_to(source_dir.resolve()):
+        pathspec.append(f":(exclude){exclude.resolve().relative_to(source_dir.resolve()).as_posix()}")
+    status = git("status", "--porcelain", *pathspec)
+    if status.returncode != 0:
+        return {"sha": head.stdout.strip(), "dirty": None, "error": status.stderr.strip()}
+    return {"sha": head.stdout.strip(), "dirty": bool(status.stdout.strip()), "error": None}
+
+
+def images_sha256(inputs: RunInputs) -> str:
+    """One digest of the cohort's images, in manifest order ('MISSING' for an absent file)."""
+    from evaluator.manifest import resolve_image
+
+    h = hashlib.sha256()
+    for rid, rel in manifest_rows(inputs.manifest):
+        try:
+            path = resolve_image(inputs.image_root, rel)
+            digest = provd.sha256_file(path) if path.is_file() else "MISSING"
+        except ValueError:
+            digest = "REFUSED"  # escapes the image root: the run refuses it too
+        h.update(f"{rid}\t{rel}\t{digest}\n".encode())
+    return h.hexdigest()
+
+
+def input_digests(inputs: RunInputs) -> dict[str, str]:
+    """Digests of everything every run reads; taken before and after the runs, they must match."""
+    return {
+        "cohort_manifest": provd.sha256_file(inputs.manifest),
+        "reference": provd.sha256_file(inputs.reference),
+        "images": images_sha256(inputs),
+        "artifact_manifest": provd.sha256_file(inputs.artifact / "manifest.json")
+        if (inputs.artifact / "manifest.json").is_file() else "MISSING",
+        "artifact_tree": provd.tree_digest(inputs.artifact)["sha256"],
+    }
+
+
+def summarise_benchmark(path: Path) -> dict:
+    """Names and medians of a pytest-benchmark --benchmark-json file, and its commit info."""
+    data = json.loads(path.read_text())
+    benches = data.get("benchmarks")
+    if not isinstance(benches, list):
+        raise ValueError(f"{path}: no 'benchmarks' list (expected pytest-benchmark --benchmark-json output)")
+    commit = data.get("commit_info") or {}
+    return {
+        "benchmarks": [{"name": b.get("fullname") or b.get("name"), "median_s": (b.get("stats") or {}).get("median")}
+                       for b in benches],
+        "commit": {"id": commit.get("id"), "dirty": commit.get("dirty")},
+    }
+
+
+def _loadavg() -> list[float] | None:
+    return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def check_args(a: RunArgs) -> None:
+    """Refuse a campaign that cannot start as asked, before anything is written."""
+    workload = WORKLOADS.get(a.workload)
+    if workload is None:
+        raise UsageError(f"unknown workload {a.workload!r}; known: {', '.join(WORKLOADS)}")
+    if not workload.runnable:
+        raise UsageError(f"workload {a.workload} is {'/'.join(workload.roles)}: {workload.rule}")
+    profile = PROFILES[a.profile]
+    missing = [f"--{name.replace('_', '-')}" for name in profile.required if getattr(a, name) in (None, "")]
+    if missing:
+        raise UsageError(f"profile {a.profile} requires {', '.join(missing)}")
+    if a.runs < 1:
+        raise UsageError("--runs must be >= 1")
+    if a.out.exists() and any(a.out.iterdir()):
+        raise UsageError(f"--out {a.out}: not empty (an evidence folder is written once)")
+    if a.runner is None and not (a.source_dir / "scripts" / "run").is_file():
+        raise UsageError(f"{a.source_dir / 'scripts' / 'run'}: missing (the contest ABI entry point)")
+    for path in a.attach:
+        summarise_benchmark(path)  # refuse a bad attachment before spending time on runs
+
+
+def resolve_inputs(a: RunArgs, tmp: Path) -> tuple[RunInputs, dict]:
+    """The run inputs for the profile, plus the dataset record (seed/count for min)."""
+    if a.profile == "min":
+        if a.prepared is None:
+            a.prepared = tmp / "prepared"
+            prepare_min(a.source_dir, a.prepared, a.count, a.seed)
+            split = f"generated:seed={a.seed},count={a.count}"
+        else:
+            split = f"generated:prepared dir reused (declared seed={a.seed})"
+        inputs = prepared_inputs(a.prepared, split)
+        return inputs, {"mode": "generated", "split": split, "rows": inputs.rows, "seed": a.seed,
+                        "canonical_seed": a.seed == 0}
+    for name in ("manifest", "reference"):
+        if not getattr(a, name).is_file():
+            raise UsageError(f"--{name} {getattr(a, name)}: not a file")
+    for name in ("image_root", "artifact"):
+        if not getattr(a, name).is_dir():
+            raise UsageError(f"--{name.replace('_', '-')} {getattr(a, name)}: not a directory")
+    inputs = RunInputs(a.manifest.resolve(), a.image_root.resolve(), a.reference.resolve(), a.artifact.resolve(),
+                       len(manifest_rows(a.manifest)), "real", a.split)
+    return inputs, {"mode": "real", "split": a.split, "rows": inputs.rows}
+
+
+def copy_evidence(inputs: RunInputs, attach: tuple[Path, ...], out: Path) -> tuple[dict, list[dict], dict]:
+    """Copy the inputs and attachments into OUT; return (input files, attachment records, provd roles)."""
+    (out / "inputs").mkdir()
+    copies = {"cohort_manifest": (inputs.manifest, "inputs/manifest.tsv"),
+              "reference": (inputs.reference, f"inputs/reference{inputs.reference.suffix}"),
+              "artifact_manifest": (inputs.artifact / "manifest.json", "inputs/artifact_manifest.json")}
+    files, roles = {}, {}
+    for name, (src, rel) in copies.items():
+        if src.is_file():
+            shutil.copyfile(src, out / rel)
+            files[name] = rel
+            roles[rel] = "input"
+    records = []
+    for i, src in enumerate(attach, 1):
+        rel = f"attachments/{i:02d}-{src.name}"
+        (out / "attachments").mkdir(exist_ok=True)
+        shutil.copyfile(src, out / rel)
+        roles[rel] = "attachment"
+        records.append({"file": rel, "sha256": provd.sha256_file(out / rel)} | summarise_benchmark(out / rel))
+    return files, records, roles
+
+
+def run_campaign(a: RunArgs) -> dict:
+    """Run the campaign, write OUT, and return the disclosure dict."""
+    check_args(a)
+    workload = WORKLOADS[a.workload]
+    a.source_dir = a.source_dir.resolve()
+    out = a.out.resolve()
+    abi = default_runner(a.source_dir)
+    runner = shlex.split(a.runner) if a.runner else abi
+    with tempfile.TemporaryDirectory(prefix="campaign-") as tmp:
+        inputs, dataset = resolve_inputs(a, Path(tmp))
+        out.mkdir(parents=True, exist_ok=True)  # only once the inputs exist
+        ref = load_reference(inputs.reference, inputs.manifest)
+        am_path = inputs.artifact / "manifest.json"
+        artifact_manifest = json.loads(am_path.read_text()) if am_path.is_file() else {}
+        started, git_before, load_before = _now(), git_state(a.source_dir, out), _loadavg()
+        fp_before, digests_before = fingerprint.collect(), input_digests(inputs)
+        runs = []
+        for i in range(1, a.runs + 1):
+            record = run_once(i, runner, inputs, ref, out, a.source_dir, a.timeout_s)
+            runs.append(record)
+            status = f"{record.wall_s:.3f} s, {record.matches}/{record.total}" if record.ok else record.reason
+            print(f"campaign: run {i}/{a.runs}: {'ok' if record.ok else 'FAILED'} ({status})", file=sys.stderr)
+            if not record.ok:
+                break  # one failed process invalidates the attempt; runs are never retried
+        digests_after, fp_after = input_digests(inputs), fingerprint.collect()
+        git_after, load_after = git_state(a.source_dir, out), _loadavg()
+        files, attachments, roles = copy_evidence(inputs, a.attach, out)
+    facts = disclosure.CampaignFacts(
+        workload=workload, profile=PROFILES[a.profile], runs_requested=a.runs, runs=runs,
+        dataset=dataset | {"files": files}, digests_before=digests_before, digests_after=digests_after,
+        artifact_manifest=artifact_manifest, fingerprint_before=fp_before, fingerprint_after=fp_after,
+        git_before=git_before, git_after=git_after, runner=runner, runner_is_abi=runner == abi,
+        timeout_s=a.timeout_s, load_before=load_before, load_after=load_after, started_utc=started,
+        finished_utc=_now(), config_note=a.config_note, attachments=attachments,
+    )
+    doc = disclosure.build(facts)
+    disclosure.write(doc, out / "disclosure.json")
+    (out / "report.html").write_text(report_html.render(doc))
+    for r in runs:
+        roles |= {rel: role for role, rel in r.files.items()}
+    roles |= {"disclosure.json": "disclosure", "report.html": "report"}
+    provd.write_manifest(out, git_before, roles)
+    return doc
+
+
+def cmd_run(a: RunArgs) -> int:
+    doc = run_campaign(a)
+    promo = doc["promotion"]
+    print(f"campaign: {doc['workload']['id']} {doc['profile']}: {promo['status']}; "
+          f"median {doc['primary_metric']['median']} s over {doc['primary_metric']['n']} valid runs")
+    for reason in promo["reasons"]:
+        print(f"  - {reason}")
+    print(f"campaign: wrote {a.out / 'disclosure.json'}, report.html, {provd.MANIFEST_NAME}")
+    if not doc["attempt"]["valid"]:
+        return 1
+    return 1 if a.require_promotion and not promo["promoted"] else 0
+
+
+def cmd_verify(path: Path) -> int:
+    result = provd.verify(path)
+    for problem in result.problems:
+        print(f"verify: {problem}", file=sys.stderr)
+    if not result.ok:
+        print(f"verify: FAILED: {len(result.problems)} problem(s) in {path.parent}", file=sys.stderr)
+        return 1
+    print(f"verify: OK: {result.checked} files match their SHA-256 digests ({provd.INTEGRITY})")
+    return 0
+
+
+def cmd_package(folder: Path, out: Path) -> int:
+    manifest = folder / provd.MANIFEST_NAME
+    if not manifest.is_file():
+        print(f"package: {manifest}: missing", file=sys.stderr)
+        return 1
+    if cmd_verify(manifest) != 0:
+        print("package: refusing to pack a folder that does not verify", file=sys.stderr)
+        return 1
+    print(f"package: wrote {provd.package(folder, out)}")
+    return 0
+
+
+def cmd_render(path: Path, out: Path | None) -> int:
+    doc = json.loads(path.read_text())
+    target = out or path.parent / "report.html"
+    html = report_html.render(doc)
+    manifested = (target.parent / provd.MANIFEST_NAME).is_file() and target.is_file()
+    if manifested and target.read_text() != html:
+        print(f"render: warning: {target} differs from the digested one; {target.parent} will no longer "
+              "verify (use --out to render elsewhere)", file=sys.stderr)
+    target.write_text(html)
+    print(f"render: wrote {target}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m evaluator.campaign", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="run a campaign and write its evidence folder")
+    r.add_argument("--workload", required=True, choices=sorted(WORKLOADS))
+    r.add_argument("--profile", required=True, choices=sorted(PROFILES))
+    r.add_argument("--runs", type=int, default=5)
+    r.add_argument("--out", type=Path, required=True)
+    r.add_argument("--manifest", type=Path, help="max/pro: cohort manifest.tsv")
+    r.add_argument("--image-root", type=Path, help="max/pro: root the manifest paths are relative to")
+    r.add_argument("--reference", type=Path, help="max/pro: reference answers (.i32 or .tsv)")
+    r.add_argument("--artifact", type=Path, help="max/pro: prebuilt engine artifact dir")
+    r.add_argument("--config-note", help="pro: the research configuration, declared")
+    r.add_argument("--split", default="imagenet-1k-val", help="max/pro: dataset split label")
+    r.add_argument("--count", type=int, default=64, help="min: generated images")
+    r.add_argument("--seed", type=int, default=0, help="min: generator seed (0 is canonical)")
+    r.add_argument("--prepared", type=Path, help="min: reuse a dir written by `evaluator.demo prepare`")
+    r.add_argument("--timeout-s", type=float, default=1800.0, help="per-run wall limit")
+    r.add_argument("--runner", help="command replacing scripts/run (shell words; not promotable)")
+    r.add_argument("--source-dir", type=Path, default=REPO_ROOT, help="git tree the runs come from")
+    r.add_argument("--attach", type=Path, action="append", default=[], help="pytest-benchmark JSON (repeatable)")
+    r.add_argument("--require-promotion", action="store_true", help="exit 1 unless promoted")
+    v = sub.add_parser("verify", help="check every file of an evidence folder against its .provd.json")
+    v.add_argument("manifest", type=Path)
+    k = sub.add_parser("package", help="verify, then pack an evidence folder as tar.gz")
+    k.add_argument("folder", type=Path)
+    k.add_argument("--out", type=Path, required=True)
+    d = sub.add_parser("render", help="re-render report.html from a disclosure JSON")
+    d.add_argument("disclosure", type=Path)
+    d.add_argument("--out", type=Path)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    try:
+        if ns.command == "verify":
+            return cmd_verify(ns.manifest)
+        if ns.command == "package":
+            return cmd_package(ns.folder, ns.out)
+        if ns.command == "render":
+            return cmd_render(ns.disclosure, ns.out)
+        fields = {k: v for k, v in vars(ns).items() if k != "command"}
+        fields["attach"] = tuple(fields["attach"])
+        return cmd_run(RunArgs(**fields))
+    except UsageError as exc:
+        print(f"campaign: {exc}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError, RuntimeError, json.JSONDecodeError) as exc:
+        print(f"campaign: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

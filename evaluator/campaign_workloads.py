@@ -1,0 +1,264 @@
+"""Workloads, roles and profiles of the evidence campaign, and one timed run of a workload.
+
+A workload names what is run and how a run is judged (its gate). Its roles say what
+its numbers may be used for; ROLE_RULES writes each role's rule down, and the rules
+travel in every disclosure. A profile says what input a campaign runs on and whether
+its result can ever be promoted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+ROLE_RULES = {
+    "score-bearing": "its quality metric may be reported as a result only from a promoted campaign; "
+                     "every run must pass the workload's quality gate",
+    "performance-bearing": "its wall time may be reported and ranked only from a promoted campaign: "
+                           "five fresh processes, every gate passed, CV <= 5 %, one fingerprint, "
+                           "clean tree at one git SHA, artifact digests preserved",
+    "systems-only": "timed for engineering insight only; never ranked, never carries a quality claim",
+    "deferred": "registered but not runnable yet; running it fails and says when it joins",
+    "rejected": "not admissible as evidence; running it fails",
+}
+
+RESULT_ROLES = {
+    "functional": "functional evidence on a generated input; never promoted, never shown as quality",
+    "canonical": "canonical real-data contract; promotable when every promotion rule holds",
+    "research": "real data under a declared research configuration; promotable, labelled research",
+}
+
+AGREEMENT_GATE = 0.99
+
+
+@dataclass(frozen=True)
+class Workload:
+    workload_id: str
+    roles: tuple[str, ...]
+    abi: str
+    gate: str
+    quality_metric: str
+    rule: str = ""
+    runnable: bool = True
+
+
+WORKLOADS = {
+    "eva02-imagenet1k": Workload(
+        workload_id="eva02-imagenet1k",
+        roles=("score-bearing", "performance-bearing"),
+        abi="scripts/run MANIFEST IMAGE_ROOT OUTPUT (ENGINE_ARTIFACT, CONTEST_REPORT)",
+        gate=f"top-1 agreement with the reference answers >= {AGREEMENT_GATE:.0%} in every run and in aggregate",
+        quality_metric="agreement",
+        rule="contest ABI; wall time from process start to reaped exit, measured outside the process",
+    ),
+    "cir-retrieval": Workload(
+        workload_id="cir-retrieval",
+        roles=("deferred",),
+        abi="scripts/build.sh + scripts/run.sh (retrieval ABI)",
+        gate="run validity checks",
+        quality_metric="mean of CIRCO mAP@5/10/25/50 and CIRR Recall@1/5/10/50",
+        rule="joins when the retrieval ABI exists; gate = run validity checks; quality = its metric",
+        runnable=False,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    dataset_mode: str  # generated | real
+    result_role: str
+    promotable: bool
+    required: tuple[str, ...] = ()
+
+
+PROFILES = {
+    "min": Profile("min", "generated", "functional", promotable=False),
+    "max": Profile("max", "real", "canonical", promotable=True,
+                   required=("manifest", "image_root", "reference", "artifact")),
+    "pro": Profile("pro", "real", "research", promotable=True,
+                   required=("manifest", "image_root", "reference", "artifact", "config_note")),
+}
+
+
+@dataclass
+class RunInputs:
+    """What every run of one campaign reads: the same files for all N processes."""
+
+    manifest: Path
+    image_root: Path
+    reference: Path
+    artifact: Path
+    rows: int
+    dataset_mode: str
+    split: str
+
+
+@dataclass
+class RunRecord:
+    """One fresh OS process. wall_s is a result only when ok is True."""
+
+    index: int
+    ok: bool
+    reason: str | None
+    wall_s: float | None
+    exit_code: int | None
+    timed_out: bool
+    matches: int | None
+    total: int | None
+    files: dict[str, str] = field(default_factory=dict)  # role -> path relative to OUT
+    timing: dict | None = None
+
+
+def manifest_rows(manifest: Path) -> list[tuple[str, str]]:
+    """(request_id, relative path) per row, parsed by the contest's own manifest reader."""
+    from evaluator.manifest import read_manifest
+
+    return [(row.request_id, row.path) for row in read_manifest(manifest)]
+
+
+def load_reference(reference: Path, manifest: Path) -> np.ndarray:
+    """Reference answers in manifest order: an .i32 file, or a TSV `request_id<TAB>...<TAB>label`."""
+    rows = manifest_rows(manifest)
+    if reference.suffix != ".tsv":
+        ref = np.fromfile(reference, dtype="<i4")
+        if ref.size != len(rows):
+            raise ValueError(f"{reference}: {ref.size} answers for {len(rows)} manifest rows")
+        return ref
+    by_id = {}
+    for n, line in enumerate(reference.read_text().splitlines(), 1):
+        parts = line.strip().split("\t")
+        if len(parts) < 2 or not parts[-1].lstrip("-").isdigit():
+            if n == 1 or not line.strip():
+                continue  # a header line or a blank line
+            raise ValueError(f"{reference}:{n}: expected 'request_id<TAB>label', got {line!r}")
+        by_id[parts[0]] = int(parts[-1])
+    missing = [rid for rid, _ in rows if rid not in by_id]
+    if missing:
+        raise ValueError(f"{reference}: no answer for {len(missing)} manifest rows, e.g. {missing[0]!r}")
+    return np.array([by_id[rid] for rid, _ in rows], dtype="<i4")
+
+
+def check_predictions(path: Path, ref: np.ndarray) -> tuple[int, int, str | None]:
+    """(matches, total, problem) for an OUTPUT file: one int32 in [0, 999] per manifest row."""
+    if not path.is_file():
+        return 0, ref.size, "no OUTPUT file was written"
+    size = path.stat().st_size
+    if size != 4 * ref.size:
+        return 0, ref.size, f"OUTPUT has {size} bytes, expected {4 * ref.size} (one int32 per row)"
+    pred = np.fromfile(path, dtype="<i4")
+    bad = int(((pred < 0) | (pred > 999)).sum())
+    if bad:
+        return 0, ref.size, f"OUTPUT has {bad} values outside [0, 999]"
+    matches = int((pred == ref).sum())
+    return matches, int(ref.size), None
+
+
+def default_runner(source_dir: Path) -> list[str]:
+    """The contest ABI entry point, `scripts/run`, of the source tree."""
+    script = source_dir / "scripts" / "run"
+    return [str(script)] if os.access(script, os.X_OK) else ["bash", str(script)]
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Kill the run's whole process group (scripts/run is a shell that starts Python)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        print(f"campaign: process group {proc.pid} already gone", file=sys.stderr)
+    proc.wait()
+
+
+def run_once(index: int, runner: list[str], inputs: RunInputs, ref: np.ndarray, out: Path,
+             source_dir: Path, timeout_s: float) -> RunRecord:
+    """Run one fresh process under OUT/runs/run-NN, time it from outside, and judge it."""
+    run_dir = out / "runs" / f"run-{index:02d}"
+    run_dir.mkdir(parents=True)
+    files = {
+        "predictions": run_dir / "predictions.i32",
+        "timing": run_dir / "timing.json",
+        "stdout": run_dir / "stdout.log",
+        "stderr": run_dir / "stderr.log",
+    }
+    env = {**os.environ, "ENGINE_ARTIFACT": str(inputs.artifact), "CONTEST_REPORT": str(files["timing"])}
+    cmd = [*runner, str(inputs.manifest), str(inputs.image_root), str(files["predictions"])]
+    timed_out = False
+    with open(files["stdout"], "wb") as so, open(files["stderr"], "wb") as se:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, cwd=source_dir, env=env, stdout=so, stderr=se,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _kill_group(proc)
+        except BaseException:  # Ctrl-C: leave no run behind, then stop the campaign
+            _kill_group(proc)
+            raise
+        wall_s = time.perf_counter() - t0
+    rel = {k: v.relative_to(out).as_posix() for k, v in files.items() if v.exists()}
+    record = RunRecord(index, False, None, wall_s, proc.returncode, timed_out, None, None, rel)
+    if timed_out:
+        record.reason = f"timed out after {timeout_s:g} s (process group killed)"
+        return record
+    if proc.returncode != 0:
+        tail = files["stderr"].read_text(errors="replace").strip().splitlines()[-1:]
+        record.reason = f"exit status {proc.returncode}" + (f": {tail[0][:200]}" if tail else "")
+        return record
+    record.matches, record.total, problem = check_predictions(files["predictions"], ref)
+    if problem:
+        record.reason = problem
+        return record
+    if record.matches < AGREEMENT_GATE * record.total:
+        record.reason = f"gate failed: agreement {record.matches}/{record.total} < {AGREEMENT_GATE:.0%}"
+        return record
+    try:
+        record.timing = json.loads(files["timing"].read_text())
+    except FileNotFoundError:
+        record.reason = "no timing report was written to CONTEST_REPORT"
+        return record
+    except json.JSONDecodeError as exc:
+        record.reason = f"timing report is not JSON: {exc}"
+        return record
+    if not isinstance(record.timing, dict):
+        record.reason = f"timing report is a JSON {type(record.timing).__name__}, expected an object"
+        record.timing = None
+        return record
+    record.ok = True
+    return record
+
+
+def prepare_min(source_dir: Path, dest: Path, count: int, seed: int) -> None:
+    """Write the deterministic generated input with `python -m evaluator.demo prepare`."""
+    cmd = [sys.executable, "-m", "evaluator.demo", "prepare", "--out", str(dest), "--count", str(count),
+           "--seed", str(seed)]
+    proc = subprocess.run(cmd, cwd=source_dir, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{shlex.join(cmd)} failed ({proc.returncode}): {proc.stderr.strip()[-1000:]}")
+
+
+def prepared_inputs(prepared: Path, split: str) -> RunInputs:
+    """RunInputs of a dir written by `evaluator.demo prepare` (cohort/, artifact/, reference.i32)."""
+    manifest = prepared / "cohort" / "manifest.tsv"
+    for path in (manifest, prepared / "artifact" / "manifest.json", prepared / "reference.i32"):
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: missing from the prepared dir {prepared}")
+    rows = manifest_rows(manifest)
+    if not rows:
+        raise ValueError(f"{manifest}: no rows")
+    # Manifest paths are relative to the image root: cohort/images or cohort itself.
+    roots = [prepared / "cohort" / "images", prepared / "cohort"]
+    root = next((r for r in roots if (r / rows[0][1]).is_file()), None)
+    if root is None:
+        raise FileNotFoundError(f"{rows[0][1]}: not found under {roots[0]} nor {roots[1]}")
+    return RunInputs(manifest, root, prepared / "reference.i32", prepared / "artifact", len(rows),
+                     "generated", split)

@@ -1,0 +1,225 @@
+"""The disclosure JSON: the authoritative record of one campaign, and its promotion rules.
+
+Everything the HTML report shows is read from this JSON. Timing from a failed run is
+never a result: failed runs sit in `failed_runs`, never in the metric values.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from evaluator.campaign_workloads import (
+    AGREEMENT_GATE,
+    RESULT_ROLES,
+    ROLE_RULES,
+    Profile,
+    RunRecord,
+    Workload,
+)
+from evaluator.fingerprint import diff_keys, fingerprint_sha256
+
+SCHEMA = "campaign.disclosure/1"
+MIN_RUNS = 5
+CV_LIMIT = 0.05
+NOTICE = (
+    "Not an official MLPerf result. This evidence follows MLPerf-EDU-style rules "
+    "(five fresh processes, every gate passed, CV <= 5 %, one comparison fingerprint, clean "
+    "tree at one git SHA, SHA-256 manifest); it was not reviewed or audited by MLCommons."
+)
+
+
+@dataclass
+class CampaignFacts:
+    """Everything a campaign observed; build() turns it into the disclosure dict."""
+
+    workload: Workload
+    profile: Profile
+    runs_requested: int
+    runs: list[RunRecord]
+    dataset: dict  # mode, split, rows, seed, count, and the copied input files
+    digests_before: dict[str, str]  # name -> sha256 (manifest, reference, images, artifact tree)
+    digests_after: dict[str, str]
+    artifact_manifest: dict
+    fingerprint_before: dict
+    fingerprint_after: dict
+    git_before: dict  # sha, dirty, error
+    git_after: dict
+    runner: list[str]
+    runner_is_abi: bool
+    timeout_s: float
+    load_before: list[float] | None
+    load_after: list[float] | None
+    started_utc: str
+    finished_utc: str
+    config_note: str | None = None
+    attachments: list[dict] = field(default_factory=list)
+
+
+def summary(values: list[float]) -> dict:
+    """n, values, median, mean, min, max, range, sample stdev and CV (stdev / mean) of values."""
+    out: dict = {"n": len(values), "values": list(values)}
+    if not values:
+        return out | {k: None for k in ("median", "mean", "min", "max", "range", "stdev", "cv")}
+    mean = statistics.mean(values)
+    stdev = statistics.stdev(values) if len(values) > 1 else None
+    return out | {
+        "median": statistics.median(values), "mean": mean, "min": min(values), "max": max(values),
+        "range": max(values) - min(values), "stdev": stdev,
+        "cv": stdev / mean if stdev is not None and mean > 0 else None,
+    }
+
+
+def pick(d: dict, *paths: str):
+    """The first present value among dotted key paths (e.g. 'spec.model'), else None."""
+    for path in paths:
+        node = d
+        for key in path.split("."):
+            node = node.get(key) if isinstance(node, dict) else None
+        if node is not None:
+            return node
+    return None
+
+
+def _device_kind(device: str | None) -> str | None:
+    return device.split(":")[0].lower() if isinstance(device, str) else None
+
+
+def promotion_reasons(f: CampaignFacts) -> list[str]:
+    """Every reason the campaign cannot be promoted; empty means promoted."""
+    reasons = []
+    if not f.profile.promotable:
+        reasons.append(f"not-promotable: {f.profile.name} profile")
+    ok = [r for r in f.runs if r.ok]
+    reasons += [f"attempt invalidated: run {r.index} failed: {r.reason}" for r in f.runs if not r.ok]
+    if len(ok) < f.runs_requested:
+        reasons.append(f"only {len(ok)} of {f.runs_requested} requested runs are valid")
+    if f.runs_requested < MIN_RUNS:
+        reasons.append(f"{f.runs_requested} runs requested; promotion needs {MIN_RUNS} fresh processes")
+    matches, total = sum(r.matches for r in ok), sum(r.total for r in ok)
+    if not total or matches < AGREEMENT_GATE * total:
+        reasons.append(f"aggregate gate failed: agreement {matches}/{total} < {AGREEMENT_GATE:.0%}")
+    cv = summary([r.wall_s for r in ok])["cv"]
+    if cv is None:
+        reasons.append("timing CV undefined (fewer than 2 valid runs)")
+    elif cv > CV_LIMIT:
+        reasons.append(f"timing CV {cv:.4f} > {CV_LIMIT}")
+    changed = diff_keys(f.fingerprint_before, f.fingerprint_after)
+    if changed:
+        reasons.append(f"comparison fingerprint changed during the campaign: {', '.join(changed)}")
+    if not f.git_before.get("sha"):
+        reasons.append(f"source not bound to a git SHA: {f.git_before.get('error') or 'no SHA'}")
+    elif f.git_before.get("sha") != f.git_after.get("sha"):
+        reasons.append(f"git SHA changed during the campaign: {f.git_before['sha']} -> {f.git_after.get('sha')}")
+    if f.git_before.get("dirty") or f.git_after.get("dirty"):
+        reasons.append("source tree dirty (git status --porcelain is not empty)")
+    for name in sorted(set(f.digests_before) | set(f.digests_after)):
+        if f.digests_before.get(name) != f.digests_after.get(name):
+            reasons.append(f"digest changed during the campaign: {name}")
+    if not f.runner_is_abi:
+        reasons.append("runner is not the contest ABI entry point scripts/run")
+    executed = sorted({str(pick(r.timing or {}, "device")) for r in ok})
+    backends = sorted({str(pick(r.timing or {}, "backend")) for r in ok})
+    if len(executed) > 1:
+        reasons.append(f"runs executed on different devices: {executed}")
+    if len(backends) > 1:
+        reasons.append(f"runs used different backends: {backends}")
+    requested = _device_kind(pick(f.artifact_manifest, "device", "spec.device"))
+    if requested and len(executed) == 1 and _device_kind(executed[0]) != requested:
+        reasons.append(f"executed device {executed[0]} differs from requested {requested}")
+    return reasons
+
+
+def _run_entry(r: RunRecord) -> dict:
+    t = r.timing or {}
+    return {
+        "index": r.index, "wall_s": r.wall_s, "exit_code": r.exit_code,
+        "matches": r.matches, "total": r.total, "agreement": r.matches / r.total if r.total else None,
+        "files": r.files,
+        "timing_report": {
+            "stages": t.get("stages"), "timeline": t.get("timeline"), "images": t.get("images"),
+            "images_per_s": t.get("images_per_s"), "backend": t.get("backend"), "decoder": t.get("decoder"),
+            "precision": t.get("precision"), "batch_size": t.get("batch_size"), "device": t.get("device"),
+            "first_batch_s": t.get("first_batch_s"), "failed_images": t.get("failed"),
+        },
+    }
+
+
+def _failed_entry(r: RunRecord) -> dict:
+    # No wall_s: timing from a failed run is never reported.
+    return {"index": r.index, "reason": r.reason, "exit_code": r.exit_code, "timed_out": r.timed_out,
+            "files": r.files}
+
+
+def build(f: CampaignFacts) -> dict:
+    """The disclosure dict (write it with write())."""
+    reasons = promotion_reasons(f)
+    promoted = not reasons
+    if not f.profile.promotable:
+        status = f"not-promotable: {f.profile.name} profile"
+    else:
+        status = "promoted" if promoted else "not-promoted"
+    ok = [r for r in f.runs if r.ok]
+    first = (ok[0].timing if ok else None) or {}
+    am = f.artifact_manifest
+    matches, total = sum(r.matches for r in ok), sum(r.total for r in ok)
+    return {
+        "schema": SCHEMA,
+        "notice": NOTICE,
+        "workload": {"id": f.workload.workload_id, "roles": list(f.workload.roles), "abi": f.workload.abi,
+                     "gate": f.workload.gate, "rule": f.workload.rule},
+        "role_rules": ROLE_RULES,
+        "profile": f.profile.name,
+        "mode": "inference", "phase": "full", "scenario": "offline",
+        "result_role": f.profile.result_role,
+        "result_role_rule": RESULT_ROLES[f.profile.result_role],
+        "config_note": f.config_note,
+        "promotion": {"status": status, "promoted": promoted, "reasons": reasons},
+        "attempt": {"valid": len(ok) == f.runs_requested, "runs_requested": f.runs_requested,
+                    "runs_started": len(f.runs), "timeout_s": f.timeout_s,
+                    "rule": "one failed or timed-out process invalidates the attempt; runs are never replaced or retried"},
+        "primary_metric": {"name": "wall_seconds", "unit": "s",
+                           "measured": "process start to reaped exit, time.perf_counter outside the process"}
+        | summary([r.wall_s for r in ok]),
+        "quality": {
+            "metric": "agreement", "gate": AGREEMENT_GATE,
+            "values": [r.matches / r.total for r in ok], "matches": [r.matches for r in ok],
+            "totals": [r.total for r in ok], "aggregate": matches / total if total else None,
+            "gate_passed": bool(total) and matches >= AGREEMENT_GATE * total and len(ok) == len(f.runs),
+            "shown_as_quality": promoted,
+        },
+        "dataset": f.dataset,
+        "digests": {"before": f.digests_before, "after": f.digests_after},
+        "model": {
+            "name": pick(am, "spec.model", "model", "spec.name", "name"),
+            "checkpoint_sha256": pick(am, "checkpoint_sha256", "checkpoint.sha256", "spec.checkpoint_sha256"),
+            "artifact_manifest_sha256": f.digests_before.get("artifact_manifest"),
+            "artifact_tree_sha256": f.digests_before.get("artifact_tree"),
+        },
+        "device": {"requested": pick(am, "device", "spec.device"), "executed": first.get("device"),
+                   "backend": first.get("backend") or pick(am, "backend", "spec.backend")},
+        "configuration": {
+            "precision": first.get("precision") or pick(am, "precision", "spec.precision"),
+            "compilation": pick(am, "backend", "spec.backend") or first.get("backend"),
+            "batch_size": first.get("batch_size") or pick(am, "batch_size", "spec.batch_size", "spec.batch_sizes"),
+            "decoder": first.get("decoder"),
+            "runner": f.runner,
+        },
+        "system": {"fingerprint_sha256": fingerprint_sha256(f.fingerprint_before),
+                   "fingerprint_after_sha256": fingerprint_sha256(f.fingerprint_after),
+                   "fingerprint": f.fingerprint_before},
+        "source": {"git_sha": f.git_before.get("sha"), "dirty": f.git_before.get("dirty"),
+                   "git_sha_after": f.git_after.get("sha"), "dirty_after": f.git_after.get("dirty")},
+        "load_notes": {"loadavg_before": f.load_before, "loadavg_after": f.load_after,
+                       "power": "not measured"},
+        "time": {"started_utc": f.started_utc, "finished_utc": f.finished_utc},
+        "runs": [_run_entry(r) for r in ok],
+        "failed_runs": [_failed_entry(r) for r in f.runs if not r.ok],
+        "attachments": f.attachments,
+    }
+
+
+def write(disclosure: dict, path: Path) -> None:
+    path.write_text(json.dumps(disclosure, indent=2, sort_keys=False) + "\n")

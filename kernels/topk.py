@@ -1,0 +1,343 @@
+"""Row-wise top-k of a [queries x gallery] score matrix, fused with one excluded column per row.
+
+The excluded column is each query's reference image (-1 = none). Three entry points:
+
+- `topk_reference`: the plain torch twin (CPU or CUDA tensors, numpy accepted).
+- `topk_cupy`: a CuPy RawKernel, one thread block per row (CUDA only, k <= 64,
+  float16/float32). CuPy is optional and imported only here.
+- `topk`: the guard. Picks the kernel for CUDA tensors when CuPy imports; otherwise the
+  reference, saying why on stderr once per reason. `KERNELS_TOPK=torch` (or `cupy`)
+  decides what `backend="auto"` means; an explicit `backend=` argument wins.
+
+Order and padding rules (identical in all backends, so indices compare exactly):
+- higher score first; equal scores -> lower gallery index first;
+- NaN ranks as -inf (after every finite score, tied with real -inf by index);
+  -0.0 is read as +0.0;
+- the excluded column is never returned;
+- the result is always [Q, k]: values float32, indices int64. A row with fewer than k
+  eligible columns (k > gallery size, or k == gallery size with an exclusion) is padded
+  at the end with index -1 and value -inf. Callers drop index -1 (and, for the CIR ABI,
+  which requires finite scores, any -inf value).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+import numpy as np
+import torch
+
+MAX_K = 64  # per-thread list length in the kernel; larger k uses the reference
+BLOCK = 256  # threads per block (a multiple of 32: warp shuffles use full masks)
+CUPY_DTYPES = (torch.float16, torch.float32)
+_NO_INDEX = 2**31 - 1  # kernel sentinel index; columns must stay below it
+
+# One block per row. Shapes: scores [Q, N] row-major; exclude [Q] int64; outputs [Q, k].
+# Phase 1: thread t scans columns t, t+BLOCK, t+2*BLOCK, ... (coalesced loads) and keeps
+#   a sorted list of its best k (values + indices, best first; local memory, <= 64 each).
+#   Its columns arrive in increasing order, so a new value ties-loses to every equal
+#   value already held: strict '>' comparisons implement "lower index first".
+# Phase 2: k rounds of a block-wide argmax over the heads of the BLOCK lists (warp
+#   shuffles, then one warp over the per-warp winners in shared memory). The winner is
+#   written out and its owner (the only thread holding that column) advances its head.
+#   k rounds x 2 __syncthreads is cheap next to the scan of N columns.
+# Why not a bitonic sort of all N in shared memory: N = 125k does not fit; why not
+#   torch.topk + a mask: that needs a masked copy of the matrix and has no defined
+#   tie order.
+KERNEL_SOURCE = r"""
+#define MAX_K 64
+#define NO_INDEX 0x7fffffff
+
+__device__ __forceinline__ float load_score(const float* p) { return *p; }
+
+// float16 is read as raw bits and widened with one PTX instruction: no cuda_fp16.h,
+// so the source compiles the same under NVRTC (CuPy) and nvcc (the CPU-side test).
+// TOPK_HOST_EMULATION: the tests run this source as C++ on CPU threads; that build
+// supplies its own half -> float conversion in place of the PTX.
+__device__ __forceinline__ float load_score(const unsigned short* p) {
+#ifdef TOPK_HOST_EMULATION
+    return host_half_to_float(*p);
+#else
+    float f;
+    unsigned short h = *p;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+#endif
+}
+
+// Total order of (value, index): higher value first, then lower index.
+__device__ __forceinline__ bool better(float av, int ai, float bv, int bi) {
+    return av > bv || (av == bv && ai < bi);
+}
+
+__device__ __forceinline__ void warp_argmax(float& v, int& i) {
+    for (int off = 16; off > 0; off >>= 1) {
+        float ov = __shfl_down_sync(0xffffffffu, v, off);
+        int oi = __shfl_down_sync(0xffffffffu, i, off);
+        if (better(ov, oi, v, i)) { v = ov; i = oi; }
+    }
+}
+
+template <typename T>
+__device__ void topk_row(const T* __restrict__ scores, const long long* __restrict__ exclude,
+                         int n_cols, int k, float* __restrict__ out_values,
+                         long long* __restrict__ out_indices) {
+    const float neg_inf = __int_as_float(0xff800000);
+    const long long row = blockIdx.x;
+    const T* row_scores = scores + row * (long long)n_cols;
+    const long long excluded = exclude[row];  // -1 never equals a column
+    float* row_values = out_values + row * (long long)k;
+    long long* row_indices = out_indices + row * (long long)k;
+
+    // ---- phase 1: this thread's sorted top-k, best first
+    float vals[MAX_K];
+    int idxs[MAX_K];
+    int count = 0;
+    float threshold = neg_inf;  // vals[k-1] once the list is full
+    for (int j = threadIdx.x; j < n_cols; j += blockDim.x) {
+        if (j == excluded) continue;
+        float v = load_score(row_scores + j);
+        if (v != v) v = neg_inf;   // NaN ranks as -inf
+        if (v == 0.0f) v = 0.0f;   // -0 -> +0, as the reference does
+        int p;
+        if (count == k) {
+            if (!(v > threshold)) continue;  // a tie loses: j is the larger index
+            p = k - 1;                       // the current k-th drops out
+        } else {
+            p = count++;
+        }
+        while (p > 0 && v > vals[p - 1]) {  // shift worse entries down one
+            vals[p] = vals[p - 1];
+            idxs[p] = idxs[p - 1];
+            --p;
+        }
+        vals[p] = v;
+        idxs[p] = j;
+        if (count == k) threshold = vals[k - 1];
+    }
+
+    // ---- phase 2: k rounds of block-wide argmax over the list heads
+    __shared__ float warp_vals[32];
+    __shared__ int warp_idxs[32];
+    __shared__ int winner;
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int n_warps = (blockDim.x + 31) >> 5;
+    int head = 0;
+    for (int r = 0; r < k; ++r) {
+        float v = neg_inf;
+        int i = NO_INDEX;  // an empty list offers a sentinel worse than any column
+        if (head < count) { v = vals[head]; i = idxs[head]; }
+        warp_argmax(v, i);
+        if (lane == 0) { warp_vals[warp] = v; warp_idxs[warp] = i; }
+        __syncthreads();
+        if (warp == 0) {
+            v = lane < n_warps ? warp_vals[lane] : neg_inf;
+            i = lane < n_warps ? warp_idxs[lane] : NO_INDEX;
+            warp_argmax(v, i);
+            if (lane == 0) winner = i;
+        }
+        __syncthreads();  // also orders this round's reads before next round's writes
+        const int w = winner;
+        if (w == NO_INDEX) {  // every list is exhausted: pad the rest (uniform branch)
+            for (int p = r + threadIdx.x; p < k; p += blockDim.x) {
+                row_values[p] = neg_inf;
+                row_indices[p] = -1;
+            }
+            break;
+        }
+        if (head < count && idxs[head] == w) {  // columns are unique: one owner
+            row_values[r] = vals[head];
+            row_indices[r] = w;
+            ++head;
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+topk_f32(const float* scores, const long long* exclude, int n_cols, int k,
+         float* out_values, long long* out_indices) {
+    topk_row<float>(scores, exclude, n_cols, k, out_values, out_indices);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+topk_f16(const unsigned short* scores, const long long* exclude, int n_cols, int k,
+         float* out_values, long long* out_indices) {
+    topk_row<unsigned short>(scores, exclude, n_cols, k, out_values, out_indices);
+}
+"""
+
+
+def _as_torch(scores) -> torch.Tensor:
+    """torch tensors pass through; numpy via from_numpy; CuPy (or any DLPack) via DLPack."""
+    if isinstance(scores, torch.Tensor):
+        return scores
+    if isinstance(scores, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(scores))
+    if hasattr(scores, "__dlpack__"):
+        return torch.from_dlpack(scores)
+    raise TypeError(f"scores must be a torch tensor, numpy or CuPy array, got {type(scores).__name__}")
+
+
+def _check_scores(t: torch.Tensor, k: int) -> None:
+    if t.ndim != 2:
+        raise ValueError(f"scores must be 2-D [queries, gallery], got shape {tuple(t.shape)}")
+    if not t.is_floating_point():
+        raise TypeError(f"scores must be floating point, got {t.dtype}")
+    if k < 0:
+        raise ValueError(f"k must be >= 0, got {k}")
+
+
+def _exclude_tensor(exclude, n_rows: int, n_cols: int, device) -> torch.Tensor:
+    """Exclusion as int64 [Q] on `device`; None -> all -1. Values must be in [-1, N)."""
+    if exclude is None:
+        return torch.full((n_rows,), -1, dtype=torch.int64, device=device)
+    if isinstance(exclude, torch.Tensor):
+        ex = exclude.to(device=device, dtype=torch.int64)
+    else:
+        ex = torch.as_tensor(np.asarray(exclude, dtype=np.int64), device=device)
+    if ex.shape != (n_rows,):
+        raise ValueError(f"exclude must have shape ({n_rows},), got {tuple(ex.shape)}")
+    if n_rows and (int(ex.min()) < -1 or int(ex.max()) >= n_cols):
+        raise ValueError(f"exclude values must lie in [-1, {n_cols})")
+    return ex.contiguous()
+
+
+def topk_reference(scores, k: int, exclude=None, rows_per_chunk: int | None = None):
+    """Top-k per row in plain torch: (values float32 [Q, k], indices int64 [Q, k]).
+
+    Order: score descending, ties by lower index; NaN as -inf; `exclude[q]` (-1 = none)
+    never returned; rows with fewer than k eligible columns end in (-inf, -1) padding.
+    Runs on the tensor's device; numpy input gives CPU tensors.
+    """
+    t = _as_torch(scores)
+    _check_scores(t, k)
+    n_rows, n_cols = t.shape
+    ex = _exclude_tensor(exclude, n_rows, n_cols, t.device)
+    values = torch.full((n_rows, k), float("-inf"), dtype=torch.float32, device=t.device)
+    indices = torch.full((n_rows, k), -1, dtype=torch.int64, device=t.device)
+    take = min(k, n_cols)
+    if take == 0 or n_rows == 0:
+        return values, indices
+    # chunk rows so the full sort stays ~16M elements at a time
+    step = rows_per_chunk or max(1, (1 << 24) // max(n_cols, 1))
+    for start in range(0, n_rows, step):
+        x = t[start : start + step]
+        x = x if x.dtype == torch.float64 else x.float()  # float16 -> float32 is exact
+        x = torch.where(torch.isnan(x), float("-inf"), x)  # new tensor: input untouched
+        x = torch.where(x == 0, 0.0, x)  # -0 -> +0 (radix sorts on CUDA order them apart)
+        # stable descending sort: equal scores keep ascending index order
+        sv, si = torch.sort(x, dim=1, descending=True, stable=True)
+        # the first take+1 sorted columns hold the answer: at most one is excluded
+        m = min(take + 1, n_cols)
+        sv, si = sv[:, :m], si[:, :m]
+        dropped = si == ex[start : start + step, None]  # [rows, m], at most one True per row
+        # move the excluded column to the end, keeping the order of the others
+        order = torch.argsort(dropped.to(torch.uint8), dim=1, stable=True)
+        sv, si, dropped = sv.gather(1, order), si.gather(1, order), dropped.gather(1, order)
+        sv, si, dropped = sv[:, :take], si[:, :take], dropped[:, :take]
+        # only when k >= N and the row has an exclusion does a dropped column remain: pad
+        values[start : start + step, :take] = torch.where(dropped, float("-inf"), sv.float())
+        indices[start : start + step, :take] = torch.where(dropped, -1, si)
+    return values, indices
+
+
+@functools.lru_cache(maxsize=None)
+def _cupy_kernel(name: str):
+    import cupy  # optional dependency, imported only when the kernel is chosen
+
+    return cupy.RawKernel(KERNEL_SOURCE, name)
+
+
+def topk_cupy(scores, k: int, exclude=None):
+    """Top-k per row with the CuPy kernel; same contract as `topk_reference`.
+
+    `scores`: a CUDA torch tensor or CuPy array, float16 or float32, [Q, N]; 1 <= k <= 64.
+    Returns torch tensors on the same device (values float32, indices int64). The launch
+    goes on torch's current stream, so it orders with surrounding torch work.
+    """
+    t = _as_torch(scores)
+    _check_scores(t, k)
+    if not t.is_cuda:
+        raise ValueError(f"topk_cupy needs a CUDA tensor, got device {t.device}")
+    if t.dtype not in CUPY_DTYPES:
+        raise TypeError(f"topk_cupy supports float16 and float32, got {t.dtype}")
+    if not 1 <= k <= MAX_K:
+        raise ValueError(f"topk_cupy supports 1 <= k <= {MAX_K}, got {k}")
+    if t.shape[1] >= _NO_INDEX:
+        raise ValueError(f"gallery of {t.shape[1]} columns exceeds int32 indexing")
+    import cupy
+
+    t = t.contiguous()
+    n_rows, n_cols = t.shape
+    ex = _exclude_tensor(exclude, n_rows, n_cols, t.device)
+    values = torch.empty((n_rows, k), dtype=torch.float32, device=t.device)
+    indices = torch.empty((n_rows, k), dtype=torch.int64, device=t.device)
+    if n_rows == 0:
+        return values, indices
+    kernel = _cupy_kernel("topk_f16" if t.dtype == torch.float16 else "topk_f32")
+    stream = torch.cuda.current_stream(t.device)
+    with cupy.cuda.Device(t.device.index), cupy.cuda.ExternalStream(stream.cuda_stream):
+        args = (
+            cupy.from_dlpack(t),  # zero-copy views of the torch buffers
+            cupy.from_dlpack(ex),
+            np.int32(n_cols),
+            np.int32(k),
+            cupy.from_dlpack(values),
+            cupy.from_dlpack(indices),
+        )
+        kernel((n_rows,), (BLOCK,), args)  # grid: one block per row
+    return values, indices
+
+
+_said: set[str] = set()  # fallback reasons already printed (once each per process)
+
+
+def _fall_back(reason: str) -> None:
+    if reason not in _said:
+        _said.add(reason)
+        print(f"kernels.topk: using the torch reference: {reason}", file=sys.stderr)
+
+
+def _cupy_unavailable(t: torch.Tensor, k: int) -> str | None:
+    """Why the kernel cannot take this call, or None when it can."""
+    if not t.is_cuda:
+        return f"scores are on {t.device.type}, not CUDA"
+    if t.dtype not in CUPY_DTYPES:
+        return f"dtype {t.dtype} is not supported by the kernel (float16/float32)"
+    if not 1 <= k <= MAX_K:
+        return f"k={k} is outside the kernel's 1..{MAX_K}"
+    try:
+        import cupy  # noqa: F401
+    except ImportError as e:
+        return f"cupy is not importable ({e})"
+    return None
+
+
+def topk(scores, k: int, exclude=None, backend: str = "auto"):
+    """Top-k per row, dispatching to the CuPy kernel or the torch reference.
+
+    backend: "cupy", "torch", or "auto" (the kernel when it can run, else the reference
+    with a one-time line on stderr). With "auto", env `KERNELS_TOPK=torch|cupy` forces one.
+    """
+    if backend not in ("auto", "cupy", "torch"):
+        raise ValueError(f"backend must be auto, cupy or torch, got {backend!r}")
+    if backend == "auto":
+        forced = os.environ.get("KERNELS_TOPK", "").strip().lower()
+        if forced not in ("", "auto", "cupy", "torch"):
+            raise ValueError(f"KERNELS_TOPK must be auto, cupy or torch, got {forced!r}")
+        if forced == "torch":
+            _fall_back("KERNELS_TOPK=torch")
+        backend = forced if forced in ("cupy", "torch") else "auto"
+    if backend == "torch":
+        return topk_reference(scores, k, exclude)
+    if backend == "cupy":
+        return topk_cupy(scores, k, exclude)
+    t = _as_torch(scores)
+    reason = _cupy_unavailable(t, k)
+    if reason is not None:
+        _fall_back(reason)
+        return topk_reference(t, k, exclude)
+    return topk_cupy(t, k, exclude)
