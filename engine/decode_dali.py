@@ -71,7 +71,7 @@ class DaliDecoder:
 
     def decode(self, blobs: list[bytes | None]):
         """Returns (batch [n, S, S, 3] uint8, {index: reason} for images nothing could read)."""
-        n, s = len(blobs), self.spec.input_size
+        n = len(blobs)
         failed: dict[int, str] = {}
         fast, slow = [], []          # indices for DALI / for the PIL reference
         sizes, anchors = [], []

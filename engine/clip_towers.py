@@ -1,0 +1,97 @@
+"""CLIP's two towers on one device: uint8 pixels or strings in, L2-normalised float32 [B, D] out.
+
+Precision: `fp32` is the reference; on CUDA the default is `fp16` autocast (matmuls in
+FP16, LayerNorm/softmax kept in FP32 by autocast itself). `CLIP_PRECISION` overrides,
+`fp32` is the off switch.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from engine.clip_spec import ClipSpec
+
+PRECISIONS = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+MAX_CHARS = 20_000  # longer texts are cut before BPE: >= context_length tokens remain, in bounded time
+
+
+def default_device() -> str:
+    """`CLIP_DEVICE`, else cuda when available, else cpu."""
+    return os.environ.get("CLIP_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def default_precision(device: str) -> str:
+    """`CLIP_PRECISION`, else fp16 autocast on CUDA and fp32 on CPU."""
+    return os.environ.get("CLIP_PRECISION") or ("fp16" if device.startswith("cuda") else "fp32")
+
+
+class ClipTowers:
+    """Image tower (normalisation folded in) and text tower (CLIP BPE tokenizer) of one model."""
+
+    def __init__(self, model: torch.nn.Module, spec: ClipSpec, device: str | None = None,
+                 precision: str | None = None):
+        from open_clip.tokenizer import SimpleTokenizer
+
+        self.device = torch.device(device or default_device())
+        self.precision = precision or default_precision(str(self.device))
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {self.precision!r}")
+        self.spec = spec
+        self.model = model.to(self.device).eval()
+        s = spec.image
+        self.mean = torch.tensor(s.mean, dtype=torch.float32, device=self.device).view(1, 3, 1, 1)
+        self.std = torch.tensor(s.std, dtype=torch.float32, device=self.device).view(1, 3, 1, 1)
+        self.tokenizer = SimpleTokenizer(context_length=spec.context_length)
+
+    def _autocast(self):
+        dtype = PRECISIONS[self.precision]
+        return torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None)
+
+    @torch.inference_mode()
+    def encode_images(self, batch) -> torch.Tensor:
+        """[B, S, S, 3] uint8 (numpy or torch, any device) -> [B, D] float32 unit rows on the tower's device."""
+        x = torch.as_tensor(batch).to(self.device, non_blocking=True)
+        # [B, S, S, 3] uint8 -> [B, 3, S, S] float in [0, 1], then CLIP's mean/std (ToTensor + Normalize)
+        x = (x.permute(0, 3, 1, 2).float().div(255.0) - self.mean) / self.std
+        with self._autocast():
+            out = self.model.encode_image(x)
+        return F.normalize(out.float(), dim=-1)
+
+    def tokenize(self, texts: list[str]) -> tuple[torch.Tensor, list[bool]]:
+        """([B, context_length] int64 tokens, truncated flags): open_clip's tokenizer rule
+        (sot + BPE + eot; too long -> cut, last token eot), also saying which were cut."""
+        tok, ctx = self.tokenizer, self.spec.context_length
+        out = torch.zeros(len(texts), ctx, dtype=torch.long)
+        cut = []
+        for i, text in enumerate(texts):
+            capped = text if len(text) <= MAX_CHARS else text[:MAX_CHARS]
+            ids = [tok.sot_token_id] + tok.encode(capped) + [tok.eot_token_id]
+            cut.append(len(ids) > ctx or capped is not text)
+            if len(ids) > ctx:
+                ids = ids[:ctx]
+                ids[-1] = tok.eot_token_id
+            out[i, : len(ids)] = torch.tensor(ids)
+        return out, cut
+
+    @torch.inference_mode()
+    def encode_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[B, context_length] int64 -> [B, D] float32 unit rows on the tower's device."""
+        with self._autocast():
+            out = self.model.encode_text(tokens.to(self.device))
+        return F.normalize(out.float(), dim=-1)
+
+    def encode_texts(self, texts: list[str], batch_size: int = 256) -> torch.Tensor:
+        """Strings -> [B, D] float32 unit rows (batched through the text tower)."""
+        if not texts:
+            return torch.zeros(0, self.spec.embed_dim, device=self.device)
+        parts = [self.encode_tokens(self.tokenize(texts[i:i + batch_size])[0])
+                 for i in range(0, len(texts), batch_size)]
+        return torch.cat(parts)
+
+
+def to_numpy_f16(x: torch.Tensor) -> np.ndarray:
+    """[B, D] unit rows -> host float16 (the index's storage type)."""
+    return x.to(torch.float16).cpu().numpy()

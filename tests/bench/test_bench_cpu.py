@@ -1,0 +1,83 @@
+"""CPU benchmarks: decoders, runtimes, the whole ABI, and the ratio to the naive reference path.
+
+    python -m pytest tests/bench/test_bench_cpu.py --benchmark-enable --benchmark-json=bench.json
+
+Speed figures are ratios measured in the same run (no thresholds: these are benchmarks,
+not timed tests). The ratio lands in the benchmark's extra_info and on stderr.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from conftest import REPO, run_abi, tiny_spec
+
+from engine.artifact import load_artifact
+from engine.decode import make_decoder
+from engine.runtime import load_runtime
+from evaluator.cohort import TINY_INPUT, TINY_KWARGS, TINY_MODEL
+
+ROUNDS = 3
+
+
+@pytest.fixture(scope="module")
+def blobs(cohort):
+    items = json.loads((cohort / "cohort.json").read_text())["items"]
+    return [(cohort / it["path"]).read_bytes() for it in items[:64]]
+
+
+@pytest.mark.parametrize("name", ["pil", "dali-cpu"])
+def test_bench_decode(benchmark, blobs, name):
+    dec = make_decoder(name, tiny_spec(), 16)
+
+    def decode_all():
+        for i in range(0, len(blobs), 16):
+            dec.decode(blobs[i:i + 16])
+
+    benchmark.extra_info["images"] = len(blobs)
+    benchmark(decode_all)
+
+
+@pytest.mark.parametrize("which", ["eager", "aot"])
+def test_bench_inference(benchmark, which, eager_artifact, aot_artifact):
+    rt = load_runtime(load_artifact(eager_artifact if which == "eager" else aot_artifact))
+    x = np.random.default_rng(0).integers(0, 256, (rt.batch_size, TINY_INPUT, TINY_INPUT, 3), dtype=np.uint8)
+    rt.run(x)  # warm-up outside the timed rounds
+    benchmark.extra_info["batch_size"] = rt.batch_size
+    benchmark(rt.run, x)
+
+
+def _reference_cmd(cohort, ckpt, out):
+    return [sys.executable, "-m", "evaluator.reference", str(cohort / "manifest.tsv"), str(cohort), str(out),
+            "--model", TINY_MODEL, "--input-size", str(TINY_INPUT), "--crop-mode", "squash", "--crop-pct", "1.0",
+            "--model-kwargs", json.dumps(TINY_KWARGS), "--checkpoint", str(ckpt)]
+
+
+def test_bench_abi_vs_naive_reference(benchmark, cohort, aot_artifact, tiny_checkpoint, tmp_path):
+    """Whole processes, start to reaped: scripts/run (aot + dali-cpu) vs PIL + eager FP32 batch 1."""
+    out = tmp_path / "p.i32"
+
+    def abi():
+        r = run_abi(cohort / "manifest.tsv", cohort, out, aot_artifact)
+        assert r.returncode == 0, r.stderr
+
+    rounds = 1 if benchmark.disabled else ROUNDS  # disabled (the default in CI): one smoke round
+    naive = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        subprocess.run(_reference_cmd(cohort, tiny_checkpoint, tmp_path / "ref.i32"), check=True,
+                       capture_output=True, cwd=REPO)
+        naive.append(time.perf_counter() - t)
+    t = time.perf_counter()
+    benchmark.pedantic(abi, rounds=rounds, iterations=1, warmup_rounds=0)
+    fast = benchmark.stats.stats.median if benchmark.stats else time.perf_counter() - t
+    ratio = statistics.median(naive) / fast
+    benchmark.extra_info.update({"images": 400, "naive_median_s": statistics.median(naive), "abi_median_s": fast,
+                                 "speedup_vs_naive": round(ratio, 3)})
+    print(json.dumps({"abi_median_s": round(fast, 3), "naive_median_s": round(statistics.median(naive), 3),
+                      "speedup_vs_naive": round(ratio, 3)}), file=sys.stderr)

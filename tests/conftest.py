@@ -1,0 +1,100 @@
+"""Shared fixtures: generated cohorts, the tiny EVA-02 checkpoint and built artifacts.
+
+Everything is made here from generated images (no downloads, no real data) once per
+session. GPU tests carry the `gpu` marker and skip cleanly without CUDA.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from evaluator.cohort import TINY_INPUT, TINY_KWARGS, TINY_MODEL  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def tiny_spec(crop_mode: str = "squash", batch_size: int = 16, precision: str = "fp32"):
+    from engine.spec import resolve_spec
+
+    return resolve_spec(TINY_MODEL, input_size=TINY_INPUT, crop_pct=1.0, crop_mode=crop_mode,
+                        batch_size=batch_size, precision=precision, model_kwargs=TINY_KWARGS)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    """A tiny EVA-02 whose head was fit on generated renders (~20 s on two cores)."""
+    from evaluator.cohort import make_tiny_checkpoint
+
+    path = tmp_path_factory.mktemp("ckpt") / "tiny_eva02.safetensors"
+    make_tiny_checkpoint(path, seed=0)
+    return path
+
+
+@pytest.fixture(scope="session")
+def cohort(tmp_path_factory) -> Path:
+    """400 generated images (4 broken) with a manifest: enough rows for a 99.5 % gate to mean something."""
+    from evaluator.cohort import make_cohort
+
+    root = tmp_path_factory.mktemp("cohort")
+    make_cohort(root, 400, seed=0, broken=4)
+    return root
+
+
+@pytest.fixture(scope="session")
+def small_cohort(tmp_path_factory) -> Path:
+    """40 generated images (3 broken: empty, truncated, text) for fast ABI tests."""
+    from evaluator.cohort import make_cohort
+
+    root = tmp_path_factory.mktemp("small")
+    make_cohort(root, 40, seed=1, broken=3)
+    return root
+
+
+def _build(tmp_path_factory, ckpt: Path, backend: str, crop_mode: str, batch_size: int = 16) -> Path:
+    from engine.build import build
+
+    out = tmp_path_factory.mktemp(f"art_{backend}_{crop_mode}") / "artifact"
+    build(tiny_spec(crop_mode, batch_size), ckpt, out, backend=backend, device="cpu")
+    return out
+
+
+@pytest.fixture(scope="session")
+def eager_artifact(tmp_path_factory, tiny_checkpoint) -> Path:
+    return _build(tmp_path_factory, tiny_checkpoint, "eager", "squash")
+
+
+@pytest.fixture(scope="session")
+def aot_artifact(tmp_path_factory, tiny_checkpoint) -> Path:
+    """AOTInductor CPU package, squash crop (~40 s to compile)."""
+    return _build(tmp_path_factory, tiny_checkpoint, "aot", "squash")
+
+
+@pytest.fixture(scope="session")
+def aot_artifact_center(tmp_path_factory, tiny_checkpoint) -> Path:
+    return _build(tmp_path_factory, tiny_checkpoint, "aot", "center")
+
+
+def run_abi(manifest: Path, root: Path, output: Path, artifact: Path, *extra: str, env: dict | None = None,
+            timeout: float = 300):
+    """scripts/run as a whole process; returns the CompletedProcess."""
+    import subprocess
+
+    e = {**os.environ, "ENGINE_ARTIFACT": str(artifact), **(env or {})}
+    return subprocess.run([str(REPO / "scripts" / "run"), str(manifest), str(root), str(output), *extra],
+                          env=e, capture_output=True, text=True, timeout=timeout)

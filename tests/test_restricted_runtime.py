@@ -1,0 +1,70 @@
+"""The ABI under the scored environment's restrictions: non-root, offline, HOME unwritable,
+code and artifact read-only; every cache must go to TMPDIR or nowhere."""
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import REPO
+
+NOBODY = 65534
+pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
+                                reason="needs root and setpriv to drop privileges")
+
+
+def _traversable(path: Path) -> None:
+    """Give others the traverse bit (x, not r) on each ancestor so an unprivileged user can reach it."""
+    for p in [path, *path.parents]:
+        mode = p.stat().st_mode
+        if not mode & stat.S_IXOTH:
+            os.chmod(p, mode | stat.S_IXOTH)
+
+
+def _snapshot(root: Path) -> dict[str, tuple[int, float]]:
+    return {str(p): (p.stat().st_size, p.stat().st_mtime) for p in root.rglob("*") if p.is_file()}
+
+
+def test_run_as_nobody_offline_read_only(small_cohort, aot_artifact):
+    _traversable(Path(sys.executable).resolve().parent)
+    _traversable(Path(os.path.realpath(sys.executable)))
+    base = Path(tempfile.mkdtemp(prefix="restricted-"))
+    try:
+        os.chmod(base, 0o755)
+        code, art, data = base / "code", base / "artifact", base / "data"
+        shutil.copytree(REPO, code, ignore=shutil.ignore_patterns(".git", "__pycache__", "artifacts", "demo",
+                                                                  "*.egg-info", ".pytest_cache"))
+        shutil.copytree(aot_artifact, art)
+        shutil.copytree(small_cohort, data)
+        for p in (code, art, data):  # root-owned, world-readable, not writable by the run
+            subprocess.run(["chmod", "-R", "u=rwX,go=rX", str(p)], check=True)
+        outdir, tmp = base / "out", base / "tmp"
+        for d in (outdir, tmp):
+            d.mkdir()
+            os.chown(d, NOBODY, NOBODY)
+        before = {p: _snapshot(p) for p in (code, art, data)}
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": "/nonexistent", "TMPDIR": str(tmp),
+               "ENGINE_ARTIFACT": str(art), "PYTHON": sys.executable, "LANG": "C.UTF-8"}
+        cmd = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+               str(code / "scripts" / "run"), str(data / "manifest.tsv"), str(data), str(outdir / "p.i32")]
+        if shutil.which("unshare"):
+            cmd = ["unshare", "--net", *cmd]  # no network at all
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        pred = np.fromfile(outdir / "p.i32", "<i4")
+        assert len(pred) == 40 and pred.min() >= 0 and pred.max() <= 999
+        for p, snap in before.items():
+            assert _snapshot(p) == snap, f"the run wrote into {p}"
+        assert sorted(x.name for x in outdir.iterdir()) == ["p.i32"]
+        # nothing was compiled at run time: no inductor / triton cache entries
+        for cache in ("inductor", "triton"):
+            d = tmp / cache
+            assert not d.exists() or not any(d.rglob("*.so")), f"runtime compilation under {d}"
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
