@@ -85,7 +85,9 @@ class DaliDecoder:
             except Exception as e:  # noqa: BLE001 - unparseable header: nothing reads it
                 failed[i] = f"{type(e).__name__}: {e}"
                 continue
-            if fmt != "JPEG" or mode not in _JPEG_MODES:
+            if fmt != "JPEG" or mode not in _JPEG_MODES or not blob.rstrip(b"\0").endswith(b"\xff\xd9"):
+                # other formats, and JPEGs without an end marker (truncated: one bad image would
+                # fail DALI's whole batch), take the reference decoder, which reads them as PIL does
                 slow.append(i)
                 continue
             fast.append(i)

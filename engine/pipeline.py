@@ -1,15 +1,17 @@
 """The overlapped classification pipeline: reader threads -> decode -> static-batch inference.
 
-Batch n+1 is read and decoded while batch n infers. The last partial batch is padded
-(the compiled graph has one static shape), never dropped. Images nothing can read keep
-a zero image in their slot, so every item still gets a prediction.
+Batch n+1 is read and decoded while batch n infers (`depth` batches in flight; 0 runs
+decode and inference in turn, for machines where both would fight over the same
+cores). The last partial batch is padded (the compiled graph has one static shape),
+never dropped. Images nothing can read keep a zero image in their slot, so every item
+still gets a prediction.
 """
 from __future__ import annotations
 
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -25,18 +27,8 @@ class Result:
     first_batch_at: float | None = None               # clock value when the first batch finished
 
 
-def classify(read: Callable[[int], bytes], n: int, decoder, runtime, readers: int = 8, depth: int = 2,
-             clock: Callable[[], float] = time.perf_counter, progress: Callable[[int], None] | None = None
-             ) -> Result:
-    """Top-1 for items 0..n-1. `read(i)` returns the encoded bytes or raises (the item then fails)."""
-    bsz = runtime.batch_size
-    nb = (n + bsz - 1) // bsz
-    out = np.zeros(n, np.int32)
-    res = Result(out)
-    timeline = res.timeline
-    busy = {"read": 0.0, "decode": 0.0, "inference": 0.0}
-    batches: queue.Queue = queue.Queue(maxsize=depth)
-    stop = threading.Event()
+def _decoded_batches(read, n, bsz, decoder, readers, ahead_batches, clock, busy, timeline) -> Iterator[tuple]:
+    """Yields (batch index, lo, hi, uint8 [hi-lo, S, S, 3], {row in batch: reason})."""
 
     def read_one(i: int) -> tuple[bytes | None, str | None]:
         t = clock()
@@ -45,66 +37,84 @@ def classify(read: Callable[[int], bytes], n: int, decoder, runtime, readers: in
         except Exception as e:  # noqa: BLE001 - a file that cannot be read fails alone
             return None, f"{type(e).__name__}: {e}"
         finally:
-            busy["read"] += clock() - t  # approximate under threads: summed reader time
+            busy["read"] += clock() - t  # summed over reader threads
 
-    def produce() -> None:
+    window = bsz * (ahead_batches + 1)  # files read ahead of the decoder
+    with ThreadPoolExecutor(max_workers=readers, thread_name_prefix="reader") as pool:
+        pending = [pool.submit(read_one, i) for i in range(min(n, window))]
+        nxt = len(pending)
+        for b in range((n + bsz - 1) // bsz):
+            lo, hi = b * bsz, min(n, (b + 1) * bsz)
+            got = [f.result() for f in pending[: hi - lo]]
+            pending = pending[hi - lo:]
+            while nxt < n and len(pending) < window:
+                pending.append(pool.submit(read_one, nxt))
+                nxt += 1
+            t = clock()
+            arr, failed = decoder.decode([g[0] for g in got])
+            t2 = clock()
+            busy["decode"] += t2 - t
+            timeline.append({"stage": "decode", "batch": b, "start": t, "end": t2})
+            failed.update({j: err for j, (_, err) in enumerate(got) if err is not None})
+            yield b, lo, hi, arr, failed
+
+
+def _in_thread(gen: Iterator, depth: int) -> Iterator:
+    """Run generator `gen` in a worker thread, `depth` items ahead of the consumer."""
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    done = object()
+
+    def work() -> None:
         try:
-            with ThreadPoolExecutor(max_workers=readers, thread_name_prefix="reader") as pool:
-                ahead = [pool.submit(read_one, i) for i in range(min(n, bsz * (depth + 1)))]
-                nxt = len(ahead)
-                for b in range(nb):
-                    lo, hi = b * bsz, min(n, (b + 1) * bsz)
-                    got = [f.result() for f in ahead[: hi - lo]]
-                    ahead = ahead[hi - lo:]
-                    while nxt < n and len(ahead) < bsz * (depth + 1):
-                        ahead.append(pool.submit(read_one, nxt))
-                        nxt += 1
-                    blobs = [g[0] for g in got]
-                    t = clock()
-                    arr, failed = decoder.decode(blobs)       # [hi-lo, S, S, 3] uint8
-                    t2 = clock()
-                    busy["decode"] += t2 - t
-                    timeline.append({"stage": "decode", "batch": b, "start": t, "end": t2})
-                    for j, (_, err) in enumerate(got):
-                        if err is not None:
-                            failed[j] = err
-                    batches.put((b, lo, hi, arr, failed))
-                    if stop.is_set():
-                        return
-            batches.put(None)
-        except BaseException as e:  # noqa: BLE001 - hand the error to the consumer thread
-            batches.put(e)
+            for item in gen:
+                q.put(item)
+                if stop.is_set():
+                    return
+            q.put(done)
+        except BaseException as e:  # noqa: BLE001 - hand the error to the consumer
+            q.put(e)
 
-    worker = threading.Thread(target=produce, name="decode", daemon=True)
+    worker = threading.Thread(target=work, name="decode", daemon=True)
     worker.start()
     try:
-        while True:
-            item = batches.get()
-            if item is None:
-                break
+        while (item := q.get()) is not done:
             if isinstance(item, BaseException):
                 raise item
-            b, lo, hi, arr, failed = item
-            if hi - lo < bsz:
-                arr = _pad(arr, bsz)  # pad the last batch: the compiled graph has a static shape
-            t = clock()
-            pred = runtime.run(arr)                           # [B] int32
-            t2 = clock()
-            busy["inference"] += t2 - t
-            timeline.append({"stage": "inference", "batch": b, "start": t, "end": t2})
-            if res.first_batch_at is None:
-                res.first_batch_at = t2
-            out[lo:hi] = pred[: hi - lo]
-            res.failed.update({lo + j: why for j, why in failed.items()})
-            if progress is not None:
-                progress(hi)
+            yield item
     finally:
         stop.set()
         while worker.is_alive():  # unblock a producer waiting on a full queue
             try:
-                batches.get_nowait()
+                q.get_nowait()
             except queue.Empty:
                 worker.join(0.05)
+
+
+def classify(read: Callable[[int], bytes], n: int, decoder, runtime, readers: int = 8, depth: int = 2,
+             clock: Callable[[], float] = time.perf_counter, progress: Callable[[int], None] | None = None
+             ) -> Result:
+    """Top-1 for items 0..n-1. `read(i)` returns the encoded bytes or raises (the item then fails)."""
+    bsz = runtime.batch_size
+    res = Result(np.zeros(n, np.int32))
+    busy = {"read": 0.0, "decode": 0.0, "inference": 0.0}
+    batches = _decoded_batches(read, n, bsz, decoder, readers, max(depth, 1), clock, busy, res.timeline)
+    if depth > 0:
+        batches = _in_thread(batches, depth)
+    for b, lo, hi, arr, failed in batches:
+        if hi - lo < bsz:
+            arr = _pad(arr, bsz)  # pad the last batch: the compiled graph has a static shape
+        t = clock()
+        pred = runtime.run(arr)                               # [B] int32
+        t2 = clock()
+        busy["inference"] += t2 - t
+        res.timeline.append({"stage": "inference", "batch": b, "start": t, "end": t2})
+        if res.first_batch_at is None:
+            res.first_batch_at = t2
+        res.top1[lo:hi] = pred[: hi - lo]
+        res.failed.update({lo + j: why for j, why in failed.items()})
+        if progress is not None:
+            progress(hi)
     res.stages = busy
     return res
 

@@ -71,6 +71,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--artifact", type=Path, default=Path(os.environ.get("ENGINE_ARTIFACT", "artifacts/default")))
     p.add_argument("--decoder", default=None, help="pil | dali-cpu | dali-gpu (default: the artifact's)")
     p.add_argument("--readers", type=int, default=int(os.environ.get("ENGINE_READERS", "8")))
+    p.add_argument("--depth", type=int, default=int(os.environ.get("ENGINE_PIPELINE_DEPTH", "2")),
+                   help="decoded batches in flight ahead of inference; 0 = decode and infer in turn")
     return p.parse_args(argv)
 
 
@@ -114,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     def read(i: int) -> bytes:
         return resolve_image(root, rows[i].path).read_bytes()
 
-    res = classify(read, len(rows), decoder, runtime, readers=a.readers)
+    res = classify(read, len(rows), decoder, runtime, readers=a.readers, depth=a.depth)
     t_done = time.perf_counter()
     for i in sorted(res.failed):
         r = rows[i]
@@ -134,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             "precision": art.precision,
             "batch_size": art.batch_size,
             "device": str(runtime.device),
+            "pipeline_depth": a.depth,
             "stages": {
                 "imports": round(t_imports + offset, 4),
                 "artifact_load": round(t_loaded - t_imports, 4),
