@@ -54,9 +54,8 @@ def filter_state_dict(sd: object, path: Path | str = "<memory>") -> dict[str, to
     for k, v in sd.items():
         if not isinstance(v, torch.Tensor):
             continue
-        for prefix in ("module.", "_orig_mod."):
-            if k.startswith(prefix):
-                k = k[len(prefix):]
+        while k.startswith(("module.", "_orig_mod.")):  # any nesting: compile(DDP(model)), DDP(compile(...))
+            k = k.split(".", 1)[1]
         out[k] = v
     if not out:
         raise CheckpointError(f"{path}: the state dict holds no tensors")

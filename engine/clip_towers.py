@@ -3,12 +3,17 @@
 Precision: `fp32` is the reference; on CUDA the default is `fp16` autocast (matmuls in
 FP16, LayerNorm/softmax kept in FP32 by autocast itself). `CLIP_PRECISION` overrides,
 `fp32` is the off switch.
+
+Text trimming (fast path, `CLIP_TEXT_TRIM=0` turns it off): prompts are ~10-20 tokens
+of a 77-token context. The text tower is causal and pools at the eot token, so the
+positions after the batch's last eot cannot change the result: the trimmed forward runs
+only the first L positions. Its reference twin is open_clip's own `encode_text`.
 """
 from __future__ import annotations
 
 import os
+import sys
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -45,6 +50,21 @@ class ClipTowers:
         self.mean = torch.tensor(s.mean, dtype=torch.float32, device=self.device).view(1, 3, 1, 1)
         self.std = torch.tensor(s.std, dtype=torch.float32, device=self.device).view(1, 3, 1, 1)
         self.tokenizer = SimpleTokenizer(context_length=spec.context_length)
+        self.trim_text = os.environ.get("CLIP_TEXT_TRIM", "1") != "0"
+        self._trim_ok = self._can_trim(model)
+
+    @staticmethod
+    def _can_trim(model) -> str | None:
+        """None if the trimmed text forward is exact for `model`, else why not."""
+        from open_clip.model import CLIP
+
+        if type(model) is not CLIP:
+            return f"{type(model).__name__} is not open_clip's plain CLIP"
+        if getattr(model, "text_pool_type", None) != "argmax":
+            return f"text pooling {getattr(model, 'text_pool_type', None)!r} is not argmax"
+        if getattr(model, "attn_mask", None) is None:
+            return "the text tower is not causal"
+        return None
 
     def _autocast(self):
         dtype = PRECISIONS[self.precision]
@@ -77,11 +97,31 @@ class ClipTowers:
         return out, cut
 
     @torch.inference_mode()
-    def encode_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+    def encode_tokens(self, tokens: torch.Tensor, trim: bool | None = None) -> torch.Tensor:
         """[B, context_length] int64 -> [B, D] float32 unit rows on the tower's device."""
+        trim = self.trim_text if trim is None else trim
+        if trim and self._trim_ok is not None:
+            _say_once(f"[engine] text trimming off: {self._trim_ok}")
+            trim = False
+        tokens = tokens.to(self.device)
         with self._autocast():
-            out = self.model.encode_text(tokens.to(self.device))
+            out = self._encode_trimmed(tokens) if trim else self.model.encode_text(tokens)
         return F.normalize(out.float(), dim=-1)
+
+    def _encode_trimmed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """open_clip CLIP.encode_text on the first L positions (L = last eot + 1 in the batch)."""
+        m = self.model
+        eot = tokens.argmax(dim=-1)                                  # [B] eot has the highest id
+        n = int(eot.max()) + 1
+        cast = m.transformer.get_cast_dtype()
+        x = m.token_embedding(tokens[:, :n]).to(cast)                # [B, L, W]
+        x = x + m.positional_embedding[:n].to(cast)
+        x = m.transformer(x, attn_mask=m.attn_mask[:n, :n])
+        x = m.ln_final(x)
+        x = x[torch.arange(x.shape[0], device=x.device), eot]       # [B, W] at the eot token
+        if m.text_projection is not None:
+            x = m.text_projection(x) if isinstance(m.text_projection, torch.nn.Linear) else x @ m.text_projection
+        return x
 
     def encode_texts(self, texts: list[str], batch_size: int = 256) -> torch.Tensor:
         """Strings -> [B, D] float32 unit rows (batched through the text tower)."""
@@ -92,6 +132,11 @@ class ClipTowers:
         return torch.cat(parts)
 
 
-def to_numpy_f16(x: torch.Tensor) -> np.ndarray:
-    """[B, D] unit rows -> host float16 (the index's storage type)."""
-    return x.to(torch.float16).cpu().numpy()
+_said: set[str] = set()
+
+
+def _say_once(msg: str) -> None:
+    if msg not in _said:
+        _said.add(msg)
+        print(msg, file=sys.stderr)
+

@@ -101,20 +101,23 @@ def classify(read: Callable[[int], bytes], n: int, decoder, runtime, readers: in
     batches = _decoded_batches(read, n, bsz, decoder, readers, max(depth, 1), clock, busy, res.timeline)
     if depth > 0:
         batches = _in_thread(batches, depth)
-    for b, lo, hi, arr, failed in batches:
-        if hi - lo < bsz:
-            arr = _pad(arr, bsz)  # pad the last batch: the compiled graph has a static shape
-        t = clock()
-        pred = runtime.run(arr)                               # [B] int32
-        t2 = clock()
-        busy["inference"] += t2 - t
-        res.timeline.append({"stage": "inference", "batch": b, "start": t, "end": t2})
-        if res.first_batch_at is None:
-            res.first_batch_at = t2
-        res.top1[lo:hi] = pred[: hi - lo]
-        res.failed.update({lo + j: why for j, why in failed.items()})
-        if progress is not None:
-            progress(hi)
+    try:
+        for b, lo, hi, arr, failed in batches:
+            if hi - lo < bsz:
+                arr = _pad(arr, bsz)  # pad the last batch: the compiled graph has a static shape
+            t = clock()
+            pred = runtime.run(arr)                           # [B] int32
+            t2 = clock()
+            busy["inference"] += t2 - t
+            res.timeline.append({"stage": "inference", "batch": b, "start": t, "end": t2})
+            if res.first_batch_at is None:
+                res.first_batch_at = t2
+            res.top1[lo:hi] = pred[: hi - lo]
+            res.failed.update({lo + j: why for j, why in failed.items()})
+            if progress is not None:
+                progress(hi)
+    finally:
+        batches.close()  # an error here must not leave the decode worker and readers running
     res.stages = busy
     return res
 

@@ -102,12 +102,15 @@ def resolve_spec(model: str, **overrides: Any) -> Spec:
 
 
 def _pretrained_cfg(model: str):
+    """timm's cfg for `model`; an unknown tag falls back to the architecture's default cfg."""
     from timm.models import get_pretrained_cfg
 
-    try:
-        cfg = get_pretrained_cfg(model)
-        if cfg is None and "." in model:
-            cfg = get_pretrained_cfg(model.split(".", 1)[0])
-        return cfg
-    except (RuntimeError, KeyError):
-        return None
+    names = [model, model.split(".", 1)[0]] if "." in model else [model]
+    for name in names:
+        try:
+            cfg = get_pretrained_cfg(name)
+        except (RuntimeError, KeyError):
+            continue
+        if cfg is not None:
+            return cfg
+    return None

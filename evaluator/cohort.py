@@ -90,10 +90,18 @@ def class_ids(k: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed + 1).permutation(1000)[:k]
 
 
-def make_cohort(out: Path, count: int, seed: int = 0, classes: int = 100, broken: int | None = None) -> dict:
-    """Write `out/images/...`, `out/manifest.tsv` and `out/cohort.json`; return the cohort record."""
+TEMPLATE_SEED = 0  # the "world" of classes: shared by every cohort and the tiny checkpoint's head
+
+
+def make_cohort(out: Path, count: int, seed: int = 0, classes: int = 100, broken: int | None = None,
+                template_seed: int = TEMPLATE_SEED) -> dict:
+    """Write `out/images/...`, `out/manifest.tsv` and `out/cohort.json`; return the cohort record.
+
+    `seed` draws the images; `template_seed` fixes the class templates, which must match the
+    checkpoint's for its predictions to have trained-looking margins.
+    """
     rng = np.random.default_rng(seed)
-    tpl = templates(classes, seed)
+    tpl = templates(classes, template_seed)
     broken = max(1, count // 100) if broken is None else broken
     (out / "images").mkdir(parents=True, exist_ok=True)
     rows, items = [], []
@@ -114,7 +122,7 @@ def make_cohort(out: Path, count: int, seed: int = 0, classes: int = 100, broken
         items.append({"request_id": rid, "path": rel, "template": c, "encoding": desc})
     order = rng.permutation(count)  # broken files land anywhere in the manifest
     (out / "manifest.tsv").write_text("".join(rows[j] for j in order))
-    record = {"seed": seed, "count": count, "classes": classes, "made_from": "procedural renders; no real images",
+    record = {"seed": seed, "template_seed": template_seed, "count": count, "classes": classes, "made_from": "procedural renders; no real images",
               "items": [items[j] for j in order]}
     (out / "cohort.json").write_text(json.dumps(record, indent=1) + "\n")
     return record
@@ -130,7 +138,7 @@ def _broken(kind: str, t: Template, rng: np.random.Generator) -> bytes:
 
 
 def make_tiny_checkpoint(path: Path, seed: int = 0, classes: int = 100, renders: int = 12,
-                         input_size: int = TINY_INPUT, steps: int = 300) -> dict:
+                         input_size: int = TINY_INPUT, steps: int = 300, template_seed: int = TEMPLATE_SEED) -> dict:
     """A tiny EVA-02 whose head is fit on generated renders; returns its build recipe.
 
     The backbone keeps its seeded random init; only the head is learned (softmax
@@ -146,12 +154,13 @@ def make_tiny_checkpoint(path: Path, seed: int = 0, classes: int = 100, renders:
     from engine.spec import resolve_spec
 
     torch.manual_seed(seed)
-    spec = resolve_spec(TINY_MODEL, input_size=input_size, crop_pct=1.0, model_kwargs=TINY_KWARGS)
+    spec = resolve_spec(TINY_MODEL, input_size=input_size, crop_pct=1.0, crop_mode="squash",
+                        model_kwargs=TINY_KWARGS)
     model = create_model(spec)
     tf = _timm_transform(spec.to_json(), True)
     rng = np.random.default_rng(seed + 2)
     xs, ys = [], []
-    for c, t in enumerate(templates(classes, seed)):
+    for c, t in enumerate(templates(classes, template_seed)):
         for _ in range(renders):
             w, h = (int(v) for v in rng.integers(150, 500, 2))
             xs.append(tf(Image.fromarray(render(t, w, h, rng))))
@@ -174,12 +183,13 @@ def make_tiny_checkpoint(path: Path, seed: int = 0, classes: int = 100, renders:
         b_k = lin.bias - (w_k * mu).sum(-1)
         weight = torch.randn(1000, z.shape[1]) * 1e-3          # unused classes: small rows, low bias
         bias = torch.full((1000,), float(b_k.min()) - 10.0)
-        ids = torch.as_tensor(class_ids(classes, seed))
+        ids = torch.as_tensor(class_ids(classes, template_seed))
         weight[ids], bias[ids] = w_k, b_k
         model.head.weight.copy_(weight)
         model.head.bias.copy_(bias)
     path.parent.mkdir(parents=True, exist_ok=True)
     recipe = {"model": TINY_MODEL, "model_kwargs": TINY_KWARGS, "input_size": input_size, "seed": seed,
+              "template_seed": template_seed,
               "classes": classes, "fit_loss": round(loss.item(), 4),
               "made_from": "generated images (procedural renders); no ImageNet data"}
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path),

@@ -14,6 +14,8 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# OpenMP threads that busy-wait starve everything else on a 2-core machine (set before torch loads)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from evaluator.cohort import TINY_INPUT, TINY_KWARGS, TINY_MODEL  # noqa: E402
 

@@ -1,0 +1,216 @@
+"""evaluator.agreement: top-1 agreement at the gate, its file readers and its CLI."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import REPO
+
+from evaluator.agreement import GATE, Agreement, agreement, main, read_i32, read_reference
+
+
+def _i32(path: Path, values) -> Path:
+    path.write_bytes(np.asarray(values, "<i4").tobytes())
+    return path
+
+
+def test_agreement_counts_only_rows_with_a_reference():
+    pred = np.array([1, 2, 3, 4, 5], np.int32)
+    ref = np.array([1, -1, 3, 9, -1], np.int32)
+    a = agreement(pred, ref)
+    assert (a.matches, a.total, a.unreadable, a.gate) == (2, 3, 2, GATE)
+    assert a.rate == pytest.approx(2 / 3) and not a.passed
+
+
+def test_agreement_gate_is_inclusive():
+    pred = np.arange(100, dtype=np.int32)
+    ref = pred.copy()
+    ref[7] = 500
+    a = agreement(pred, ref)
+    assert (a.matches, a.total) == (99, 100) and a.rate == 0.99 and a.passed
+    assert not agreement(pred, ref, gate=0.995).passed
+    ref[8] = 500
+    assert not agreement(pred, ref).passed
+
+
+def test_all_unreadable_never_passes():
+    a = agreement(np.zeros(3, np.int32), np.full(3, -1, np.int32), gate=0.0)
+    assert (a.total, a.unreadable, a.rate, a.passed) == (0, 3, 0.0, False)
+
+
+def test_agreement_length_mismatch():
+    with pytest.raises(ValueError, match="3 predictions vs 2 reference answers"):
+        agreement(np.zeros(3, np.int32), np.zeros(2, np.int32))
+
+
+def test_read_i32_round_trip(tmp_path):
+    p = _i32(tmp_path / "p.i32", [0, 999, 5])
+    a = read_i32(p, 3)
+    assert a.dtype == np.dtype("<i4") and a.tolist() == [0, 999, 5]
+    assert read_i32(_i32(tmp_path / "e.i32", []), 0).tolist() == []
+
+
+def test_read_i32_is_little_endian(tmp_path):
+    p = tmp_path / "le.i32"
+    p.write_bytes(b"\x01\x02\x00\x00")
+    assert read_i32(p).tolist() == [0x0201]
+
+
+def test_read_i32_length(tmp_path):
+    with pytest.raises(ValueError, match="3 predictions, expected 4"):
+        read_i32(_i32(tmp_path / "p.i32", [1, 2, 3]), 4)
+
+
+@pytest.mark.parametrize("values, bad, row", [([1, 1000, 2], 1000, 2), ([-1, 0], -1, 1), ([5, 6, 7, -2**31], -2**31, 4)])
+def test_read_i32_range(tmp_path, values, bad, row):
+    p = _i32(tmp_path / "p.i32", values)
+    with pytest.raises(ValueError, match=rf"value {bad} at row {row} is outside \[0, 999\]"):
+        read_i32(p)
+    assert read_i32(p, check_range=False).tolist() == values
+
+
+@pytest.mark.parametrize("extra", [1, 2, 3])
+def test_read_i32_partial_int(tmp_path, extra):
+    p = tmp_path / "p.i32"
+    p.write_bytes(np.arange(3, dtype="<i4").tobytes() + b"\x00" * extra)
+    with pytest.raises(ValueError, match=f"{12 + extra} bytes is not a whole number of int32"):
+        read_i32(p)
+
+
+@pytest.fixture
+def manifest(tmp_path) -> Path:
+    p = tmp_path / "manifest.tsv"
+    p.write_text("".join(f"id{i:02d}\timages/{i}.JPEG\n" for i in (5, 3, 9, 1, 7)))
+    return p
+
+
+def test_tsv_reference_is_aligned_through_the_manifest(tmp_path, manifest):
+    ref = tmp_path / "ref.tsv"
+    # shuffled relative to the manifest, CRLF, a blank line, extra columns, and id07 missing
+    ref.write_bytes(b"id01\t11\r\nid09\t99\textra\n\nid05\t55\nid03\t33\n")
+    assert read_reference(ref, manifest, 5).tolist() == [55, 33, 99, 11, -1]
+
+
+def test_tsv_reference_needs_the_manifest(tmp_path):
+    ref = tmp_path / "ref.tsv"
+    ref.write_text("id01\t1\n")
+    with pytest.raises(ValueError, match="needs --manifest"):
+        read_reference(ref, None, 1)
+
+
+@pytest.mark.parametrize("line", ["id01 1", "id01\tcat", "id01"])
+def test_tsv_reference_bad_line(tmp_path, manifest, line):
+    ref = tmp_path / "ref.tsv"
+    ref.write_text(f"id05\t5\n{line}\n")
+    with pytest.raises(ValueError, match=f"{ref}:2: expected request_id<TAB>class"):
+        read_reference(ref, manifest, 5)
+
+
+def test_tsv_reference_row_count_mismatch(tmp_path, manifest):
+    ref = tmp_path / "ref.tsv"
+    ref.write_text("id05\t5\n")
+    with pytest.raises(ValueError, match="manifest has 5 rows, predictions have 4"):
+        read_reference(ref, manifest, 4)
+
+
+def test_i32_reference_allows_unreadable_rows(tmp_path):
+    ref = _i32(tmp_path / "ref.i32", [3, -1, 4])
+    assert read_reference(ref, None, 3).tolist() == [3, -1, 4]
+    with pytest.raises(ValueError, match=r"ref.i32: 3 predictions, expected 2"):
+        read_reference(ref, None, 2)
+
+
+# ---- CLI --------------------------------------------------------------------------------------
+
+LINE = re.compile(r"^(\d+)/(\d+) \((\d+\.\d\d) %\) (PASS|FAIL) at the ([\d.]+) % gate")
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_cli_pass(tmp_path, capsys):
+    pred = _i32(tmp_path / "p.i32", list(range(200)))
+    ref = _i32(tmp_path / "r.i32", list(range(199)) + [-1])
+    rc, out, err = _run(capsys, "--predictions", pred, "--reference", ref)
+    assert rc == 0 and err == ""
+    m = LINE.match(out)
+    assert m and m.groups() == ("199", "199", "100.00", "PASS", "99"), out
+    assert "1 rows without a reference answer" in out
+
+
+def test_cli_fail(tmp_path, capsys):
+    pred = _i32(tmp_path / "p.i32", [0] * 98 + [1, 1])
+    ref = _i32(tmp_path / "r.i32", [0] * 100)
+    rc, out, _ = _run(capsys, "--predictions", pred, "--reference", ref)
+    assert rc == 1
+    assert LINE.match(out).groups() == ("98", "100", "98.00", "FAIL", "99"), out
+    assert "without a reference" not in out
+    # the same rows pass a lower gate
+    rc, out, _ = _run(capsys, "--predictions", pred, "--reference", ref, "--gate", "0.98")
+    assert rc == 0 and LINE.match(out).group(4) == "PASS" and LINE.match(out).group(5) == "98"
+
+
+def test_cli_tsv_with_manifest(tmp_path, manifest, capsys):
+    pred = _i32(tmp_path / "p.i32", [55, 33, 99, 11, 0])
+    ref = tmp_path / "ref.tsv"
+    ref.write_text("id07\t77\nid01\t11\nid09\t99\nid05\t55\nid03\t33\n")
+    rc, out, _ = _run(capsys, "--predictions", pred, "--reference", ref, "--manifest", manifest)
+    assert rc == 1 and LINE.match(out).groups()[:4] == ("4", "5", "80.00", "FAIL")
+
+
+def test_cli_json(tmp_path, capsys):
+    pred = _i32(tmp_path / "p.i32", [1, 2, 3, 4])
+    ref = _i32(tmp_path / "r.i32", [1, 2, 3, -1])
+    rc, out, _ = _run(capsys, "--predictions", pred, "--reference", ref, "--json")
+    assert rc == 0
+    d = json.loads(out)
+    assert d == {"matches": 3, "total": 3, "unreadable": 1, "gate": GATE, "rate": 1.0, "verdict": "PASS"}
+    assert set(d) == set(Agreement.__dataclass_fields__) | {"rate", "verdict"}
+
+
+@pytest.mark.parametrize("case", ["missing_pred", "partial_int", "out_of_range", "length", "tsv_no_manifest",
+                                  "bad_manifest", "manifest_rows"])
+def test_cli_bad_input_exits_2(tmp_path, manifest, capsys, case):
+    pred = _i32(tmp_path / "p.i32", [1, 2, 3, 4, 5])
+    ref = _i32(tmp_path / "r.i32", [1, 2, 3, 4, 5])
+    args = ["--predictions", pred, "--reference", ref]
+    if case == "missing_pred":
+        args[1] = tmp_path / "absent.i32"
+    elif case == "partial_int":
+        pred.write_bytes(pred.read_bytes() + b"\x00")
+    elif case == "out_of_range":
+        _i32(pred, [1, 2, 3, 4, 1000])
+    elif case == "length":
+        _i32(ref, [1, 2, 3])
+    elif case == "tsv_no_manifest":
+        args[3] = tmp_path / "ref.tsv"
+        args[3].write_text("id01\t1\n")
+    elif case == "bad_manifest":
+        (tmp_path / "bad.tsv").write_text("no tab\n")
+        args += ["--manifest", tmp_path / "bad.tsv"]
+    elif case == "manifest_rows":
+        _i32(pred, [1, 2, 3])
+        args += ["--manifest", manifest]
+    rc, out, err = _run(capsys, *args)
+    assert rc == 2 and out == ""
+    assert err.startswith("agreement: error:") and len(err.strip().splitlines()) == 1, err
+
+
+def test_cli_as_a_process(tmp_path):
+    pred = _i32(tmp_path / "p.i32", [7] * 10)
+    ok = _i32(tmp_path / "ok.i32", [7] * 10)
+    bad = _i32(tmp_path / "bad.i32", [7] * 9 + [8])
+    cmd = [sys.executable, "-m", "evaluator.agreement", "--predictions", str(pred), "--reference"]
+    runs = {name: subprocess.run(cmd + [str(ref)], cwd=REPO, capture_output=True, text=True, timeout=60)
+            for name, ref in (("ok", ok), ("bad", bad), ("missing", tmp_path / "nope.i32"))}
+    assert runs["ok"].returncode == 0 and runs["ok"].stdout.startswith("10/10 (100.00 %) PASS")
+    assert runs["bad"].returncode == 1 and runs["bad"].stdout.startswith("9/10 (90.00 %) FAIL")
+    assert runs["missing"].returncode == 2 and "Traceback" not in runs["missing"].stderr

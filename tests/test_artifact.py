@@ -1,0 +1,210 @@
+"""engine.artifact + engine.build: the manifest, its checks and the atomic build directory."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import timm
+import torch
+from conftest import REPO, tiny_spec
+from safetensors.torch import save_file
+
+from engine.artifact import FORMAT, MANIFEST, ArtifactError, load_artifact
+from engine.build import build
+from engine.checkpoint import create_model, load_model
+from engine.runtime import load_runtime, wrap
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    """Random-init tiny EVA-02 weights (the artifact mechanics do not need a fitted head)."""
+    torch.manual_seed(1)
+    p = tmp_path_factory.mktemp("ckpt") / "tiny.safetensors"
+    save_file({k: v.detach().clone().contiguous() for k, v in create_model(tiny_spec()).state_dict().items()}, str(p))
+    return p
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, ckpt) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("built") / "artifact"
+    meta = build(tiny_spec(), ckpt, out, backend="eager", device="cpu")
+    return out, meta
+
+
+@pytest.fixture
+def art(tmp_path, built) -> Path:
+    """A private copy of the built artifact, free to corrupt."""
+    dst = tmp_path / "artifact"
+    shutil.copytree(built[0], dst)
+    return dst
+
+
+def test_manifest_fields(built, ckpt):
+    out, meta = built
+    disk = json.loads((out / MANIFEST).read_text())
+    assert disk == meta
+    assert disk["format"] == FORMAT
+    assert disk["spec"] == json.loads(json.dumps(tiny_spec().to_dict()))
+    assert (disk["backend"], disk["device"], disk["precision"], disk["batch_size"]) == ("eager", "cpu", "fp32", 16)
+    assert disk["checkpoint"]["sha256"] == hashlib.sha256(ckpt.read_bytes()).hexdigest()
+    assert disk["checkpoint"]["bytes"] == ckpt.stat().st_size
+    assert disk["checkpoint"]["path"] == str(ckpt)
+    assert set(disk["files"]) == {"weights.safetensors"}
+    for name, info in disk["files"].items():
+        data = (out / name).read_bytes()
+        assert info == {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    # the distribution version (importlib.metadata): torch.__version__ adds the local build tag (+cu130)
+    assert disk["versions"]["torch"] == torch.__version__.split("+")[0]
+    assert disk["versions"]["timm"] == timm.__version__
+    assert disk["build"]["seconds"] >= 0
+    # every file in the directory is listed (the manifest itself aside): nothing unverified ships
+    on_disk = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()}
+    assert on_disk == set(disk["files"]) | {MANIFEST}
+
+
+def test_load_artifact_passes(built):
+    out, meta = built
+    a = load_artifact(out)
+    assert a.root == out and a.spec == tiny_spec()
+    assert (a.backend, a.device, a.precision, a.batch_size) == ("eager", "cpu", "fp32", 16)
+    assert a.files == meta["files"] and a.meta == meta
+    assert a.path("weights.safetensors") == out / "weights.safetensors"
+
+
+def test_eager_runtime_matches_the_checkpoint(built, ckpt):
+    """The weights in the artifact are the checkpoint's: same top-1 as the model loaded directly."""
+    rt = load_runtime(load_artifact(built[0]))
+    x = torch.from_numpy(np.random.default_rng(0).integers(0, 256, (16, 112, 112, 3), dtype=np.uint8))
+    with torch.inference_mode():
+        want = wrap(load_model(tiny_spec(), ckpt), tiny_spec(), "cpu").logits(x).argmax(-1).numpy()
+    assert np.array_equal(rt.run(x.numpy()), want)
+    with pytest.raises(ValueError, match="static batch shape is 16"):
+        rt.run(x[:15])
+
+
+def _flip_byte(p: Path, at: int | None = None) -> None:
+    data = bytearray(p.read_bytes())
+    i = len(data) // 2 if at is None else at
+    data[i] ^= 0x01
+    p.write_bytes(bytes(data))
+
+
+def test_flipped_byte_is_a_sha256_error(art, monkeypatch):
+    monkeypatch.delenv("ENGINE_ARTIFACT_VERIFY", raising=False)
+    _flip_byte(art / "weights.safetensors")
+    with pytest.raises(ArtifactError, match="SHA-256") as e:
+        load_artifact(art)
+    assert "weights.safetensors" in str(e.value)
+
+
+def test_size_verification_is_the_off_switch(art, monkeypatch):
+    _flip_byte(art / "weights.safetensors")
+    monkeypatch.setenv("ENGINE_ARTIFACT_VERIFY", "size")
+    assert load_artifact(art).backend == "eager"  # same size: the cheap check passes
+    monkeypatch.delenv("ENGINE_ARTIFACT_VERIFY")
+    assert load_artifact(art, verify="size").backend == "eager"
+    with pytest.raises(ArtifactError, match="SHA-256"):
+        load_artifact(art, verify="sha256")
+
+
+def test_bad_verify_mode_is_an_error(art, monkeypatch):
+    monkeypatch.setenv("ENGINE_ARTIFACT_VERIFY", "none")
+    with pytest.raises(ArtifactError, match="ENGINE_ARTIFACT_VERIFY"):
+        load_artifact(art)
+
+
+@pytest.mark.parametrize("verify", ["sha256", "size"])
+def test_truncated_file_is_a_size_error(art, verify):
+    p = art / "weights.safetensors"
+    n = p.stat().st_size
+    p.write_bytes(p.read_bytes()[: n - 100])
+    with pytest.raises(ArtifactError, match=f"has {n - 100} bytes, manifest says {n}"):
+        load_artifact(art, verify=verify)
+
+
+def test_missing_listed_file(art):
+    (art / "weights.safetensors").unlink()
+    with pytest.raises(ArtifactError, match="artifact file missing.*weights.safetensors"):
+        load_artifact(art)
+
+
+def test_missing_manifest(art):
+    (art / MANIFEST).unlink()
+    with pytest.raises(ArtifactError, match=f"{MANIFEST} is missing"):
+        load_artifact(art)
+
+
+@pytest.mark.parametrize("text, match", [
+    ("{not json", "corrupt"),
+    (json.dumps({"format": "something-else/9"}), "format"),
+    (json.dumps({"format": FORMAT}), "corrupt"),
+    (json.dumps({"format": FORMAT, "spec": {"model": "m", "input_size": 112, "bogus": 1}, "files": {}}), "bogus"),
+])
+def test_corrupt_manifest(art, text, match):
+    (art / MANIFEST).write_text(text)
+    with pytest.raises(ArtifactError, match=match):
+        load_artifact(art)
+
+
+def test_not_a_directory(tmp_path, art):
+    with pytest.raises(ArtifactError, match="not found"):
+        load_artifact(tmp_path / "no_such_dir")
+    with pytest.raises(ArtifactError, match="not found"):
+        load_artifact(art / "weights.safetensors")  # a file, not a directory
+
+
+def _siblings(out: Path) -> list[str]:
+    return sorted(p.name for p in out.parent.iterdir())
+
+
+def test_rebuild_replaces_atomically(tmp_path, ckpt):
+    out = tmp_path / "artifact"
+    build(tiny_spec(), ckpt, out, backend="eager")
+    (out / "stale.bin").write_bytes(b"left from an older build")
+    spec8 = dataclasses.replace(tiny_spec(), batch_size=8)
+    meta = build(spec8, ckpt, out, backend="eager")
+    assert _siblings(out) == ["artifact"]  # no .artifact.* temp or .old dirs left behind
+    assert not (out / "stale.bin").exists()
+    assert meta["batch_size"] == 8 and load_artifact(out).batch_size == 8
+
+
+def test_failed_rebuild_keeps_the_old_artifact(tmp_path, ckpt, monkeypatch):
+    import engine.build
+
+    out = tmp_path / "artifact"
+    build(tiny_spec(), ckpt, out, backend="eager")
+    before = (out / MANIFEST).read_text()
+
+    def boom(*a, **k):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(engine.build, "write_manifest", boom)
+    with pytest.raises(RuntimeError, match="disk full"):
+        build(dataclasses.replace(tiny_spec(), batch_size=8), ckpt, out, backend="eager")
+    assert _siblings(out) == ["artifact"]
+    assert (out / MANIFEST).read_text() == before
+    assert load_artifact(out).batch_size == 16
+
+
+def test_cli_missing_checkpoint_exits_2_with_one_line(tmp_path):
+    missing = tmp_path / "absent.safetensors"
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "engine.build", "--model", "eva02_tiny_patch14_224",
+                        "--checkpoint", str(missing), "--out", str(out), "--backend", "eager",
+                        "--input-size", "112", "--crop-pct", "1.0", "--model-kwargs", '{"depth": 4}'],
+                       cwd=REPO, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("engine.build: error:") and str(missing) in lines[0]
+    assert "Traceback" not in r.stderr and r.stdout == ""
+    assert not out.exists() and not any(p.name.startswith(".out") for p in tmp_path.iterdir())
