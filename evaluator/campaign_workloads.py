@@ -127,25 +127,10 @@ def manifest_rows(manifest: Path) -> list[tuple[str, str]]:
 
 
 def load_reference(reference: Path, manifest: Path) -> np.ndarray:
-    """Reference answers in manifest order: an .i32 file, or a TSV `request_id<TAB>...<TAB>label`."""
-    rows = manifest_rows(manifest)
-    if reference.suffix != ".tsv":
-        ref = np.fromfile(reference, dtype="<i4")
-        if ref.size != len(rows):
-            raise ValueError(f"{reference}: {ref.size} answers for {len(rows)} manifest rows")
-        return ref
-    by_id = {}
-    for n, line in enumerate(reference.read_text().splitlines(), 1):
-        parts = line.strip().split("\t")
-        if len(parts) < 2 or not parts[-1].lstrip("-").isdigit():
-            if n == 1 or not line.strip():
-                continue  # a header line or a blank line
-            raise ValueError(f"{reference}:{n}: expected 'request_id<TAB>label', got {line!r}")
-        by_id[parts[0]] = int(parts[-1])
-    missing = [rid for rid, _ in rows if rid not in by_id]
-    if missing:
-        raise ValueError(f"{reference}: no answer for {len(missing)} manifest rows, e.g. {missing[0]!r}")
-    return np.array([by_id[rid] for rid, _ in rows], dtype="<i4")
+    """Reference answers in manifest order (-1 = no answer): an .i32 file or a `request_id<TAB>class` TSV."""
+    from evaluator.agreement import read_reference
+
+    return read_reference(reference, manifest, len(manifest_rows(manifest)))
 
 
 def check_predictions(path: Path, ref: np.ndarray) -> tuple[int, int, str | None]:
@@ -159,8 +144,10 @@ def check_predictions(path: Path, ref: np.ndarray) -> tuple[int, int, str | None
     bad = int(((pred < 0) | (pred > 999)).sum())
     if bad:
         return 0, ref.size, f"OUTPUT has {bad} values outside [0, 999]"
-    matches = int((pred == ref).sum())
-    return matches, int(ref.size), None
+    from evaluator.agreement import agreement
+
+    res = agreement(pred, ref)  # rows without a reference answer (-1) are left out
+    return res.matches, res.total, None
 
 
 def default_runner(source_dir: Path) -> list[str]:

@@ -327,7 +327,7 @@ def test_pro_profile_records_config_note(env, tmp_path):
 def test_real_eva02_min_campaign(tmp_path):
     """The real path: `evaluator.demo prepare` input, `scripts/run` processes (tiny CPU model)."""
     out = tmp_path / "out"
-    rc = campaign.main(["run", "--workload", "eva02-imagenet1k", "--profile", "min", "--runs", "2",
+    rc = campaign.main(["run", "--workload", "eva02-imagenet1k", "--profile", "min", "--runs", "5",
                         "--count", "8", "--out", str(out), "--timeout-s", "600"])
     doc = json.loads((out / "disclosure.json").read_text())
     assert rc == 0, doc["failed_runs"]
