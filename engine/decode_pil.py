@@ -35,8 +35,29 @@ def open_rgb(blob: bytes):
     return im.convert("RGB")
 
 
+_PIL_FILTERS = {"bicubic": 3, "bilinear": 2, "nearest": 0}  # PIL.Image.Resampling values
+
+
 def decode_pil(blob: bytes, spec: Spec) -> np.ndarray:
-    """[S, S, 3] uint8: the reference pixels before normalisation."""
+    """[S, S, 3] uint8: the reference pixels before normalisation.
+
+    The same operations timm's eval transform performs on a PIL image (torchvision's
+    Resize -> PIL `resize`, then CenterCrop), with sizes from engine.geometry, so the
+    fast paths' fallback does not import timm; tests check it byte for byte against
+    `timm_pixels`.
+    """
+    from engine.geometry import window
+
+    im = open_rgb(blob)
+    win = window(im.size[0], im.size[1], spec)
+    if win.resized:  # torchvision returns the image untouched when the size already matches
+        im = im.resize((win.resize_w, win.resize_h), _PIL_FILTERS[spec.interpolation])
+    im = im.crop((win.left, win.top, win.left + win.size, win.top + win.size))
+    return np.asarray(im, dtype=np.uint8).copy()
+
+
+def timm_pixels(blob: bytes, spec: Spec) -> np.ndarray:
+    """[S, S, 3] uint8 straight from timm's `create_transform` (prefetcher form): the ground truth."""
     chw = _timm_transform(spec.to_json(), False)(open_rgb(blob))  # [3, S, S] uint8
     return np.ascontiguousarray(chw.numpy().transpose(1, 2, 0))
 

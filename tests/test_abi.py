@@ -5,6 +5,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -194,3 +195,13 @@ def test_killed_run_leaves_no_output(small_cohort, eager_artifact, tmp_path):
     if p.returncode == 0:
         pytest.skip("run finished before it could be killed")
     assert not out.exists()
+
+
+def test_aot_run_imports_neither_timm_nor_the_compiler(small_cohort, aot_artifact, tmp_path):
+    """Fixed costs: the AOT path loads a package, so timm / inductor / dynamo stay unimported."""
+    code = ("import sys, evaluator.run as r; "
+            f"rc = r.main([{str(small_cohort / 'manifest.tsv')!r}, {str(small_cohort)!r}, "
+            f"{str(tmp_path / 'p.i32')!r}, '--artifact', {str(aot_artifact)!r}]); "
+            "print(rc, sorted(m for m in ('timm', 'torch._inductor', 'torch._dynamo') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert r.stdout.strip() == "0 []", r.stderr[-2000:]

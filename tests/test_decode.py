@@ -128,3 +128,19 @@ def test_encode_helper_covers_the_kinds():
     for kind, mode in [("gray", "L"), ("cmyk", "CMYK"), ("rgb", "RGB")]:
         blob, _ = encode(px, rng, kind)
         assert Image.open(io.BytesIO(blob)).mode == mode
+
+
+@pytest.mark.parametrize("crop_mode", ["squash", "center"])
+def test_pil_decoder_is_byte_identical_to_timm_transform(small_cohort, crop_mode):
+    import json
+
+    from engine.decode_pil import timm_pixels
+
+    spec = tiny_spec(crop_mode)
+    for it in json.loads((small_cohort / "cohort.json").read_text())["items"]:
+        if it["encoding"].startswith("broken"):
+            continue
+        blob = (small_cohort / it["path"]).read_bytes()
+        assert np.array_equal(decode_pil(blob, spec), timm_pixels(blob, spec)), it["encoding"]
+    exact = CASES["exact-size"]()  # 112 x 112: torchvision skips the resize entirely
+    assert np.array_equal(decode_pil(exact, spec), timm_pixels(exact, spec))
