@@ -1,0 +1,228 @@
+"""Build the CIR gallery index: records -> decode -> CLIP image tower -> unit FP16 rows.
+
+    scripts/build.sh --corpus DIR --index-dir DIR [--model-dir DIR] [--method slerp] ...
+
+Reads DIR/records.jsonl ({image_id, path}; paths relative to DIR or absolute), decodes
+with the engine's decoders (dali-gpu on CUDA, dali-cpu otherwise; ENGINE_DECODER=pil is
+the reference), embeds in batches, and writes the index described in evaluator.cir_index.
+Chunked and resumable: a killed build restarts at its first unfinished chunk. Images no
+decoder can read are listed in meta.json and left out. Env: CLIP_MODEL_DIR,
+CLIP_MODEL_NAME, CLIP_DEVICE, CLIP_PRECISION, CIR_METHOD; CIR_BUILD_STOP_AFTER_CHUNKS=N
+(test hook) stops after N new chunks, as a kill would.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+STOPPED = 3  # exit status of the CIR_BUILD_STOP_AFTER_CHUNKS hook
+
+
+def _log(msg: str) -> None:
+    print(f"[cir_build] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class BuildConfig:
+    corpus: Path
+    index_dir: Path
+    model_dir: Path | None = None
+    model_name: str | None = None
+    decoder: str = "auto"          # auto: dali-gpu on CUDA, dali-cpu otherwise
+    batch_size: int | None = None  # None: 256 on CUDA, 64 on CPU
+    chunk_size: int = 4096         # images per resumable chunk
+    readers: int = 8
+    device: str | None = None
+    precision: str | None = None
+    method: str = "slerp"
+    text_weight: float | None = None
+    prompt: str | None = None
+    force: bool = False
+
+
+class Progress:
+    """A one-line progress bar on stderr when it is a TTY; silent otherwise."""
+
+    def __init__(self, total: int, done: int = 0):
+        self.total, self.done, self.t0 = total, done, time.perf_counter()
+        self.start, self.tty = done, sys.stderr.isatty()
+
+    def update(self, n: int) -> None:
+        self.done += n
+        if self.tty:
+            rate = (self.done - self.start) / max(time.perf_counter() - self.t0, 1e-9)
+            width = 30
+            fill = int(width * self.done / max(self.total, 1))
+            print(f"\r[cir_build] [{'#' * fill}{'.' * (width - fill)}] {self.done}/{self.total} "
+                  f"{rate:.1f} img/s", end="", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.tty:
+            print(file=sys.stderr, flush=True)
+
+
+def parse_args(argv: list[str] | None) -> BuildConfig:
+    p = argparse.ArgumentParser(prog="scripts/build.sh", description=__doc__.split("\n\n")[0])
+    p.add_argument("--corpus", type=Path, required=True, help="folder with records.jsonl")
+    p.add_argument("--index-dir", type=Path, required=True, help="where the index goes (created if missing)")
+    p.add_argument("--model-dir", type=Path, default=None, help="CLIP folder (env CLIP_MODEL_DIR)")
+    p.add_argument("--model-name", default=None, help="architecture for a bare state dict (env CLIP_MODEL_NAME)")
+    p.add_argument("--decoder", default="auto", help="auto | pil | dali-cpu | dali-gpu (env ENGINE_DECODER)")
+    p.add_argument("--batch-size", type=int, default=None, help="images per batch (default 256 on CUDA, 64 on CPU)")
+    p.add_argument("--chunk-size", type=int, default=4096)
+    p.add_argument("--readers", type=int, default=8)
+    p.add_argument("--device", default=None, help="cpu | cuda (env CLIP_DEVICE; default cuda when present)")
+    p.add_argument("--precision", default=None, help="fp32 | fp16 | bf16 (env CLIP_PRECISION)")
+    p.add_argument("--method", default=os.environ.get("CIR_METHOD", "slerp"),
+                   help="default composition method recorded for scripts/run.sh (env CIR_METHOD)")
+    p.add_argument("--text-weight", type=float, default=None)
+    p.add_argument("--prompt", default=None)
+    p.add_argument("--force", action="store_true", help="rebuild even if the index is up to date")
+    a = p.parse_args(argv)
+    if (a.batch_size is not None and a.batch_size < 1) or a.chunk_size < 1 or a.readers < 1:
+        p.error("--batch-size, --chunk-size and --readers must be >= 1")
+    return BuildConfig(**vars(a))
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_args(argv)
+    t_start = time.perf_counter()
+    from engine.compose import make_method
+    from evaluator.cir_jsonl import read_records, stderr_warn
+
+    try:
+        method = make_method(cfg.method, cfg.text_weight, cfg.prompt)
+    except ValueError as e:
+        _log(f"error: {e}")
+        return 2
+    records_path = cfg.corpus / "records.jsonl"
+    if not records_path.is_file():
+        _log(f"error: {records_path} not found")
+        return 2
+    try:
+        cfg.index_dir.mkdir(exist_ok=True)
+    except OSError as e:
+        _log(f"error: cannot create the index dir {cfg.index_dir}: {e.strerror or e}")
+        return 2
+    if not os.access(cfg.index_dir, os.W_OK):
+        _log(f"error: the index dir {cfg.index_dir} is not writable")
+        return 2
+    records = read_records(records_path, stderr_warn("cir_build"))
+    records_sha = hashlib.sha256(records_path.read_bytes()).hexdigest()
+    if not records:
+        _log(f"error: {records_path} holds no usable records")
+        return 2
+
+    from engine.clip_model import ClipLoadError, load_clip
+    from engine.clip_towers import ClipTowers, default_device
+
+    if cfg.batch_size is None:
+        cfg.batch_size = 256 if (cfg.device or default_device()).startswith("cuda") else 64
+    try:
+        model, spec, info = load_clip(cfg.model_dir, cfg.model_name, cfg.batch_size)
+    except (ClipLoadError, FileNotFoundError) as e:
+        _log(f"error: {e}")
+        return 2
+    towers = ClipTowers(model, spec, cfg.device, cfg.precision)
+    t_loaded = time.perf_counter()
+    return build(cfg, records, records_sha, towers, info, method.to_dict(), t_start, t_loaded)
+
+
+def build(cfg: BuildConfig, records, records_sha: str, towers, info: dict, method: dict,
+          t_start: float, t_loaded: float) -> int:
+    """Embed every pending chunk, then commit the index (see evaluator.cir_index)."""
+    import numpy as np
+
+    from engine.decode import make_decoder
+    from engine.embed import embed_images
+    from evaluator.cir_index import ChunkStore, commit, read_meta
+
+    decoder_name = cfg.decoder if cfg.decoder != "auto" else (
+        "dali-gpu" if towers.device.type == "cuda" else "dali-cpu")
+    spec = towers.spec
+    decoder = make_decoder(decoder_name, spec.image, cfg.batch_size)
+    key = {"records_sha256": records_sha, "records": len(records), "model_digest": info["digest"],
+           "clip_spec": spec.to_dict(), "decoder": decoder.name,
+           "precision": towers.precision, "device": towers.device.type, "chunk_size": cfg.chunk_size,
+           "embed_dim": spec.embed_dim}
+    old = read_meta(cfg.index_dir)
+    if old is not None and old.get("build_key") == key and not cfg.force:
+        _log(f"index in {cfg.index_dir} is up to date ({old.get('count')} images); --force rebuilds it")
+        return 0
+    store = ChunkStore(cfg.index_dir, key)
+    done = store.open()
+    n_chunks = (len(records) + cfg.chunk_size - 1) // cfg.chunk_size
+    if done:
+        _log(f"resuming: {len(done)} of {n_chunks} chunks already built")
+    pending = [i for i in range(len(records)) if i // cfg.chunk_size not in done]
+
+    def read(i: int) -> bytes:
+        p = Path(records[i].path)
+        return (p if p.is_absolute() else cfg.corpus / p).read_bytes()
+
+    stop_after = int(os.environ.get("CIR_BUILD_STOP_AFTER_CHUNKS", "0") or 0)
+    bar = Progress(len(records), len(records) - len(pending))
+    acc: dict[int, dict] = {}      # chunk -> {"rows": [...], "emb": [...], "failed": [...], "seen": n}
+    saved = embedded = 0
+    t0 = time.perf_counter()
+    for b in embed_images(read, pending, decoder, towers.encode_images, cfg.batch_size, cfg.readers):
+        k = 0
+        for j, item in enumerate(b.items):
+            c = acc.setdefault(item // cfg.chunk_size, {"rows": [], "emb": [], "failed": [], "seen": 0})
+            c["seen"] += 1
+            if b.ok[j]:
+                c["rows"].append(item)
+                c["emb"].append(b.emb[k])
+                k += 1
+            else:
+                r = records[item]
+                c["failed"].append({"image_id": r.image_id, "path": r.path, "line": r.line,
+                                    "reason": b.failed[item]})
+                _log(f"unreadable image {r.image_id!r} ({r.path}, records line {r.line}): {b.failed[item]}")
+        embedded += k
+        bar.update(len(b.items))
+        for chunk in sorted(acc):
+            size = min(cfg.chunk_size, len(records) - chunk * cfg.chunk_size)
+            if acc[chunk]["seen"] < size:
+                break
+            c = acc.pop(chunk)
+            emb = np.stack(c["emb"]) if c["emb"] else np.zeros((0, spec.embed_dim), np.float16)
+            store.save(chunk, np.asarray(c["rows"], np.int64), emb, c["failed"])
+            saved += 1
+            if not bar.tty:
+                _log(f"chunk {chunk + 1}/{n_chunks} done")
+            if stop_after and saved >= stop_after:
+                bar.close()
+                _log(f"stopping after {saved} chunks (CIR_BUILD_STOP_AFTER_CHUNKS)")
+                return STOPPED
+    bar.close()
+    if towers.device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+    t_embed = time.perf_counter() - t0
+    rows, emb, failed = store.load(range(n_chunks))
+    ids = [records[i].image_id for i in rows.tolist()]
+    rate = embedded / t_embed if t_embed > 0 else 0.0
+    meta = {"build_key": key, "model": info, "clip_spec": spec.to_dict(), "method": method,
+            "decoder": decoder.name, "device": towers.device.type, "precision": towers.precision,
+            "records": {"path": str(cfg.corpus / "records.jsonl"), "sha256": records_sha, "usable": len(records)},
+            "unreadable": failed, "counts": {"records": len(records), "indexed": len(ids), "unreadable": len(failed)},
+            "timing": {"load_s": round(t_loaded - t_start, 3), "embed_s": round(t_embed, 3),
+                       "images_embedded_this_run": embedded, "images_per_s": round(rate, 2),
+                       "resumed_chunks": len(done)}}
+    commit(cfg.index_dir, emb, ids, meta)
+    store.clear()
+    _log(f"index: {len(ids)} images, {len(failed)} unreadable, dim {spec.embed_dim} -> {cfg.index_dir}")
+    _log(f"embedded {embedded} images in {t_embed:.2f} s: {rate:.1f} images/s "
+         f"(decoder {decoder.name}, {towers.device.type} {towers.precision}; model load {t_loaded - t_start:.2f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""scripts/build.sh: the index it writes, resume after a stop, atomic commit, bad input,
+a read-only parent directory, and (GPU marker) the CUDA build."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from cir_helpers import (
+    build_args,
+    built_index,
+    check_abi,
+    clip_dirs,
+    corpus,
+    read_rows,
+    requests_of,
+    script,
+    workspace,
+)
+
+from evaluator import cir_build
+from evaluator.cir_index import BUILD_DIR, IndexLoadError, load_index
+from evaluator.cir_jsonl import read_records
+
+
+def _build(index_dir, *extra, env=None, monkeypatch=None):
+    """In-process build on the CPU (same arguments as the reference build)."""
+    for k, v in (env or {}).items():
+        monkeypatch.setenv(k, v)
+    return cir_build.main(build_args(index_dir, "--model-dir", str(clip_dirs()["open_clip"]), "--device", "cpu",
+                                     *extra))
+
+
+def test_build_script_writes_the_index():
+    idx = load_index(built_index())
+    records = read_records(corpus() / "records.jsonl", print)
+    broken = [r.image_id for r in records if str(r.image_id).startswith("broken")]
+    assert idx.ids == [r.image_id for r in records if r.image_id not in broken]   # record order, ints kept
+    assert idx.emb.shape == (320, 64) and idx.emb.dtype == np.float16
+    norms = np.linalg.norm(idx.emb.astype(np.float32), axis=1)
+    assert np.allclose(norms, 1.0, atol=2e-3)
+    m = idx.meta
+    assert sorted(u["image_id"] for u in m["unreadable"]) == sorted(broken)
+    assert m["counts"] == {"records": 323, "indexed": 320, "unreadable": 3}
+    assert m["decoder"] == "dali-cpu" and m["device"] == "cpu" and m["precision"] == "fp32"
+    assert m["method"]["name"] == "slerp" and len(m["model"]["digest"]) == 64
+    assert m["clip_spec"]["image"]["crop_mode"] == "center" and m["clip_spec"]["image"]["crop_pct"] == 1.0
+    assert not (built_index() / BUILD_DIR).exists()
+    err = (workspace() / "build.stderr").read_text()
+    assert "images/s" in err and "unreadable image 'broken-0'" in err
+
+
+def test_stored_rows_equal_the_towers():
+    """Spot check: re-embed a few records through the same decoder and tower."""
+    from engine.clip_model import load_clip
+    from engine.clip_towers import ClipTowers
+    from engine.decode import make_decoder
+
+    idx = load_index(built_index())
+    model, spec, _ = load_clip(clip_dirs()["open_clip"])
+    towers = ClipTowers(model, spec, "cpu", "fp32")
+    recs = {str(r.image_id): r for r in read_records(corpus() / "records.jsonl", print)}
+    rows = [0, 1, 100, 319]
+    blobs = [(corpus() / recs[str(idx.ids[r])].path).read_bytes() for r in rows]
+    px, failed = make_decoder("dali-cpu", spec.image, 32).decode(blobs)
+    assert not failed
+    want = towers.encode_images(px).half().numpy()
+    np.testing.assert_allclose(idx.emb[rows].astype(np.float32), want.astype(np.float32), atol=2e-3)
+
+
+def test_resume_after_a_stopped_build_matches_an_uninterrupted_one(tmp_path, monkeypatch, capsys):
+    d = tmp_path / "index"
+    assert _build(d, env={"CIR_BUILD_STOP_AFTER_CHUNKS": "2"}, monkeypatch=monkeypatch) == cir_build.STOPPED
+    assert len(list((d / BUILD_DIR).glob("chunk-*.npz"))) == 2
+    with pytest.raises(IndexLoadError, match="unfinished build"):
+        load_index(d)
+    monkeypatch.delenv("CIR_BUILD_STOP_AFTER_CHUNKS")
+    capsys.readouterr()
+    assert _build(d) == 0
+    assert "resuming: 2 of 6 chunks already built" in capsys.readouterr().err
+    a, b = load_index(d), load_index(built_index())
+    assert a.ids == b.ids
+    assert np.array_equal(np.asarray(a.emb), np.asarray(b.emb))
+    assert a.meta["timing"]["resumed_chunks"] == 2 and a.meta["timing"]["images_embedded_this_run"] < 320
+
+
+def test_a_finished_index_is_never_half_overwritten(tmp_path, monkeypatch, capsys):
+    d = tmp_path / "index"
+    shutil.copytree(built_index(), d)
+    before = (d / "meta.json").read_bytes()
+    assert _build(d) == 0                                         # same inputs: nothing to do
+    assert "is up to date" in capsys.readouterr().err
+    assert _build(d, "--force", env={"CIR_BUILD_STOP_AFTER_CHUNKS": "1"}, monkeypatch=monkeypatch) == 3
+    assert (d / "meta.json").read_bytes() == before              # the old index is intact and loads
+    assert np.array_equal(np.asarray(load_index(d).emb), np.asarray(load_index(built_index()).emb))
+    monkeypatch.delenv("CIR_BUILD_STOP_AFTER_CHUNKS")
+    assert _build(d, "--force") == 0
+    new = json.loads((d / "meta.json").read_text())
+    assert new["build_id"] != json.loads(before)["build_id"]
+    assert len(list(d.glob("embeddings-*.npy"))) == 1 and len(list(d.glob("ids-*.json"))) == 1
+
+
+def test_build_errors_are_clear(tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert cir_build.main(["--corpus", str(empty), "--index-dir", str(tmp_path / "i")]) == 2
+    assert "records.jsonl not found" in capsys.readouterr().err
+    assert cir_build.main(["--corpus", str(corpus()), "--index-dir", str(tmp_path / "no" / "parent")]) == 2
+    assert "cannot create the index dir" in capsys.readouterr().err
+    assert cir_build.main(["--corpus", str(corpus()), "--index-dir", str(tmp_path / "i"),
+                           "--model-dir", str(empty)]) == 2
+    err = capsys.readouterr().err
+    assert "no CLIP model in" in err and "open_clip_config.json" in err and "config.json" in err
+
+
+def test_records_reader_tolerates_synonyms_and_bad_lines(tmp_path):
+    p = tmp_path / "records.jsonl"
+    p.write_bytes(b'{"image_id": 1, "path": "a.jpg"}\n'
+                  b'{"id": "b", "file": "b.jpg"}\n'
+                  b'{"image": "c", "filename": "c.jpg"}\n'
+                  b'{"image_id": "d", "image": "d.jpg"}\n'
+                  b'{"image_id": 1, "path": "dup.jpg"}\n'
+                  b'{"image_id": "e"}\n'
+                  b'not json\n'
+                  b'\n'
+                  b'{"image_id": "caf\xe9", "path": "f.jpg"}\r\n')
+    msgs = []
+    recs = read_records(p, msgs.append)
+    assert [(r.image_id, r.path) for r in recs] == [(1, "a.jpg"), ("b", "b.jpg"), ("c", "c.jpg"), ("d", "d.jpg"),
+                                                    ("caf\ufffd", "f.jpg")]
+    text = "\n".join(msgs)
+    for line, what in [(5, "duplicate image id"), (6, "no usable path"), (7, "malformed JSON"), (9, "UTF-8")]:
+        assert f"records.jsonl:{line}: " in text and what in text
+
+
+def _restricted_prefix(probe_dir) -> tuple[list[str], int]:
+    """A command prefix under which file permissions hold, and the uid that will own the index dir.
+
+    As root (tests run as root, where permissions are not enforced): user nobody via setpriv
+    when nobody can run this Python; otherwise root without CAP_DAC_OVERRIDE, which makes
+    mode bits bind the owner too.
+    """
+    if os.geteuid() != 0:
+        return [], os.geteuid()
+    if not shutil.which("setpriv"):
+        pytest.skip("needs setpriv to drop root's permission override")
+    nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    probe = subprocess.run([*nobody, sys.executable, "-c", "import torch, open_clip, nvidia.dali"],
+                           capture_output=True, cwd="/")
+    if probe.returncode == 0:
+        return nobody, 65534
+    nodac = ["setpriv", "--inh-caps=-dac_override,-dac_read_search", "--bounding-set=-dac_override,-dac_read_search"]
+    ro = probe_dir / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    r = subprocess.run([*nodac, sys.executable, "-c", f"open({str(ro / 'x')!r}, 'w')"], capture_output=True)
+    ro.chmod(0o755)
+    if r.returncode == 0:
+        pytest.skip("cannot make permissions bind for this test's subprocess")
+    return nodac, 0
+
+
+def test_read_only_parent_of_the_index_dir():
+    base = workspace() / "restricted"
+    base.mkdir()
+    prefix, owner = _restricted_prefix(base)
+    data, clip = base / "corpus", base / "clip"
+    shutil.copytree(corpus(), data)
+    shutil.copytree(clip_dirs()["open_clip"], clip)
+    subprocess.run(["chmod", "-R", "u=rwX,go=rX", str(data), str(clip)], check=True)
+    parent, tmp, out = base / "parent", base / "tmp", base / "out"
+    index = parent / "index"
+    for d in (parent, index, tmp, out):
+        d.mkdir()
+        os.chown(d, owner, owner)
+    for d in (workspace(), base):
+        d.chmod(0o755)
+    parent.chmod(0o555)
+    env = {"CLIP_MODEL_DIR": str(clip), "TMPDIR": str(tmp), "HOME": "/nonexistent"}
+    try:
+        denied = subprocess.run([*prefix, sys.executable, "-c", f"open({str(parent / 'x')!r}, 'w')"],
+                                capture_output=True, text=True)
+        assert denied.returncode != 0 and "Permission denied" in denied.stderr   # the restriction binds
+        r = script("build.sh", "--corpus", str(data), "--index-dir", str(index), "--chunk-size", "64",
+                   env=env, prefix=prefix)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert [p.name for p in parent.iterdir()] == ["index"]
+        r = script("run.sh", "--index-dir", str(index), "--queries", str(data / "requests.jsonl"),
+                   "--output", str(out / "rows.jsonl"), env=env, prefix=prefix)
+        assert r.returncode == 0, r.stderr[-3000:]
+    finally:
+        parent.chmod(0o755)
+    assert [p.name for p in parent.iterdir()] == ["index"]
+    reqs = requests_of(data / "requests.jsonl")
+    check_abi(read_rows(out / "rows.jsonl"), reqs, load_index(index).ids)
+
+
+@pytest.mark.gpu
+def test_cuda_build_agrees_with_the_cpu_build(tmp_path):
+    """DALI GPU decode + FP16 autocast tower: rows within cosine 0.99 of the CPU FP32 build."""
+    d = tmp_path / "index"
+    rc = cir_build.main(build_args(d, "--model-dir", str(clip_dirs()["open_clip"]), "--device", "cuda"))
+    assert rc == 0
+    gpu, cpu = load_index(d), load_index(built_index())
+    assert gpu.meta["decoder"] == "dali-gpu" and gpu.meta["device"] == "cuda" and gpu.meta["precision"] == "fp16"
+    assert gpu.ids == cpu.ids
+    cos = (torch.from_numpy(np.asarray(gpu.emb)).float() * torch.from_numpy(np.asarray(cpu.emb)).float()).sum(-1)
+    assert cos.min().item() > 0.99, cos.min().item()
+
+
+def test_progress_bar_only_on_a_tty(monkeypatch):
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    for stream, shown in ((Tty(), True), (io.StringIO(), False)):
+        monkeypatch.setattr(sys, "stderr", stream)
+        bar = cir_build.Progress(10, 2)
+        bar.update(5)
+        bar.close()
+        assert ("7/10" in stream.getvalue() and "img/s" in stream.getvalue()) is shown
+        assert shown or stream.getvalue() == ""
