@@ -138,12 +138,15 @@ def _broken(kind: str, t: Template, rng: np.random.Generator) -> bytes:
 
 
 def make_tiny_checkpoint(path: Path, seed: int = 0, classes: int = 100, renders: int = 12,
-                         input_size: int = TINY_INPUT, steps: int = 300, template_seed: int = TEMPLATE_SEED) -> dict:
-    """A tiny EVA-02 whose head is fit on generated renders; returns its build recipe.
+                         input_size: int = TINY_INPUT, steps: int = 300, template_seed: int = TEMPLATE_SEED,
+                         model: str = TINY_MODEL, model_kwargs: dict | None = None, device: str = "cpu") -> dict:
+    """An EVA-02 (the tiny test model by default) whose head is fit on generated renders.
 
     The backbone keeps its seeded random init; only the head is learned (softmax
     regression on whitened pooled features), which gives diverse top-1 classes with
-    margins large against the pixel-level noise between decoders.
+    margins large against the pixel-level noise between decoders. `model`,
+    `model_kwargs`, `input_size` and `device` make the same kind of checkpoint for the
+    full-size EVA-02-L/448 on a GPU. Returns the build recipe.
     """
     import torch
     from PIL import Image
@@ -154,9 +157,9 @@ def make_tiny_checkpoint(path: Path, seed: int = 0, classes: int = 100, renders:
     from engine.spec import resolve_spec
 
     torch.manual_seed(seed)
-    spec = resolve_spec(TINY_MODEL, input_size=input_size, crop_pct=1.0, crop_mode="squash",
-                        model_kwargs=TINY_KWARGS)
-    model = create_model(spec)
+    kwargs = TINY_KWARGS if model_kwargs is None else model_kwargs
+    spec = resolve_spec(model, input_size=input_size, crop_pct=1.0, crop_mode="squash", model_kwargs=kwargs)
+    net = create_model(spec).to(device)
     tf = _timm_transform(spec.to_json(), True)
     rng = np.random.default_rng(seed + 2)
     xs, ys = [], []
@@ -166,8 +169,9 @@ def make_tiny_checkpoint(path: Path, seed: int = 0, classes: int = 100, renders:
             xs.append(tf(Image.fromarray(render(t, w, h, rng))))
             ys.append(c)
     with torch.inference_mode():
-        feats = torch.cat([model.forward_head(model.forward_features(torch.stack(xs[i:i + 256])), pre_logits=True)
-                           for i in range(0, len(xs), 256)])   # [K * R, D]
+        feats = torch.cat([net.forward_head(net.forward_features(torch.stack(xs[i:i + 64]).to(device)),
+                                            pre_logits=True).float().cpu()
+                           for i in range(0, len(xs), 64)])    # [K * R, D]
     y = torch.as_tensor(ys)
     mu, sd = feats.mean(0), feats.std(0) + 1e-6                # whiten: random features are anisotropic
     z = (feats - mu) / sd
@@ -185,14 +189,14 @@ def make_tiny_checkpoint(path: Path, seed: int = 0, classes: int = 100, renders:
         bias = torch.full((1000,), float(b_k.min()) - 10.0)
         ids = torch.as_tensor(class_ids(classes, template_seed))
         weight[ids], bias[ids] = w_k, b_k
-        model.head.weight.copy_(weight)
-        model.head.bias.copy_(bias)
+        net.head.weight.copy_(weight)
+        net.head.bias.copy_(bias)
     path.parent.mkdir(parents=True, exist_ok=True)
-    recipe = {"model": TINY_MODEL, "model_kwargs": TINY_KWARGS, "input_size": input_size, "seed": seed,
+    recipe = {"model": model, "model_kwargs": kwargs, "input_size": input_size, "seed": seed,
               "template_seed": template_seed,
               "classes": classes, "fit_loss": round(loss.item(), 4),
               "made_from": "generated images (procedural renders); no ImageNet data"}
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path),
+    save_file({k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}, str(path),
               metadata={k: json.dumps(v) for k, v in recipe.items()})
     path.with_suffix(".json").write_text(json.dumps(recipe, indent=2) + "\n")
     return recipe

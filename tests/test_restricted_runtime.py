@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import stat
 import subprocess
 import sys
 import tempfile
@@ -15,16 +14,8 @@ import pytest
 from conftest import REPO
 
 NOBODY = 65534
-pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
-                                reason="needs root and setpriv to drop privileges")
-
-
-def _traversable(path: Path) -> None:
-    """Give others the traverse bit (x, not r) on each ancestor so an unprivileged user can reach it."""
-    for p in [path, *path.parents]:
-        mode = p.stat().st_mode
-        if not mode & stat.S_IXOTH:
-            os.chmod(p, mode | stat.S_IXOTH)
+pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not (shutil.which("setpriv") and shutil.which("unshare")),
+                                reason="needs root, setpriv and unshare to drop privileges and the network")
 
 
 def _snapshot(root: Path) -> dict[str, tuple[int, float]]:
@@ -32,8 +23,8 @@ def _snapshot(root: Path) -> dict[str, tuple[int, float]]:
 
 
 def test_run_as_nobody_offline_read_only(small_cohort, aot_artifact):
-    _traversable(Path(sys.executable).resolve().parent)
-    _traversable(Path(os.path.realpath(sys.executable)))
+    from evaluator.rehearse import interpreter_mounts, user_command
+
     base = Path(tempfile.mkdtemp(prefix="restricted-"))
     try:
         os.chmod(base, 0o755)
@@ -51,11 +42,13 @@ def test_run_as_nobody_offline_read_only(small_cohort, aot_artifact):
         before = {p: _snapshot(p) for p in (code, art, data)}
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": "/nonexistent", "TMPDIR": str(tmp),
                "ENGINE_ARTIFACT": str(art), "PYTHON": sys.executable, "LANG": "C.UTF-8"}
-        cmd = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
-               str(code / "scripts" / "run"), str(data / "manifest.tsv"), str(data), str(outdir / "p.i32")]
-        if shutil.which("unshare"):
-            cmd = ["unshare", "--net", *cmd]  # no network at all
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        # no network (own namespace), dropped to nobody with no capabilities; an interpreter
+        # under a private folder (pyenv in /root) is bound back inside a private mount namespace
+        (base / "stage").mkdir()
+        cmd = user_command([str(code / "scripts" / "run"), str(data / "manifest.tsv"), str(data),
+                            str(outdir / "p.i32")], env, NOBODY, NOBODY, None, 256, True,
+                           interpreter_mounts(NOBODY, NOBODY), base / "stage")
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stderr[-3000:]
         pred = np.fromfile(outdir / "p.i32", "<i4")
         assert len(pred) == 40 and pred.min() >= 0 and pred.max() <= 999

@@ -1,0 +1,96 @@
+#!/bin/sh
+# The submission's build step (untimed, but charged if it fails): the read-only checkpoint
+# -> an artifact for the machine this runs on -> a one-image check through scripts/run.
+#
+# Knobs (environment):
+#   ENGINE_CHECKPOINT   the checkpoint file            (default /checkpoint/model.safetensors)
+#   ENGINE_MODEL        timm name                      (default eva02_large_patch14_448.mim_m38m_ft_in22k_in1k)
+#   ENGINE_PRECISION    fp32 | fp16 | bf16             (default fp32: the reference precision)
+#   ENGINE_BATCH_SIZE   static batch of the compiled model (default: the spec's)
+#   ENGINE_BACKEND      aot | eager                    (default aot)
+#   ENGINE_DEVICE       auto | cuda | cpu              (default auto: cuda when torch sees a GPU)
+#   ENGINE_ARTIFACT     artifact dir, relative to this folder or absolute (default artifacts/default;
+#                       scripts/run reads the same variable with the same default)
+#   ENGINE_INPUT_SIZE, ENGINE_CROP_MODE, ENGINE_CROP_PCT, ENGINE_MODEL_KWARGS (JSON): spec overrides
+#   FORCE=1             rebuild even when the artifact is current
+#   PYTHON              interpreter (default python3)
+#
+# Idempotent: an artifact whose files are intact and whose manifest records the same
+# checkpoint sha256, spec, backend and device is reused. Everything it needs is already in
+# the image: this script never fetches anything.
+set -eu
+
+here=$(CDPATH= cd -- "$(dirname -- "$0")" && pwd)
+cd "$here"
+PY=${PYTHON:-python3}
+
+log() { echo "build.sh: $*" >&2; }
+die() { echo "build.sh: FAILED: $*" >&2; exit 1; }
+
+MODEL=${ENGINE_MODEL:-eva02_large_patch14_448.mim_m38m_ft_in22k_in1k}
+CHECKPOINT=${ENGINE_CHECKPOINT:-/checkpoint/model.safetensors}
+PRECISION=${ENGINE_PRECISION:-fp32}
+BACKEND=${ENGINE_BACKEND:-aot}
+DEVICE=${ENGINE_DEVICE:-auto}
+ARTIFACT=${ENGINE_ARTIFACT:-artifacts/default}
+
+# Offline, and every cache in a scratch folder: HOME may be unwritable here too.
+: "${TMPDIR:=/tmp}"
+export TMPDIR HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONDONTWRITEBYTECODE=1
+export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$TMPDIR/build-inductor}" \
+       TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$TMPDIR/build-triton}" \
+       XDG_CACHE_HOME="${XDG_CACHE_HOME:-$TMPDIR/build-cache}" \
+       HF_HOME="${HF_HOME:-$TMPDIR/build-hf}" TORCH_HOME="${TORCH_HOME:-$TMPDIR/build-torch}"
+export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
+
+command -v "$PY" >/dev/null 2>&1 || die "no Python interpreter '$PY' (set PYTHON)"
+[ -e "$CHECKPOINT" ] || die "checkpoint not found: $CHECKPOINT (mount it there or set ENGINE_CHECKPOINT)"
+[ -f "$CHECKPOINT" ] && [ -r "$CHECKPOINT" ] || die "checkpoint is not a readable file: $CHECKPOINT"
+
+# The artifact must be built for the device the run uses: a CPU artifact on the GPU
+# machine would pass every check and then be scored at CPU speed.
+if [ "$DEVICE" = auto ]; then
+    if "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+        DEVICE=cuda
+    elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
+        die "nvidia-smi lists a GPU but torch.cuda cannot use it (driver/container mismatch?); set ENGINE_DEVICE=cpu to build for the CPU anyway"
+    else
+        DEVICE=cpu
+    fi
+fi
+case "$DEVICE" in cuda|cpu) ;; *) die "ENGINE_DEVICE must be auto, cuda or cpu, got '$DEVICE'" ;; esac
+
+# The engine.build flags, one per knob (positional parameters: safe for JSON with spaces).
+set -- --model "$MODEL" --checkpoint "$CHECKPOINT" --out "$ARTIFACT" --device "$DEVICE" \
+       --precision "$PRECISION" --backend "$BACKEND"
+[ -n "${ENGINE_BATCH_SIZE:-}" ] && set -- "$@" --batch-size "$ENGINE_BATCH_SIZE"
+[ -n "${ENGINE_INPUT_SIZE:-}" ] && set -- "$@" --input-size "$ENGINE_INPUT_SIZE"
+[ -n "${ENGINE_CROP_MODE:-}" ] && set -- "$@" --crop-mode "$ENGINE_CROP_MODE"
+[ -n "${ENGINE_CROP_PCT:-}" ] && set -- "$@" --crop-pct "$ENGINE_CROP_PCT"
+[ -n "${ENGINE_MODEL_KWARGS:-}" ] && set -- "$@" --model-kwargs "$ENGINE_MODEL_KWARGS"
+
+log "model $MODEL, checkpoint $CHECKPOINT, $BACKEND on $DEVICE, $PRECISION -> $ARTIFACT"
+reuse=no
+if [ "${FORCE:-0}" != 1 ]; then
+    # exit 0 = intact and current, 1 = stale (reasons on stderr), 2 = bad flags or unreadable input
+    rc=0
+    "$PY" -m evaluator.selfcheck current -- "$@" >/dev/null || rc=$?
+    case $rc in
+        0) reuse=yes ;;
+        1) ;;
+        *) die "cannot check the existing artifact against the build flags (see above)" ;;
+    esac
+fi
+if [ "$reuse" = yes ]; then
+    log "reusing artifact $ARTIFACT (files intact; checkpoint sha256, spec, backend and device match; FORCE=1 rebuilds)"
+else
+    log "building $ARTIFACT (untimed preparation)"
+    t0=$(date +%s)
+    "$PY" -m engine.build "$@" >&2 || die "python -m engine.build failed (see above)"
+    log "built in $(( $(date +%s) - t0 )) s"
+fi
+
+# Load the artifact and run one generated image through the contest entry point.
+"$PY" -m evaluator.selfcheck run --artifact "$ARTIFACT" >&2 \
+    || die "the artifact at $ARTIFACT does not run through scripts/run (see above)"
+log "OK: $ARTIFACT is ready for scripts/run (ENGINE_ARTIFACT=$ARTIFACT)"

@@ -1,0 +1,118 @@
+"""build.sh: offline, builds from a read-only checkpoint, checks the artifact, reuses it, fails loudly."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import REPO, TINY_INPUT, TINY_KWARGS, TINY_MODEL
+
+BUILD = REPO / "build.sh"
+DOWNLOADS = re.compile(r"\bcurl\b|\bwget\b|pip3?\s+install|python -m pip|git\s+clone|hf_hub_download|"
+                       r"snapshot_download|huggingface-cli|hf download|torch\.hub|from_pretrained|"
+                       r"pretrained=True|urlopen|urlretrieve|requests\.get", re.IGNORECASE)
+
+
+def _env(ckpt: Path, artifact: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ENGINE_") and k != "FORCE"}
+    env.update({"ENGINE_MODEL": TINY_MODEL, "ENGINE_CHECKPOINT": str(ckpt), "ENGINE_ARTIFACT": str(artifact),
+                "ENGINE_INPUT_SIZE": str(TINY_INPUT), "ENGINE_CROP_MODE": "squash", "ENGINE_CROP_PCT": "1.0",
+                "ENGINE_MODEL_KWARGS": json.dumps(TINY_KWARGS), "ENGINE_BATCH_SIZE": "4",
+                "ENGINE_BACKEND": "eager", "ENGINE_DEVICE": "auto", **extra})
+    return env
+
+
+def _build(env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(["sh", str(BUILD)], env=env, capture_output=True, text=True, timeout=600, cwd="/")
+
+
+@pytest.fixture(scope="module")
+def read_only_checkpoint(tiny_checkpoint, tmp_path_factory) -> Path:
+    """The tiny checkpoint in a folder nobody may write, as the contest mounts it."""
+    d = tmp_path_factory.mktemp("ro_ckpt")
+    ck = d / "model.safetensors"
+    shutil.copy(tiny_checkpoint, ck)
+    os.chmod(ck, 0o444)
+    os.chmod(d, 0o555)
+    return ck
+
+
+@pytest.fixture(scope="module")
+def first_build(read_only_checkpoint, tmp_path_factory):
+    art = tmp_path_factory.mktemp("build_sh") / "art"
+    env = _env(read_only_checkpoint, art)
+    return art, env, _build(env)
+
+
+def test_no_download_in_build_sh():
+    text = BUILD.read_text()
+    hits = [ln for ln in text.splitlines() if DOWNLOADS.search(ln)]
+    assert not hits, f"build.sh must not download anything: {hits}"
+    assert text.startswith("#!/bin/sh\n")
+    assert os.access(BUILD, os.X_OK), "build.sh should be executable"
+    assert subprocess.run(["sh", "-n", str(BUILD)]).returncode == 0
+
+
+def test_builds_and_checks_the_artifact(first_build):
+    art, _, r = first_build
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "building" in r.stderr and "OK:" in r.stderr
+    m = json.loads((art / "manifest.json").read_text())
+    assert (m["backend"], m["device"], m["batch_size"]) == ("eager", "cpu", 4)
+    assert m["spec"]["model"] == TINY_MODEL and m["spec"]["crop_mode"] == "squash"
+    check = [json.loads(ln) for ln in r.stderr.splitlines() if ln.startswith('{"ok"')]
+    assert check and check[0]["ok"] and 0 <= check[0]["top1"] <= 999
+
+
+def test_second_run_reuses_a_corrupt_artifact_or_force_rebuilds(first_build):
+    art, env, r = first_build
+    assert r.returncode == 0, r.stderr[-3000:]
+    stamp = (art / "manifest.json").stat().st_mtime_ns
+    r2 = _build(env)
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    assert "reusing artifact" in r2.stderr and "building" not in r2.stderr
+    assert (art / "manifest.json").stat().st_mtime_ns == stamp
+    with open(art / "weights.safetensors", "r+b") as f:  # flip bits inside the weights: same size
+        f.seek(-64, os.SEEK_END)
+        tail = f.read()
+        f.seek(-64, os.SEEK_END)
+        f.write(bytes(b ^ 0xFF for b in tail))
+    r3 = _build(env)
+    assert r3.returncode == 0, r3.stderr[-3000:]
+    assert "not intact" in r3.stderr and "building" in r3.stderr
+    stamp3 = (art / "manifest.json").stat().st_mtime_ns
+    assert stamp3 != stamp
+    r4 = _build({**env, "FORCE": "1"})  # current again, but FORCE=1 rebuilds all the same
+    assert r4.returncode == 0, r4.stderr[-3000:]
+    assert "building" in r4.stderr and "reusing" not in r4.stderr
+    assert (art / "manifest.json").stat().st_mtime_ns != stamp3
+
+
+def test_flags_that_change_the_artifact_make_it_stale(first_build, read_only_checkpoint):
+    from evaluator.selfcheck import stale_reasons
+
+    art, _, r = first_build
+    assert r.returncode == 0, r.stderr[-3000:]
+    base = ["--model", TINY_MODEL, "--checkpoint", str(read_only_checkpoint), "--out", str(art),
+            "--input-size", str(TINY_INPUT), "--crop-mode", "squash", "--crop-pct", "1.0",
+            "--model-kwargs", json.dumps(TINY_KWARGS), "--batch-size", "4", "--backend", "eager"]
+    assert stale_reasons(base) == []
+    assert any("spec differs" in s and "precision" in s for s in stale_reasons(base + ["--precision", "bf16"]))
+    assert any("backend" in s for s in stale_reasons(base + ["--backend", "aot"]))
+    assert any("spec differs" in s for s in stale_reasons(base + ["--batch-size", "8"]))
+
+
+def test_missing_checkpoint_fails_loudly(tmp_path):
+    r = _build(_env(tmp_path / "absent.safetensors", tmp_path / "art"))
+    assert r.returncode != 0
+    assert "FAILED" in r.stderr and "checkpoint not found" in r.stderr and "absent.safetensors" in r.stderr
+    assert not (tmp_path / "art").exists()
+
+
+def test_bad_device_fails_loudly(tmp_path, read_only_checkpoint):
+    r = _build(_env(read_only_checkpoint, tmp_path / "art", ENGINE_DEVICE="tpu"))
+    assert r.returncode != 0 and "ENGINE_DEVICE must be" in r.stderr
