@@ -93,37 +93,51 @@ def class_ids(k: int, seed: int) -> np.ndarray:
 TEMPLATE_SEED = 0  # the "world" of classes: shared by every cohort and the tiny checkpoint's head
 
 
+def _make_image(args: tuple) -> tuple[bytes, int, str]:
+    """One cohort file from its own seeded stream: (bytes, template index, encoding)."""
+    seed, i, count, broken, classes, template_seed = args
+    rng = np.random.default_rng([seed, i])  # per image: the same cohort whatever the worker count
+    t_idx = int(rng.integers(classes))
+    t = templates(classes, template_seed)[t_idx]
+    if i >= count - broken:
+        kind = BROKEN[(count - 1 - i) % len(BROKEN)]
+        return _broken(kind, t, rng), t_idx, f"broken:{kind}"
+    w, h = (int(v) for v in rng.integers(150, 801, 2))
+    data, desc = encode(render(t, w, h, rng), rng, str(rng.choice(KINDS)))
+    return data, t_idx, desc
+
+
 def make_cohort(out: Path, count: int, seed: int = 0, classes: int = 100, broken: int | None = None,
-                template_seed: int = TEMPLATE_SEED) -> dict:
+                template_seed: int = TEMPLATE_SEED, workers: int = 1) -> dict:
     """Write `out/images/...`, `out/manifest.tsv` and `out/cohort.json`; return the cohort record.
 
     `seed` draws the images; `template_seed` fixes the class templates, which must match the
-    checkpoint's for its predictions to have trained-looking margins.
+    checkpoint's for its predictions to have trained-looking margins. `workers` > 1 renders
+    in parallel processes (same bytes).
     """
     rng = np.random.default_rng(seed)
-    tpl = templates(classes, template_seed)
     broken = max(1, count // 100) if broken is None else broken
     (out / "images").mkdir(parents=True, exist_ok=True)
+    jobs = [(seed, i, count, broken, classes, template_seed) for i in range(count)]
+    if workers > 1:
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(workers) as pool:
+            made = list(pool.map(_make_image, jobs, chunksize=16))
+    else:
+        made = [_make_image(j) for j in jobs]
     rows, items = [], []
-    for i in range(count):
+    for i, (data, c, desc) in enumerate(made):
         rid = f"{rng.integers(1 << 62):016x}"  # randomized request ids: order is by row, never by id
         rel = f"images/{i % 10:02d}/gen_{i:06d}.JPEG"
         (out / rel).parent.mkdir(parents=True, exist_ok=True)
-        c = int(rng.integers(classes))
-        if i >= count - broken:
-            kind = BROKEN[(count - 1 - i) % len(BROKEN)]
-            data = _broken(kind, tpl[c], rng)
-            desc = f"broken:{kind}"
-        else:
-            w, h = (int(v) for v in rng.integers(150, 801, 2))
-            data, desc = encode(render(tpl[c], w, h, rng), rng, str(rng.choice(KINDS)))
         (out / rel).write_bytes(data)
         rows.append(f"{rid}\t{rel}\n")
         items.append({"request_id": rid, "path": rel, "template": c, "encoding": desc})
     order = rng.permutation(count)  # broken files land anywhere in the manifest
     (out / "manifest.tsv").write_text("".join(rows[j] for j in order))
-    record = {"seed": seed, "template_seed": template_seed, "count": count, "classes": classes, "made_from": "procedural renders; no real images",
-              "items": [items[j] for j in order]}
+    record = {"seed": seed, "template_seed": template_seed, "count": count, "classes": classes,
+              "made_from": "procedural renders; no real images", "items": [items[j] for j in order]}
     (out / "cohort.json").write_text(json.dumps(record, indent=1) + "\n")
     return record
 

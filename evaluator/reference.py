@@ -25,9 +25,9 @@ from evaluator.manifest import read_manifest, resolve_image
 
 
 @torch.inference_mode()
-def reference_top1(spec: Spec, checkpoint: Path, paths: list[Path | None]) -> np.ndarray:
+def reference_top1(spec: Spec, checkpoint: Path, paths: list[Path | None], device: str = "cpu") -> np.ndarray:
     """int32 [N] top-1 of the FP32 eager model, one image at a time; -1 where PIL cannot read."""
-    model = load_model(spec, checkpoint)
+    model = load_model(spec, checkpoint).to(device)
     out = np.full(len(paths), -1, np.int32)
     for i, p in enumerate(paths):
         if p is None:
@@ -36,7 +36,7 @@ def reference_top1(spec: Spec, checkpoint: Path, paths: list[Path | None]) -> np
             x = reference_tensor(p.read_bytes(), spec)   # [3, S, S] float32
         except Exception:  # noqa: BLE001 - unreadable for the reference: no answer
             continue
-        out[i] = int(model(x[None]).argmax(-1))
+        out[i] = int(model(x[None].to(device)).argmax(-1))
     return out
 
 
@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--crop-mode")
     p.add_argument("--crop-pct", type=float)
     p.add_argument("--model-kwargs", type=json.loads)
+    p.add_argument("--device", default="cpu", help="cpu or cuda (FP32 either way; TF32 left at torch's defaults)")
     a = p.parse_args(argv)
     t0 = time.perf_counter()
     spec = resolve_spec(a.model, input_size=a.input_size, crop_mode=a.crop_mode, crop_pct=a.crop_pct,
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
             paths.append(resolve_image(a.image_root, r.path))
         except ValueError:
             paths.append(None)
-    top1 = reference_top1(spec, a.checkpoint, paths)
+    top1 = reference_top1(spec, a.checkpoint, paths, a.device)
     top1.astype("<i4").tofile(a.output)
     print(json.dumps({"images": len(rows), "unreadable": int((top1 < 0).sum()),
                       "seconds": round(time.perf_counter() - t0, 3)}), file=sys.stderr)

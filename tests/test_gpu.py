@@ -1,0 +1,80 @@
+"""GPU paths against their CPU reference twins. Marked `gpu`: skipped cleanly without CUDA."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+from conftest import run_abi, tiny_spec
+
+from engine.decode_pil import decode_pil
+from evaluator.agreement import agreement
+from evaluator.manifest import read_manifest
+from evaluator.reference import reference_top1
+
+pytestmark = pytest.mark.gpu
+
+
+def _blobs(cohort):
+    items = json.loads((cohort / "cohort.json").read_text())["items"]
+    return items, [(cohort / it["path"]).read_bytes() for it in items]
+
+
+@pytest.mark.parametrize("name", ["nvjpeg", "dali-gpu"])
+@pytest.mark.parametrize("crop_mode", ["squash", "center"])
+def test_gpu_decoders_match_the_reference(small_cohort, name, crop_mode):
+    if name == "dali-gpu":
+        pytest.importorskip("nvidia.dali")
+    from engine.decode import _create
+
+    spec = tiny_spec(crop_mode)
+    items, blobs = _blobs(small_cohort)
+    got, failed = _create(name, spec, len(blobs), None).decode(blobs)
+    got = got.cpu().numpy()
+    broken = {i for i, it in enumerate(items) if it["encoding"].startswith("broken")}
+    assert set(failed) == broken
+    diffs = []
+    for i, blob in enumerate(blobs):
+        if i not in broken:
+            d = np.abs(got[i].astype(int) - decode_pil(blob, spec).astype(int))
+            diffs.append(d.mean())
+            assert d.mean() < 2.0, (name, items[i]["encoding"], d.mean())  # nvJPEG's IDCT/upsampling differ
+    assert np.mean(diffs) < 1.0
+
+
+@pytest.mark.parametrize("backend,precision", [("eager", "fp32"), ("eager", "bf16"), ("eager", "fp16"),
+                                               ("aot", "fp32"), ("aot", "bf16")])
+def test_cuda_artifacts_agree_with_the_fp32_reference(cohort, tiny_checkpoint, tmp_path, backend, precision):
+    from engine.build import build
+
+    art = tmp_path / "art"
+    build(tiny_spec("squash", 32, precision), tiny_checkpoint, art, backend=backend, device="cuda")
+    out = tmp_path / "p.i32"
+    r = run_abi(cohort / "manifest.tsv", cohort, out, art)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = read_manifest(cohort / "manifest.tsv")
+    ref = reference_top1(tiny_spec("squash"), tiny_checkpoint, [cohort / x.path for x in rows], "cuda")
+    res = agreement(np.fromfile(out, "<i4"), ref, 0.995)
+    assert res.passed, f"{backend}/{precision}: {res.matches}/{res.total}"
+
+
+def test_cuda_graph_replay_equals_plain_launches(tiny_checkpoint, tmp_path):
+    from engine.artifact import load_artifact
+    from engine.build import build
+    from engine.runtime import load_runtime
+
+    art = tmp_path / "art"
+    build(tiny_spec("squash", 16), tiny_checkpoint, art, backend="eager", device="cuda")
+    x = np.random.default_rng(0).integers(0, 256, (16, 112, 112, 3), dtype=np.uint8)
+    graphed = load_runtime(load_artifact(art))
+    assert graphed.cuda_graph
+    os.environ["ENGINE_CUDA_GRAPHS"] = "0"
+    try:
+        plain = load_runtime(load_artifact(art))
+    finally:
+        del os.environ["ENGINE_CUDA_GRAPHS"]
+    assert not plain.cuda_graph
+    a, b = graphed.run(x), plain.run(x)
+    assert np.array_equal(a, b)
+    assert np.array_equal(graphed.run(x[::-1].copy()), b[::-1])  # a second replay sees new input
