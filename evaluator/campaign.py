@@ -1,6 +1,7 @@
 """Evidence campaign: N fresh timed processes of a workload, judged by MLPerf-EDU-style rules.
 
     python -m evaluator.campaign run --workload eva02-imagenet1k --profile min|max|pro --runs 5 --out DIR
+    python -m evaluator.campaign run --workload cir-retrieval --profile min|max|pro --runs 5 --out DIR
     python -m evaluator.campaign verify DIR/campaign.provd.json
     python -m evaluator.campaign package DIR --out FILE.tar.gz
     python -m evaluator.campaign render DIR/disclosure.json
@@ -26,11 +27,12 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from evaluator import disclosure, fingerprint, provd, report_html
+from evaluator import campaign_cir, disclosure, fingerprint, provd, report_html
 from evaluator.campaign_workloads import (
     PROFILES,
     WORKLOADS,
     RunInputs,
+    UsageError,
     default_runner,
     load_reference,
     manifest_rows,
@@ -52,9 +54,14 @@ class RunArgs:
     image_root: Path | None = None
     reference: Path | None = None
     artifact: Path | None = None
+    index_dir: Path | None = None
+    queries: Path | None = None
+    labels: tuple[Path, ...] = ()
+    clip_dir: Path | None = None
     config_note: str | None = None
-    split: str = "imagenet-1k-val"
+    split: str | None = None
     count: int = 64
+    requests: int = 60
     seed: int = 0
     prepared: Path | None = None
     timeout_s: float = 1800.0
@@ -62,10 +69,6 @@ class RunArgs:
     source_dir: Path = REPO_ROOT
     attach: tuple[Path, ...] = ()
     require_promotion: bool = False
-
-
-class UsageError(Exception):
-    """A campaign that cannot start as asked (exit status 2)."""
 
 
 def git_state(source_dir: Path, exclude: Path | None = None) -> dict:
@@ -98,6 +101,13 @@ def images_sha256(inputs: RunInputs) -> str:
             digest = "REFUSED"  # escapes the image root: the run refuses it too
         h.update(f"{rid}\t{rel}\t{digest}\n".encode())
     return h.hexdigest()
+
+
+def input_copies(inputs: RunInputs) -> dict[str, tuple[Path, str]]:
+    """name -> (source file, path in OUT) of the inputs copied into the evidence folder."""
+    return {"cohort_manifest": (inputs.manifest, "inputs/manifest.tsv"),
+            "reference": (inputs.reference, f"inputs/reference{inputs.reference.suffix}"),
+            "artifact_manifest": (inputs.artifact / "manifest.json", "inputs/artifact_manifest.json")}
 
 
 def input_digests(inputs: RunInputs) -> dict[str, str]:
@@ -142,15 +152,22 @@ def check_args(a: RunArgs) -> None:
     if not workload.runnable:
         raise UsageError(f"workload {a.workload} is {'/'.join(workload.roles)}: {workload.rule}")
     profile = PROFILES[a.profile]
-    missing = [f"--{name.replace('_', '-')}" for name in profile.required if getattr(a, name) in (None, "")]
+    flag = lambda name: f"--{name.replace('_', '-')}"  # noqa: E731
+    given = lambda name: getattr(a, name) not in (None, "", ())  # noqa: E731
+    needed = (workload.real_inputs if profile.dataset_mode == "real" else ()) + profile.required
+    missing = [flag(name) for name in needed if not given(name)]
     if missing:
         raise UsageError(f"profile {a.profile} requires {', '.join(missing)}")
+    foreign = sorted({flag(name) for w in WORKLOADS.values() for name in w.real_inputs
+                      if name not in workload.real_inputs and given(name)})
+    if foreign:
+        raise UsageError(f"{', '.join(foreign)}: not an input of workload {a.workload}")
     if a.runs < 1:
         raise UsageError("--runs must be >= 1")
     if a.out.exists() and any(a.out.iterdir()):
         raise UsageError(f"--out {a.out}: not empty (an evidence folder is written once)")
-    if a.runner is None and not (a.source_dir / "scripts" / "run").is_file():
-        raise UsageError(f"{a.source_dir / 'scripts' / 'run'}: missing (the contest ABI entry point)")
+    if a.runner is None and not (a.source_dir / workload.entry).is_file():
+        raise UsageError(f"{a.source_dir / workload.entry}: missing (the contest ABI entry point)")
     for path in a.attach:
         summarise_benchmark(path)  # refuse a bad attachment before spending time on runs
 
@@ -173,17 +190,16 @@ def resolve_inputs(a: RunArgs, tmp: Path) -> tuple[RunInputs, dict]:
     for name in ("image_root", "artifact"):
         if not getattr(a, name).is_dir():
             raise UsageError(f"--{name.replace('_', '-')} {getattr(a, name)}: not a directory")
+    split = a.split or "imagenet-1k-val"
     inputs = RunInputs(a.manifest.resolve(), a.image_root.resolve(), a.reference.resolve(), a.artifact.resolve(),
-                       len(manifest_rows(a.manifest)), "real", a.split)
-    return inputs, {"mode": "real", "split": a.split, "rows": inputs.rows}
+                       len(manifest_rows(a.manifest)), "real", split)
+    return inputs, {"mode": "real", "split": split, "rows": inputs.rows}
 
 
-def copy_evidence(inputs: RunInputs, attach: tuple[Path, ...], out: Path) -> tuple[dict, list[dict], dict]:
+def copy_evidence(copies: dict[str, tuple[Path, str]], attach: tuple[Path, ...],
+                  out: Path) -> tuple[dict, list[dict], dict]:
     """Copy the inputs and attachments into OUT; return (input files, attachment records, provd roles)."""
     (out / "inputs").mkdir()
-    copies = {"cohort_manifest": (inputs.manifest, "inputs/manifest.tsv"),
-              "reference": (inputs.reference, f"inputs/reference{inputs.reference.suffix}"),
-              "artifact_manifest": (inputs.artifact / "manifest.json", "inputs/artifact_manifest.json")}
     files, roles = {}, {}
     for name, (src, rel) in copies.items():
         if src.is_file():
@@ -206,27 +222,34 @@ def run_campaign(a: RunArgs) -> dict:
     workload = WORKLOADS[a.workload]
     a.source_dir = a.source_dir.resolve()
     out = a.out.resolve()
-    abi = default_runner(a.source_dir)
+    abi = default_runner(a.source_dir, workload.entry)
     runner = shlex.split(a.runner) if a.runner else abi
     with tempfile.TemporaryDirectory(prefix="campaign-") as tmp:
-        inputs, dataset = resolve_inputs(a, Path(tmp))
+        if workload.workload_id == campaign_cir.WORKLOAD_ID:
+            inputs, dataset = campaign_cir.resolve_inputs(a, Path(tmp))
+            judge, artifact_manifest = inputs.judge, campaign_cir.index_meta(inputs)
+            digests, copies, run = campaign_cir.input_digests, campaign_cir.input_copies(inputs), campaign_cir.run_once
+        else:
+            inputs, dataset = resolve_inputs(a, Path(tmp))
+            judge = load_reference(inputs.reference, inputs.manifest)
+            am_path = inputs.artifact / "manifest.json"
+            artifact_manifest = json.loads(am_path.read_text()) if am_path.is_file() else {}
+            digests, copies, run = input_digests, input_copies(inputs), run_once
         out.mkdir(parents=True, exist_ok=True)  # only once the inputs exist
-        ref = load_reference(inputs.reference, inputs.manifest)
-        am_path = inputs.artifact / "manifest.json"
-        artifact_manifest = json.loads(am_path.read_text()) if am_path.is_file() else {}
         started, git_before, load_before = _now(), git_state(a.source_dir, out), _loadavg()
-        fp_before, digests_before = fingerprint.collect(), input_digests(inputs)
+        fp_before, digests_before = fingerprint.collect(), digests(inputs)
         runs = []
         for i in range(1, a.runs + 1):
-            record = run_once(i, runner, inputs, ref, out, a.source_dir, a.timeout_s)
+            record = run(i, runner, inputs, judge, out, a.source_dir, a.timeout_s)
             runs.append(record)
-            status = f"{record.wall_s:.3f} s, {record.matches}/{record.total}" if record.ok else record.reason
+            judged = f"raw {record.quality['raw']:.4f}" if record.quality else f"{record.matches}/{record.total}"
+            status = f"{record.wall_s:.3f} s, {judged}" if record.ok else record.reason
             print(f"campaign: run {i}/{a.runs}: {'ok' if record.ok else 'FAILED'} ({status})", file=sys.stderr)
             if not record.ok:
                 break  # one failed process invalidates the attempt; runs are never retried
-        digests_after, fp_after = input_digests(inputs), fingerprint.collect()
+        digests_after, fp_after = digests(inputs), fingerprint.collect()
         git_after, load_after = git_state(a.source_dir, out), _loadavg()
-        files, attachments, roles = copy_evidence(inputs, a.attach, out)
+        files, attachments, roles = copy_evidence(copies, a.attach, out)
     facts = disclosure.CampaignFacts(
         workload=workload, profile=PROFILES[a.profile], runs_requested=a.runs, runs=runs,
         dataset=dataset | {"files": files}, digests_before=digests_before, digests_after=digests_after,
@@ -306,13 +329,20 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--image-root", type=Path, help="max/pro: root the manifest paths are relative to")
     r.add_argument("--reference", type=Path, help="max/pro: reference answers (.i32 or .tsv)")
     r.add_argument("--artifact", type=Path, help="max/pro: prebuilt engine artifact dir")
+    r.add_argument("--index-dir", type=Path, help="cir max/pro: gallery index built by scripts/build.sh")
+    r.add_argument("--queries", type=Path, help="cir max/pro: requests JSONL")
+    r.add_argument("--labels", type=Path, action="append", default=[],
+                   help="cir max/pro: labels (JSONL or CIRCO/CIRR annotation JSON; repeatable)")
+    r.add_argument("--clip-dir", type=Path, help="cir max/pro: the CLIP the index was built with (CLIP_MODEL_DIR)")
     r.add_argument("--config-note", help="pro: the research configuration, declared")
-    r.add_argument("--split", default="imagenet-1k-val", help="max/pro: dataset split label")
-    r.add_argument("--count", type=int, default=64, help="min: generated images")
+    r.add_argument("--split", help="max/pro: dataset split label (eva02 default imagenet-1k-val)")
+    r.add_argument("--count", type=int, default=64,
+                   help=f"min: generated images (cir: gallery, rounded up to groups of {campaign_cir.PER_TEMPLATE})")
+    r.add_argument("--requests", type=int, default=60, help="cir min: generated requests")
     r.add_argument("--seed", type=int, default=0, help="min: generator seed (0 is canonical)")
-    r.add_argument("--prepared", type=Path, help="min: reuse a dir written by `evaluator.demo prepare`")
+    r.add_argument("--prepared", type=Path, help="eva02 min: reuse a dir written by `evaluator.demo prepare`")
     r.add_argument("--timeout-s", type=float, default=1800.0, help="per-run wall limit")
-    r.add_argument("--runner", help="command replacing scripts/run (shell words; not promotable)")
+    r.add_argument("--runner", help="command replacing the workload's ABI entry point (shell words; not promotable)")
     r.add_argument("--source-dir", type=Path, default=REPO_ROOT, help="git tree the runs come from")
     r.add_argument("--attach", type=Path, action="append", default=[], help="pytest-benchmark JSON (repeatable)")
     r.add_argument("--require-promotion", action="store_true", help="exit 1 unless promoted")
@@ -337,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         if ns.command == "render":
             return cmd_render(ns.disclosure, ns.out)
         fields = {k: v for k, v in vars(ns).items() if k != "command"}
-        fields["attach"] = tuple(fields["attach"])
+        fields["attach"], fields["labels"] = tuple(fields["attach"]), tuple(fields["labels"])
         return cmd_run(RunArgs(**fields))
     except UsageError as exc:
         print(f"campaign: {exc}", file=sys.stderr)

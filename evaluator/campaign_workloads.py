@@ -40,6 +40,10 @@ RESULT_ROLES = {
 AGREEMENT_GATE = 0.99
 
 
+class UsageError(Exception):
+    """A campaign that cannot start as asked (exit status 2)."""
+
+
 @dataclass(frozen=True)
 class Workload:
     workload_id: str
@@ -49,6 +53,13 @@ class Workload:
     quality_metric: str
     rule: str = ""
     runnable: bool = True
+    entry: str = "scripts/run"  # the ABI entry point of the source tree; any other runner is not promotable
+    real_inputs: tuple[str, ...] = ()  # RunArgs fields the max/pro profiles require
+    min_roles: tuple[str, ...] | None = None  # roles on the min profile, where they differ
+
+    def roles_for(self, profile: str) -> tuple[str, ...]:
+        """The roles this workload's numbers have on a profile."""
+        return self.min_roles if profile == "min" and self.min_roles else self.roles
 
 
 WORKLOADS = {
@@ -59,15 +70,29 @@ WORKLOADS = {
         gate=f"top-1 agreement with the reference answers >= {AGREEMENT_GATE:.0%} in every run and in aggregate",
         quality_metric="agreement",
         rule="contest ABI; wall time from process start to reaped exit, measured outside the process",
+        real_inputs=("manifest", "image_root", "reference", "artifact"),
     ),
     "cir-retrieval": Workload(
         workload_id="cir-retrieval",
-        roles=("deferred",),
-        abi="scripts/build.sh + scripts/run.sh (retrieval ABI)",
-        gate="run validity checks",
-        quality_metric="mean of CIRCO mAP@5/10/25/50 and CIRR Recall@1/5/10/50",
-        rule="joins when the retrieval ABI exists; gate = run validity checks; quality = its metric",
-        runnable=False,
+        roles=("score-bearing", "performance-bearing"),
+        min_roles=("systems-only",),
+        abi="scripts/run.sh --index-dir INDEX --queries QUERIES.jsonl --output OUT.jsonl --report REPORT.json "
+            "(retrieval ABI; INDEX built beforehand by scripts/build.sh --corpus DIR --index-dir INDEX)",
+        gate="run validity: exit status 0; one row per request, in request order; each row at most 50 "
+             "distinct image ids, all in the index, the request's reference image excluded; scores finite "
+             "and non-increasing",
+        quality_metric="raw quality of evaluator.score_retrieval (equal-weight mean of CIRCO mAP@5/10/25/50 "
+                       "and CIRR Recall@1/5/10/50) and its reward mapping, scored against the labels per run",
+        rule="retrieval ABI. The gallery index is built once before the runs (scripts/build.sh: untimed "
+             "preparation, part of no metric). One run = one fresh scripts/run.sh process answering every "
+             "request into a fresh output file (never resumed from an earlier run's output), timed from "
+             "process start to reaped exit outside the process; every run must pass the gate. min profile "
+             "(generated corpus, tiny random CLIP): systems-only, its wall times are engineering insight and "
+             "its quality number is a functional check, never shown as quality. max/pro profiles (a real "
+             "index, its requests, labels and CLIP): score-bearing and performance-bearing, the raw quality "
+             "and the wall time are results only from a promoted campaign.",
+        entry="scripts/run.sh",
+        real_inputs=("index_dir", "queries", "labels", "clip_dir"),
     ),
 }
 
@@ -75,18 +100,16 @@ WORKLOADS = {
 @dataclass(frozen=True)
 class Profile:
     name: str
-    dataset_mode: str  # generated | real
+    dataset_mode: str  # generated | real (a real profile also requires its workload's real_inputs)
     result_role: str
     promotable: bool
-    required: tuple[str, ...] = ()
+    required: tuple[str, ...] = ()  # RunArgs fields required beyond the workload's inputs
 
 
 PROFILES = {
     "min": Profile("min", "generated", "functional", promotable=False),
-    "max": Profile("max", "real", "canonical", promotable=True,
-                   required=("manifest", "image_root", "reference", "artifact")),
-    "pro": Profile("pro", "real", "research", promotable=True,
-                   required=("manifest", "image_root", "reference", "artifact", "config_note")),
+    "max": Profile("max", "real", "canonical", promotable=True),
+    "pro": Profile("pro", "real", "research", promotable=True, required=("config_note",)),
 }
 
 
@@ -117,6 +140,7 @@ class RunRecord:
     total: int | None
     files: dict[str, str] = field(default_factory=dict)  # role -> path relative to OUT
     timing: dict | None = None
+    quality: dict | None = None  # workloads scored per run (cir-retrieval): raw, reward, ...
 
 
 def manifest_rows(manifest: Path) -> list[tuple[str, str]]:
@@ -150,9 +174,9 @@ def check_predictions(path: Path, ref: np.ndarray) -> tuple[int, int, str | None
     return res.matches, res.total, None
 
 
-def default_runner(source_dir: Path) -> list[str]:
-    """The contest ABI entry point, `scripts/run`, of the source tree."""
-    script = source_dir / "scripts" / "run"
+def default_runner(source_dir: Path, entry: str = "scripts/run") -> list[str]:
+    """The command of an ABI entry point (`scripts/run`, `scripts/run.sh`) of the source tree."""
+    script = source_dir / entry
     return [str(script)] if os.access(script, os.X_OK) else ["bash", str(script)]
 
 
@@ -163,6 +187,36 @@ def _kill_group(proc: subprocess.Popen) -> None:
     except ProcessLookupError:
         print(f"campaign: process group {proc.pid} already gone", file=sys.stderr)
     proc.wait()
+
+
+def timed_run(cmd: list[str], cwd: Path, env: dict, stdout: Path, stderr: Path,
+              timeout_s: float) -> tuple[int | None, float, bool]:
+    """(exit status, wall seconds, timed out) of one fresh process group, timed from outside it."""
+    timed_out = False
+    with open(stdout, "wb") as so, open(stderr, "wb") as se:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=so, stderr=se,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _kill_group(proc)
+        except BaseException:  # Ctrl-C: leave no run behind, then stop the campaign
+            _kill_group(proc)
+            raise
+        wall_s = time.perf_counter() - t0
+    return proc.returncode, wall_s, timed_out
+
+
+def process_failure(exit_code: int | None, timed_out: bool, timeout_s: float, stderr: Path) -> str | None:
+    """Why a run's process failed (timeout, non-zero exit with the last stderr line), or None."""
+    if timed_out:
+        return f"timed out after {timeout_s:g} s (process group killed)"
+    if exit_code != 0:
+        tail = stderr.read_text(errors="replace").strip().splitlines()[-1:]
+        return f"exit status {exit_code}" + (f": {tail[0][:200]}" if tail else "")
+    return None
 
 
 def run_once(index: int, runner: list[str], inputs: RunInputs, ref: np.ndarray, out: Path,
@@ -178,28 +232,11 @@ def run_once(index: int, runner: list[str], inputs: RunInputs, ref: np.ndarray, 
     }
     env = {**os.environ, "ENGINE_ARTIFACT": str(inputs.artifact), "CONTEST_REPORT": str(files["timing"])}
     cmd = [*runner, str(inputs.manifest), str(inputs.image_root), str(files["predictions"])]
-    timed_out = False
-    with open(files["stdout"], "wb") as so, open(files["stderr"], "wb") as se:
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, cwd=source_dir, env=env, stdout=so, stderr=se,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            _kill_group(proc)
-        except BaseException:  # Ctrl-C: leave no run behind, then stop the campaign
-            _kill_group(proc)
-            raise
-        wall_s = time.perf_counter() - t0
+    exit_code, wall_s, timed_out = timed_run(cmd, source_dir, env, files["stdout"], files["stderr"], timeout_s)
     rel = {k: v.relative_to(out).as_posix() for k, v in files.items() if v.exists()}
-    record = RunRecord(index, False, None, wall_s, proc.returncode, timed_out, None, None, rel)
-    if timed_out:
-        record.reason = f"timed out after {timeout_s:g} s (process group killed)"
-        return record
-    if proc.returncode != 0:
-        tail = files["stderr"].read_text(errors="replace").strip().splitlines()[-1:]
-        record.reason = f"exit status {proc.returncode}" + (f": {tail[0][:200]}" if tail else "")
+    record = RunRecord(index, False, None, wall_s, exit_code, timed_out, None, None, rel)
+    record.reason = process_failure(exit_code, timed_out, timeout_s, files["stderr"])
+    if record.reason:
         return record
     record.matches, record.total, problem = check_predictions(files["predictions"], ref)
     if problem:

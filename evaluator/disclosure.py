@@ -11,6 +11,7 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from evaluator import campaign_cir
 from evaluator.campaign_workloads import (
     AGREEMENT_GATE,
     RESULT_ROLES,
@@ -42,7 +43,7 @@ class CampaignFacts:
     dataset: dict  # mode, split, rows, seed, count, and the copied input files
     digests_before: dict[str, str]  # name -> sha256 (manifest, reference, images, artifact tree)
     digests_after: dict[str, str]
-    artifact_manifest: dict
+    artifact_manifest: dict  # eva02: the engine artifact's manifest.json; cir-retrieval: the index's meta.json
     fingerprint_before: dict
     fingerprint_after: dict
     git_before: dict  # sha, dirty, error
@@ -87,6 +88,10 @@ def _device_kind(device: str | None) -> str | None:
     return device.split(":")[0].lower() if isinstance(device, str) else None
 
 
+def _is_cir(f: CampaignFacts) -> bool:
+    return f.workload.workload_id == campaign_cir.WORKLOAD_ID
+
+
 def promotion_reasons(f: CampaignFacts) -> list[str]:
     """Every reason the campaign cannot be promoted; empty means promoted."""
     reasons = []
@@ -98,9 +103,10 @@ def promotion_reasons(f: CampaignFacts) -> list[str]:
         reasons.append(f"only {len(ok)} of {f.runs_requested} requested runs are valid")
     if f.runs_requested < MIN_RUNS:
         reasons.append(f"{f.runs_requested} runs requested; promotion needs {MIN_RUNS} fresh processes")
-    matches, total = sum(r.matches for r in ok), sum(r.total for r in ok)
-    if not total or matches < AGREEMENT_GATE * total:
-        reasons.append(f"aggregate gate failed: agreement {matches}/{total} < {AGREEMENT_GATE:.0%}")
+    if not _is_cir(f):  # cir-retrieval's gate is per run only (its output's validity)
+        matches, total = sum(r.matches for r in ok), sum(r.total for r in ok)
+        if not total or matches < AGREEMENT_GATE * total:
+            reasons.append(f"aggregate gate failed: agreement {matches}/{total} < {AGREEMENT_GATE:.0%}")
     cv = summary([r.wall_s for r in ok])["cv"]
     if cv is None:
         reasons.append("timing CV undefined (fewer than 2 valid runs)")
@@ -119,14 +125,15 @@ def promotion_reasons(f: CampaignFacts) -> list[str]:
         if f.digests_before.get(name) != f.digests_after.get(name):
             reasons.append(f"digest changed during the campaign: {name}")
     if not f.runner_is_abi:
-        reasons.append("runner is not the contest ABI entry point scripts/run")
+        reasons.append(f"runner is not the contest ABI entry point {f.workload.entry}")
     executed = sorted({str(pick(r.timing or {}, "device")) for r in ok})
     backends = sorted({str(pick(r.timing or {}, "backend")) for r in ok})
     if len(executed) > 1:
         reasons.append(f"runs executed on different devices: {executed}")
     if len(backends) > 1:
         reasons.append(f"runs used different backends: {backends}")
-    requested = _device_kind(pick(f.artifact_manifest, "device", "spec.device"))
+    # An eva02 artifact requests a device; a CIR index only records where it was built.
+    requested = None if _is_cir(f) else _device_kind(pick(f.artifact_manifest, "device", "spec.device"))
     if requested and len(executed) == 1 and _device_kind(executed[0]) != requested:
         reasons.append(f"executed device {executed[0]} differs from requested {requested}")
     return reasons
@@ -153,36 +160,13 @@ def _failed_entry(r: RunRecord) -> dict:
             "files": r.files}
 
 
-def build(f: CampaignFacts) -> dict:
-    """The disclosure dict (write it with write())."""
-    reasons = promotion_reasons(f)
-    promoted = not reasons
-    if not f.profile.promotable:
-        status = f"not-promotable: {f.profile.name} profile"
-    else:
-        status = "promoted" if promoted else "not-promoted"
+def _eva02_parts(f: CampaignFacts, promoted: bool) -> dict:
+    """quality, model, device, configuration and runs of an eva02-imagenet1k disclosure."""
     ok = [r for r in f.runs if r.ok]
     first = (ok[0].timing if ok else None) or {}
     am = f.artifact_manifest
     matches, total = sum(r.matches for r in ok), sum(r.total for r in ok)
     return {
-        "schema": SCHEMA,
-        "notice": NOTICE,
-        "workload": {"id": f.workload.workload_id, "roles": list(f.workload.roles), "abi": f.workload.abi,
-                     "gate": f.workload.gate, "rule": f.workload.rule},
-        "role_rules": ROLE_RULES,
-        "profile": f.profile.name,
-        "mode": "inference", "phase": "full", "scenario": "offline",
-        "result_role": f.profile.result_role,
-        "result_role_rule": RESULT_ROLES[f.profile.result_role],
-        "config_note": f.config_note,
-        "promotion": {"status": status, "promoted": promoted, "reasons": reasons},
-        "attempt": {"valid": len(ok) == f.runs_requested, "runs_requested": f.runs_requested,
-                    "runs_started": len(f.runs), "timeout_s": f.timeout_s,
-                    "rule": "one failed or timed-out process invalidates the attempt; runs are never replaced or retried"},
-        "primary_metric": {"name": "wall_seconds", "unit": "s",
-                           "measured": "process start to reaped exit, time.perf_counter outside the process"}
-        | summary([r.wall_s for r in ok]),
         "quality": {
             "metric": "agreement", "gate": AGREEMENT_GATE,
             "values": [r.matches / r.total for r in ok], "matches": [r.matches for r in ok],
@@ -190,8 +174,6 @@ def build(f: CampaignFacts) -> dict:
             "gate_passed": bool(total) and matches >= AGREEMENT_GATE * total and len(ok) == len(f.runs),
             "shown_as_quality": promoted,
         },
-        "dataset": f.dataset,
-        "digests": {"before": f.digests_before, "after": f.digests_after},
         "model": {
             "name": pick(am, "spec.model", "model", "spec.name", "name"),
             "checkpoint_sha256": pick(am, "checkpoint_sha256", "checkpoint.sha256", "spec.checkpoint_sha256"),
@@ -207,6 +189,54 @@ def build(f: CampaignFacts) -> dict:
             "decoder": first.get("decoder"),
             "runner": f.runner,
         },
+        "runs": [_run_entry(r) for r in ok],
+    }
+
+
+def _cir_parts(f: CampaignFacts, promoted: bool) -> dict:
+    """quality, model, device, configuration and runs of a cir-retrieval disclosure."""
+    ok = [r for r in f.runs if r.ok]
+    first = (ok[0].timing if ok else None) or {}
+    return {"quality": campaign_cir.quality_block(f.workload, f.runs, promoted),
+            **campaign_cir.describe(f.artifact_manifest, f.digests_before, first, f.runner),
+            "runs": [campaign_cir.run_entry(r) for r in ok]}
+
+
+def build(f: CampaignFacts) -> dict:
+    """The disclosure dict (write it with write())."""
+    reasons = promotion_reasons(f)
+    promoted = not reasons
+    if not f.profile.promotable:
+        status = f"not-promotable: {f.profile.name} profile"
+    else:
+        status = "promoted" if promoted else "not-promoted"
+    ok = [r for r in f.runs if r.ok]
+    parts = (_cir_parts if _is_cir(f) else _eva02_parts)(f, promoted)
+    return {
+        "schema": SCHEMA,
+        "notice": NOTICE,
+        "workload": {"id": f.workload.workload_id, "roles": list(f.workload.roles_for(f.profile.name)),
+                     "abi": f.workload.abi, "gate": f.workload.gate, "quality_metric": f.workload.quality_metric,
+                     "rule": f.workload.rule},
+        "role_rules": ROLE_RULES,
+        "profile": f.profile.name,
+        "mode": "inference", "phase": "full", "scenario": "offline",
+        "result_role": f.profile.result_role,
+        "result_role_rule": RESULT_ROLES[f.profile.result_role],
+        "config_note": f.config_note,
+        "promotion": {"status": status, "promoted": promoted, "reasons": reasons},
+        "attempt": {"valid": len(ok) == f.runs_requested, "runs_requested": f.runs_requested,
+                    "runs_started": len(f.runs), "timeout_s": f.timeout_s,
+                    "rule": "one failed or timed-out process invalidates the attempt; runs are never replaced or retried"},
+        "primary_metric": {"name": "wall_seconds", "unit": "s",
+                           "measured": "process start to reaped exit, time.perf_counter outside the process"}
+        | summary([r.wall_s for r in ok]),
+        "quality": parts["quality"],
+        "dataset": f.dataset,
+        "digests": {"before": f.digests_before, "after": f.digests_after},
+        "model": parts["model"],
+        "device": parts["device"],
+        "configuration": parts["configuration"],
         "system": {"fingerprint_sha256": fingerprint_sha256(f.fingerprint_before),
                    "fingerprint_after_sha256": fingerprint_sha256(f.fingerprint_after),
                    "fingerprint": f.fingerprint_before},
@@ -215,7 +245,7 @@ def build(f: CampaignFacts) -> dict:
         "load_notes": {"loadavg_before": f.load_before, "loadavg_after": f.load_after,
                        "power": "not measured"},
         "time": {"started_utc": f.started_utc, "finished_utc": f.finished_utc},
-        "runs": [_run_entry(r) for r in ok],
+        "runs": parts["runs"],
         "failed_runs": [_failed_entry(r) for r in f.runs if not r.ok],
         "attachments": f.attachments,
     }

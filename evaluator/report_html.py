@@ -13,10 +13,12 @@ from html import escape
 
 # Stacked in this order. With a "pipeline" stage (the overlapped read/decode/inference wall),
 # the bar is imports + artifact_load + pipeline + write: parts that do not overlap.
-STAGES = ("imports", "artifact_load", "read", "decode", "inference", "write", "other")
+# setup/query: scripts/run.sh's summary (cir-retrieval: imports + model + index load, then queries).
+STAGES = ("imports", "artifact_load", "setup", "read", "decode", "inference", "query", "write", "other")
 PIPELINED = ("imports", "artifact_load", "pipeline", "write", "other")
-COLORS = {"imports": "#8c6bb1", "artifact_load": "#6a51a3", "read": "#edc948", "decode": "#f28e2b",
-          "inference": "#4e79a7", "pipeline": "#76b7b2", "write": "#59a14f", "other": "#bab0ac"}
+COLORS = {"imports": "#8c6bb1", "artifact_load": "#6a51a3", "setup": "#9c755f", "read": "#edc948",
+          "decode": "#f28e2b", "inference": "#4e79a7", "query": "#e15759", "pipeline": "#76b7b2",
+          "write": "#59a14f", "other": "#bab0ac"}
 CSS = """
 body{font-family:system-ui,-apple-system,"Segoe UI",Roboto,Helvetica,Arial,sans-serif;margin:24px;color:#222;max-width:1100px}
 h1{font-size:22px;margin:0 0 6px} h2{font-size:17px;margin:26px 0 8px;border-bottom:1px solid #ddd;padding-bottom:3px}
@@ -178,21 +180,46 @@ def timeline_svg(run: dict) -> str:
     return f'<div><span class="muted">run {run["index"]}</span><br>{"".join(out)}</div>'
 
 
-def render(doc: dict) -> str:
-    """The full HTML page of a disclosure dict."""
-    promo, pm, q = doc["promotion"], doc["primary_metric"], doc["quality"]
-    badge = "promoted" if promo["promoted"] else promo["status"].split(":")[0]
-    quality_label = "quality result" if q["shown_as_quality"] else "functional check (not shown as quality)"
-    reasons = "".join(f"<li>{escape(r)}</li>" for r in promo["reasons"]) or "<li>none</li>"
-    runs = doc["runs"]
+def quality_rows(q: dict) -> list[tuple[str, object]]:
+    """Result-table rows of the quality block: agreement (eva02) or raw retrieval quality (cir)."""
+    label = "quality result" if q["shown_as_quality"] else "functional check (not shown as quality)"
+    passed = "passed" if q["gate_passed"] else "failed"
+    if q["metric"] == "agreement":
+        return [(f"agreement: {label}", q["values"]),
+                ("agreement aggregate / gate", f"{_fmt(q['aggregate'])} / {q['gate']:.0%} ({passed})")]
+    return [(f"{q['metric']}: {label}", q["values"]), ("reward", q.get("rewards")),
+            (f"{q['metric']} median / identical across runs",
+             f"{_fmt(q['aggregate'])} / {_fmt(q.get('identical_across_runs'))}"),
+            ("quality note", q.get("note") or q.get("raw_note")), ("gate", f"{passed}: {q['gate']}")]
+
+
+def runs_grid(doc: dict) -> str:
+    """One table row per valid run: outside wall, the process's own total, throughput, quality."""
     def total(r: dict):
         t = (r["timing_report"].get("stages") or {}).get("total")
         return t if isinstance(t, (int, float)) else None
 
     # outside - total: what the process cannot time itself (exec before its clock, interpreter exit)
-    run_rows = [[r["index"], r["wall_s"], total(r), r["wall_s"] - total(r) if total(r) is not None else None,
-                 r["timing_report"].get("images_per_s"), r["matches"], r["total"], r["agreement"],
-                 r["timing_report"].get("device"), r["timing_report"].get("backend")] for r in runs]
+    walls = [[r["index"], r["wall_s"], total(r), r["wall_s"] - total(r) if total(r) is not None else None]
+             for r in doc["runs"]]
+    head = ["run", "wall s (outside)", "process total s", "outside - total s"]
+    if doc["quality"]["metric"] == "agreement":
+        return _grid(head + ["images/s", "matches", "rows", "agreement", "device", "backend"],
+                     [w + [r["timing_report"].get("images_per_s"), r["matches"], r["total"], r["agreement"],
+                           r["timing_report"].get("device"), r["timing_report"].get("backend")]
+                      for w, r in zip(walls, doc["runs"])])
+    return _grid(head + ["queries/s", "rows", doc["quality"]["metric"], "reward", "device", "precision"],
+                 [w + [r["timing_report"].get("queries_per_s"), r["rows"], r["raw"], r["reward"],
+                       r["timing_report"].get("device"), r["timing_report"].get("precision")]
+                  for w, r in zip(walls, doc["runs"])])
+
+
+def render(doc: dict) -> str:
+    """The full HTML page of a disclosure dict."""
+    promo, pm = doc["promotion"], doc["primary_metric"]
+    badge = "promoted" if promo["promoted"] else promo["status"].split(":")[0]
+    reasons = "".join(f"<li>{escape(r)}</li>" for r in promo["reasons"]) or "<li>none</li>"
+    runs = doc["runs"]
     failed = doc["failed_runs"]
     timelines = "".join(timeline_svg(r) for r in runs)
     attachments = "".join(
@@ -220,21 +247,20 @@ def render(doc: dict) -> str:
     ("median / min / max (s)", f"{_fmt(pm['median'])} / {_fmt(pm['min'])} / {_fmt(pm['max'])}"),
     ("range / sample stdev (s)", f"{_fmt(pm['range'])} / {_fmt(pm['stdev'])}"),
     ("CV (stdev / mean)", pm["cv"]),
-    (f"agreement: {quality_label}", q["values"]),
-    ("agreement aggregate / gate", f"{_fmt(q['aggregate'])} / {q['gate']:.0%} "
-                                   f"({'passed' if q['gate_passed'] else 'failed'})"),
+    *quality_rows(doc["quality"]),
 ])}
 <h2>Wall seconds per run</h2>{runs_svg(runs, pm['median'])}
 <h2>Stage breakdown (process's own timing report)</h2>{stages_svg(runs)}
 {('<h2>Timeline: decode vs inference (seconds since process start)</h2>' + timelines) if timelines else ''}
-<h2>Runs</h2>{_grid(["run", "wall s (outside)", "process total s", "outside - total s", "images/s", "matches",
-                     "rows", "agreement", "device", "backend"], run_rows)}
+<h2>Runs</h2>{runs_grid(doc)}
 <h2>Failed runs (never part of the metric values)</h2>
 {_grid(["run", "reason", "exit", "timed out"], [[f["index"], f["reason"], f["exit_code"], f["timed_out"]]
                                                for f in failed]) if failed else '<p>none</p>'}
 <h2>Dataset and model</h2>
 {_table([("dataset mode / split", f"{doc['dataset']['mode']} / {doc['dataset']['split']}"),
          ("rows", doc["dataset"]["rows"])]
+        + [(f"dataset {k}", json.dumps(v) if isinstance(v, dict) else v) for k, v in doc["dataset"].items()
+           if k in ("gallery_images", "clip", "preparation")]
         + [(f"sha256 {k}", v) for k, v in doc["digests"]["before"].items()]
         + [(f"model {k}", v) for k, v in doc["model"].items()]
         + [(f"device {k}", v) for k, v in doc["device"].items()]

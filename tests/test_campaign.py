@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from evaluator import campaign, provd
+from evaluator.campaign_workloads import Workload
 
 REPO = Path(__file__).resolve().parent.parent
 ROWS = 24
@@ -293,10 +294,13 @@ def test_executed_device_differs_from_requested(env, tmp_path):
     assert "2 runs requested; promotion needs 5 fresh processes" in reasons
 
 
-def test_deferred_workload_fails_clearly(tmp_path, capsys):
-    rc = campaign.main(["run", "--workload", "cir-retrieval", "--profile", "min", "--out", str(tmp_path / "o")])
+def test_deferred_workload_fails_clearly(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(campaign.WORKLOADS, "later-thing", Workload(
+        "later-thing", ("deferred",), "scripts/later", "none", "none", rule="joins when its ABI exists",
+        runnable=False))
+    rc = campaign.main(["run", "--workload", "later-thing", "--profile", "min", "--out", str(tmp_path / "o")])
     assert rc == 2
-    assert "joins when the retrieval ABI exists" in capsys.readouterr().err
+    assert "workload later-thing is deferred: joins when its ABI exists" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
 
 
