@@ -6,9 +6,11 @@ Reads DIR/records.jsonl ({image_id, path}; paths relative to DIR or absolute), d
 with the engine's decoders (dali-gpu on CUDA, dali-cpu otherwise; ENGINE_DECODER=pil is
 the reference), embeds in batches, and writes the index described in evaluator.cir_index.
 Chunked and resumable: a killed build restarts at its first unfinished chunk. Images no
-decoder can read are listed in meta.json and left out. Env: CLIP_MODEL_DIR,
+decoder can read are listed in meta.json and left out. Build-time extras (gallery mean,
+`--mapping pic2word`, gallery-derived text bank, DBA): evaluator.cir_extras. Env: CLIP_MODEL_DIR,
 CLIP_MODEL_NAME, CLIP_DEVICE, CLIP_PRECISION, CIR_METHOD; CIR_BUILD_STOP_AFTER_CHUNKS=N
-(test hook) stops after N new chunks, as a kill would.
+(test hook) stops after N new chunks, as a kill would; CIR_P2W_STOP_AFTER_STEPS=N (test
+hook) stops the mapping's training after N new steps (resumed from its last checkpoint).
 """
 from __future__ import annotations
 
@@ -43,6 +45,27 @@ class BuildConfig:
     text_weight: float | None = None
     prompt: str | None = None
     force: bool = False
+    mapping: str = "none"          # none | pic2word (evaluator.cir_extras)
+    p2w_epochs: int = 20
+    p2w_steps: int = 0
+    p2w_batch_size: int = 256
+    p2w_lr: float = 1e-4
+    p2w_hidden: int = 512
+    p2w_seed: int = 0
+    p2w_ckpt_every: int = 200
+    p2w_time_budget: float = 2400.0
+    text_bank: int = -1            # -1: 4096 with a mapping, else 0
+    dba: int = 0
+    dba_alpha: float = 3.0
+
+    def extras(self):
+        from engine.pic2word import Pic2WordConfig
+        from evaluator.cir_extras import ExtrasConfig
+
+        p2w = Pic2WordConfig(hidden=self.p2w_hidden, epochs=self.p2w_epochs, steps=self.p2w_steps,
+                             batch_size=self.p2w_batch_size, lr=self.p2w_lr, seed=self.p2w_seed,
+                             ckpt_every=self.p2w_ckpt_every, time_budget_s=self.p2w_time_budget)
+        return ExtrasConfig(self.mapping, p2w, self.text_bank, self.dba, self.dba_alpha)
 
 
 class Progress:
@@ -83,9 +106,26 @@ def parse_args(argv: list[str] | None) -> BuildConfig:
     p.add_argument("--text-weight", type=float, default=None)
     p.add_argument("--prompt", default=None)
     p.add_argument("--force", action="store_true", help="rebuild even if the index is up to date")
+    x = p.add_argument_group("extras (docs/retrieval_quality.md)")
+    x.add_argument("--mapping", default="none", choices=("none", "pic2word"),
+                   help="learn a Pic2Word image-to-word mapping on the gallery (method pic2word)")
+    x.add_argument("--p2w-epochs", type=int, default=20, help="passes over the gallery (when --p2w-steps is 0)")
+    x.add_argument("--p2w-steps", type=int, default=0, help="optimiser steps (0: epochs x N / batch)")
+    x.add_argument("--p2w-batch-size", type=int, default=256)
+    x.add_argument("--p2w-lr", type=float, default=1e-4)
+    x.add_argument("--p2w-hidden", type=int, default=512)
+    x.add_argument("--p2w-seed", type=int, default=0)
+    x.add_argument("--p2w-ckpt-every", type=int, default=200, help="steps between training checkpoints")
+    x.add_argument("--p2w-time-budget", type=float, default=2400.0, help="seconds of training at most")
+    x.add_argument("--text-bank", type=int, default=-1,
+                   help="gallery-derived texts to store (default 4096 with a mapping, else 0)")
+    x.add_argument("--dba", type=int, default=0, help="store DBA rows over N neighbours (0: off)")
+    x.add_argument("--dba-alpha", type=float, default=3.0)
     a = p.parse_args(argv)
     if (a.batch_size is not None and a.batch_size < 1) or a.chunk_size < 1 or a.readers < 1:
         p.error("--batch-size, --chunk-size and --readers must be >= 1")
+    if min(a.p2w_epochs, a.p2w_batch_size, a.p2w_ckpt_every, a.p2w_hidden) < 1 or a.p2w_steps < 0 or a.dba < 0:
+        p.error("--p2w-* sizes must be >= 1 (--p2w-steps, --dba >= 0)")
     return BuildConfig(**vars(a))
 
 
@@ -99,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
         method = make_method(cfg.method, cfg.text_weight, cfg.prompt)
     except ValueError as e:
         _log(f"error: {e}")
+        return 2
+    if method.name == "pic2word" and cfg.mapping != "pic2word":
+        _log("error: --method pic2word needs the mapping: add --mapping pic2word")
         return 2
     records_path = cfg.corpus / "records.jsonl"
     if not records_path.is_file():
@@ -140,7 +183,8 @@ def build(cfg: BuildConfig, records, records_sha: str, towers, info: dict, metho
 
     from engine.decode import make_decoder
     from engine.embed import embed_images
-    from evaluator.cir_index import ChunkStore, commit, read_meta
+    from evaluator.cir_extras import extras_key
+    from evaluator.cir_index import ChunkStore, read_meta
 
     decoder_name = cfg.decoder if cfg.decoder != "auto" else (
         "dali-gpu" if towers.device.type == "cuda" else "dali-cpu")
@@ -150,10 +194,13 @@ def build(cfg: BuildConfig, records, records_sha: str, towers, info: dict, metho
            "clip_spec": spec.to_dict(), "decoder": decoder.name,
            "precision": towers.precision, "device": towers.device.type, "chunk_size": cfg.chunk_size,
            "embed_dim": spec.embed_dim}
+    ekey = extras_key(cfg.extras(), method)
     old = read_meta(cfg.index_dir)
     if old is not None and old.get("build_key") == key and not cfg.force:
-        _log(f"index in {cfg.index_dir} is up to date ({old.get('count')} images); --force rebuilds it")
-        return 0
+        if old.get("extras_key") == ekey:
+            _log(f"index in {cfg.index_dir} is up to date ({old.get('count')} images); --force rebuilds it")
+            return 0
+        return reuse_embeddings(cfg, old, towers, info, ekey, method)
     store = ChunkStore(cfg.index_dir, key)
     done = store.open()
     n_chunks = (len(records) + cfg.chunk_size - 1) // cfg.chunk_size
@@ -212,16 +259,63 @@ def build(cfg: BuildConfig, records, records_sha: str, towers, info: dict, metho
     meta = {"build_key": key, "model": info, "clip_spec": spec.to_dict(), "method": method,
             "decoder": decoder.name, "device": towers.device.type, "precision": towers.precision,
             "records": {"path": str(cfg.corpus / "records.jsonl"), "sha256": records_sha, "usable": len(records)},
+            "corpus": str(cfg.corpus.resolve()),
             "unreadable": failed, "counts": {"records": len(records), "indexed": len(ids), "unreadable": len(failed)},
             "timing": {"load_s": round(t_loaded - t_start, 3), "embed_s": round(t_embed, 3),
                        "images_embedded_this_run": embedded, "images_per_s": round(rate, 2),
                        "resumed_chunks": len(done)}}
-    commit(cfg.index_dir, emb, ids, meta)
+    rc = commit_with_extras(cfg, emb, ids, meta, towers, info, ekey)
+    if rc:
+        return rc
     store.clear()
     _log(f"index: {len(ids)} images, {len(failed)} unreadable, dim {spec.embed_dim} -> {cfg.index_dir}")
     _log(f"embedded {embedded} images in {t_embed:.2f} s: {rate:.1f} images/s "
          f"(decoder {decoder.name}, {towers.device.type} {towers.precision}; model load {t_loaded - t_start:.2f} s)")
     return 0
+
+
+def commit_with_extras(cfg: BuildConfig, emb, ids: list, meta: dict, towers, info: dict, ekey: dict) -> int:
+    """Compute the extras (evaluator.cir_extras), then commit; STOPPED when the training hook fires."""
+    from engine.pic2word import Stopped
+    from evaluator.cir_extras import build_extras
+    from evaluator.cir_index import BUILD_DIR, commit
+
+    t0 = time.perf_counter()
+    try:
+        extra_meta, files = build_extras(cfg.extras(), emb, towers, info["digest"], cfg.index_dir / BUILD_DIR)
+    except Stopped as e:
+        _log(f"pic2word: {e} (CIR_P2W_STOP_AFTER_STEPS)")
+        return STOPPED
+    meta = {**meta, **extra_meta, "extras_key": ekey}
+    meta["timing"] = {**meta.get("timing", {}), "extras_s": round(time.perf_counter() - t0, 3)}
+    commit(cfg.index_dir, emb, ids, meta, files)
+    return 0
+
+
+def reuse_embeddings(cfg: BuildConfig, old: dict, towers, info: dict, ekey: dict, method: dict) -> int:
+    """The embeddings are up to date but the extras or the recorded method differ: redo only those."""
+    import shutil
+
+    import numpy as np
+
+    from evaluator.cir_index import BUILD_DIR, IndexLoadError, load_index
+
+    try:
+        idx = load_index(cfg.index_dir)
+    except IndexLoadError as e:
+        _log(f"error: {e}; pass --force to rebuild")
+        return 2
+    _log(f"embeddings in {cfg.index_dir} are up to date; recomputing the extras only")
+    keep = ("build_key", "model", "clip_spec", "decoder", "device", "precision", "records", "corpus",
+            "unreadable", "counts", "timing")
+    meta = {k: old[k] for k in keep if k in old}
+    meta["method"] = method
+    meta["corpus"] = str(cfg.corpus.resolve())
+    meta["timing"] = {**meta.get("timing", {}), "reused_embeddings": True}
+    rc = commit_with_extras(cfg, np.asarray(idx.emb), idx.ids, meta, towers, info, ekey)
+    if rc == 0:
+        shutil.rmtree(cfg.index_dir / BUILD_DIR / "pic2word", ignore_errors=True)
+    return rc
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
     INDEX_DIR/meta.json                     the commit record (written last, by rename)
     INDEX_DIR/embeddings-<build>.f16.npy    [N, D] float16, L2-normalised rows
     INDEX_DIR/ids-<build>.json              [N] image ids (as given: str or int), row order
+    INDEX_DIR/<extra>-<build>.<ext>         optional build-time extras named in meta.json `files`
+                                            (pic2word mapping, gallery-derived text bank, DBA rows)
     INDEX_DIR/.build/progress.json          resume key of an unfinished build
     INDEX_DIR/.build/chunk-000012.npz       finished chunks (each written to a temp name, renamed)
 
@@ -26,6 +28,7 @@ import numpy as np
 
 FORMAT = "cir-index/1"
 BUILD_DIR = ".build"
+EXTRA_FILES = ("pic2word", "text_bank", "dba")   # optional data files (evaluator.cir_extras)
 
 
 class IndexLoadError(RuntimeError):
@@ -58,6 +61,11 @@ class Index:
     meta: dict
     ids: list                 # [N] image ids as the records gave them
     emb: np.ndarray           # [N, D] float16, memory-mapped
+
+    def extra(self, name: str) -> Path | None:
+        """Path of an optional build-time data file (EXTRA_FILES), or None when this build has none."""
+        f = self.meta.get("files", {}).get(name)
+        return self.dir / f if f else None
 
     def rows(self) -> dict[str, int]:
         """str(image_id) -> row (ids compare as strings: CIRCO ids are ints, CIRR ids strings)."""
@@ -152,23 +160,28 @@ class ChunkStore:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def commit(index_dir: Path, emb: np.ndarray, ids: list, meta: dict) -> dict:
-    """Write the data files under fresh names, then meta.json (the commit), then drop old files."""
+def commit(index_dir: Path, emb: np.ndarray, ids: list, meta: dict,
+           extras: dict[str, tuple[str, bytes]] | None = None) -> dict:
+    """Write the data files under fresh names, then meta.json (the commit), then drop old files.
+    `extras`: {name in EXTRA_FILES: (suffix, bytes)}, written as NAME-<build>SUFFIX."""
     import hashlib
 
     build = uuid.uuid4().hex[:12]
     files = {"embeddings": f"embeddings-{build}.f16.npy", "ids": f"ids-{build}.json"}
-    data = _npy_bytes(np.ascontiguousarray(emb, np.float16))
-    ids_bytes = json.dumps(ids).encode()
-    write_atomic(index_dir / files["embeddings"], data)
-    write_atomic(index_dir / files["ids"], ids_bytes)
+    blobs = {"embeddings": _npy_bytes(np.ascontiguousarray(emb, np.float16)), "ids": json.dumps(ids).encode()}
+    for name, (suffix, data) in (extras or {}).items():
+        if name not in EXTRA_FILES:
+            raise ValueError(f"unknown index extra {name!r} (one of {EXTRA_FILES})")
+        files[name], blobs[name] = f"{name}-{build}{suffix}", data
+    for name, data in blobs.items():
+        write_atomic(index_dir / files[name], data)
     meta = {"format": FORMAT, "build_id": build, "files": files, "count": int(emb.shape[0]),
             "dim": int(emb.shape[1]),
-            "sha256": {"embeddings": hashlib.sha256(data).hexdigest(),
-                       "ids": hashlib.sha256(ids_bytes).hexdigest()}, **meta}
+            "sha256": {name: hashlib.sha256(data).hexdigest() for name, data in blobs.items()}, **meta}
     write_atomic(index_dir / "meta.json", (json.dumps(meta, indent=1) + "\n").encode())
     keep = set(files.values())
-    for p in list(index_dir.glob("embeddings-*.f16.npy")) + list(index_dir.glob("ids-*.json")):
-        if p.name not in keep:
+    old = [index_dir.glob(f"{name}-*") for name in ("embeddings", "ids", *EXTRA_FILES)]
+    for p in (q for g in old for q in g):
+        if p.name not in keep and p.is_file():
             p.unlink(missing_ok=True)
     return meta

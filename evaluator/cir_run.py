@@ -8,9 +8,11 @@ unit query, scores against the whole gallery (one matrix multiply), top 50 exclu
 reference (`kernels.topk.topk`). Output rows: {"query_id", "results": [{"image_id",
 "score"}]}. An existing output resumes after its valid rows (a torn last line is dropped).
 A request whose reference is not in the index is answered from its text alone.
+The method may add gallery-aware options (`slerp+gap+qbnorm`, `pic2word+reinspect`, ...):
+evaluator.cir_query runs them; docs/retrieval_quality.md lists them.
 Env: CLIP_MODEL_DIR, CLIP_MODEL_NAME, CLIP_DEVICE, CLIP_PRECISION, CIR_METHOD,
-CIR_TEXT_WEIGHT, CIR_PROMPT; CIR_RUN_KILL_AFTER_ROWS=N (test hook) SIGKILLs the process
-after N new rows.
+CIR_TEXT_WEIGHT, CIR_PROMPT, CIR_CORPUS; CIR_BANK_CHUNK=0 (reference twin of the streamed
+bank statistics); CIR_RUN_KILL_AFTER_ROWS=N (test hook) SIGKILLs the process after N new rows.
 """
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ class RunConfig:
     resume: bool = True
     allow_model_mismatch: bool = False
     report: Path | None = None
+    corpus: Path | None = None         # image files for re-inspection (default: recorded at build time)
 
 
 def parse_args(argv: list[str] | None) -> RunConfig:
@@ -58,7 +61,8 @@ def parse_args(argv: list[str] | None) -> RunConfig:
     p.add_argument("--model-dir", type=Path, default=None, help="CLIP folder (env CLIP_MODEL_DIR)")
     p.add_argument("--model-name", default=None, help="architecture for a bare state dict (env CLIP_MODEL_NAME)")
     p.add_argument("--method", default=os.environ.get("CIR_METHOD") or None,
-                   help="slerp | sum | text-only (env CIR_METHOD; default: the index's, else slerp)")
+                   help="slerp | sum | text-only | pic2word, optionally +options, e.g. slerp+gap+qbnorm "
+                        "(env CIR_METHOD; default: the index's, else slerp)")
     w = os.environ.get("CIR_TEXT_WEIGHT")
     p.add_argument("--text-weight", type=float, default=float(w) if w else None,
                    help="text weight for every request (env CIR_TEXT_WEIGHT; default per method)")
@@ -72,6 +76,9 @@ def parse_args(argv: list[str] | None) -> RunConfig:
     p.add_argument("--allow-model-mismatch", action="store_true",
                    help="run even if the CLIP differs from the one that built the index")
     p.add_argument("--report", type=Path, default=None, help="also write the run summary JSON here")
+    c = os.environ.get("CIR_CORPUS")
+    p.add_argument("--corpus", type=Path, default=Path(c) if c else None,
+                   help="corpus folder (records.jsonl) for re-inspection (env CIR_CORPUS; default: the index's)")
     a = p.parse_args(argv)
     if a.batch_size < 1 or not 1 <= a.k <= TOP_K:
         p.error(f"--batch-size must be >= 1 and --k in 1..{TOP_K}")
@@ -97,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.method is None and cfg.text_weight is None and cfg.prompt is None and recorded:
             method = Method(**recorded)        # the method recorded at build time
         else:
-            method = make_method(cfg.method or recorded.get("name", "slerp"), cfg.text_weight, cfg.prompt)
+            method = make_method(cfg.method or (Method(**recorded).label if recorded else "slerp"),
+                                 cfg.text_weight, cfg.prompt)
     except (TypeError, ValueError) as e:
         _log(f"error: {e}")
         return 2
@@ -119,6 +127,14 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         _log(f"warning: {msg}")
     towers = ClipTowers(model, spec, cfg.device, cfg.precision)
+    from evaluator.cir_query import PipelineError, QueryPipeline
+
+    try:
+        pipe = QueryPipeline(index, towers, method, warn, cfg.queries, cfg.corpus, cfg.k)
+        pipe.prepare(requests)
+    except PipelineError as e:
+        _log(f"error: {e}")
+        return 2
 
     done: list[str] = []
     end = 0
@@ -143,63 +159,27 @@ def main(argv: list[str] | None = None) -> int:
         skip = set(done)
         pending = [r for r in requests if str(r.query_id) not in skip]
         t1 = time.perf_counter()
-        n = answer(cfg, index, towers, method, pending, out, warn)
+        n = answer(cfg, index, pipe, pending, out)
     t_end = time.perf_counter()
     rate = n / (t_end - t1) if t_end > t1 else 0.0
     summary = {"queries": len(requests), "answered": n, "resumed": len(done), "method": method.to_dict(),
                "device": towers.device.type, "precision": towers.precision, "gallery": len(index.ids),
-               "setup_s": round(t1 - t0, 3), "query_s": round(t_end - t1, 3), "queries_per_s": round(rate, 2)}
+               "setup_s": round(t1 - t0, 3), "query_s": round(t_end - t1, 3), "queries_per_s": round(rate, 2),
+               **pipe.report()}
     _log(json.dumps(summary))
     if cfg.report is not None:
         cfg.report.write_text(json.dumps(summary, indent=2) + "\n")
     return 0
 
 
-def answer(cfg: RunConfig, index, towers, method, pending, out, warn) -> int:
-    """Write one row per pending request, batch by batch; returns the rows written."""
-    import torch
-
-    from engine.compose import compose, prompt_text, text_weight
-    from kernels.topk import topk
-
-    dev = towers.device
-    import numpy as np
-
-    # [N, D] unit rows; FP16 on disk, FP32 for scoring (ties and order as the reference computes them)
-    gallery = torch.from_numpy(np.array(index.emb)).to(dev).float()  # copy: the mmap is read-only
-    rows_of = index.rows()
-    unreadable = {str(u.get("image_id")) for u in index.meta.get("unreadable", [])}
-    k = min(cfg.k, len(index.ids))
+def answer(cfg: RunConfig, index, pipe, pending, out) -> int:
+    """Write one row per pending request, batch by batch (evaluator.cir_query); returns the rows written."""
     kill_after = int(os.environ.get("CIR_RUN_KILL_AFTER_ROWS", "0") or 0)
     written = 0
     for lo in range(0, len(pending), cfg.batch_size):
         batch = pending[lo:lo + cfg.batch_size]
-        texts = [prompt_text(method, r.modification, r.shared_concept) for r in batch]
-        tokens, cut = towers.tokenize(texts)
-        for r, c in zip(batch, cut):
-            if c:
-                warn(f"{cfg.queries}:{r.line}: query {r.query_id!r}: prompt longer than "
-                     f"{towers.spec.context_length} tokens; truncated")
-        text = towers.encode_tokens(tokens)                                # [B, D]
-        ref = []
-        for r in batch:
-            row = rows_of.get(r.reference, -1) if r.reference is not None else -1
-            if row < 0 and r.reference is not None:
-                why = "was unreadable at build time" if r.reference in unreadable else "is not in the index"
-                warn(f"{cfg.queries}:{r.line}: query {r.query_id!r}: reference image {r.reference!r} {why}; "
-                     "answering from the text alone")
-            ref.append(row)
-        ref_t = torch.tensor(ref, dtype=torch.int64, device=dev)       # [B], -1 = none
-        has = ref_t >= 0
-        image = gallery[ref_t.clamp(min=0)] if len(gallery) else torch.zeros_like(text)
-        weights = torch.tensor([text_weight(method, r.shared_concept) for r in batch], device=dev)
-        q = compose(method, image, has, text, weights)                 # [B, D] unit rows
-        scores = q @ gallery.T                                         # [B, N] cosine similarities
-        vals, idx = topk(scores, k, ref_t)                             # [B, k] each, reference excluded
-        vals, idx = vals.cpu().tolist(), idx.cpu().tolist()
-        for r, vs, js in zip(batch, vals, idx):
-            results = [{"image_id": index.ids[j], "score": v} for v, j in zip(vs, js)
-                       if j >= 0 and math.isfinite(v)]
+        for r, hits in zip(batch, pipe.answer(batch)):
+            results = [{"image_id": index.ids[j], "score": v} for j, v in hits if math.isfinite(v)]
             out.write((json.dumps({"query_id": r.query_id, "results": results}) + "\n").encode())
             out.flush()                                                # a killed call keeps this row
             written += 1

@@ -1,0 +1,62 @@
+"""CLIP's text tower with one token's embedding replaced: the pseudo-word of Pic2Word.
+
+open_clip's `CLIP.encode_text` is: token embedding [B, L, W] + positional embedding ->
+causal transformer (attn_mask) -> ln_final -> the row at the eot token (the highest id
+in each sequence: `text_pool_type == "argmax"`) -> text projection. `encode_with_slot`
+runs exactly that, except that row `slot[b]` of sequence b is `embeds[b]` instead of the
+embedding of its token (the `*` placeholder), and it is differentiable in `embeds`.
+
+Fast path: like engine.clip_towers it runs only the first L positions (L = the batch's
+last eot + 1; the mask is causal and pooling is at the eot, so later positions cannot
+change the result). `trim=False` runs all context_length positions (the reference twin);
+with `embeds` equal to the placeholder's own embedding both equal `encode_text`.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def placeholder_id(tokenizer, placeholder: str = "*") -> int:
+    """The single BPE id of the placeholder word (CLIP BPE: '*' -> one token)."""
+    ids = tokenizer.encode(placeholder)
+    if len(ids) != 1:
+        raise ValueError(f"placeholder {placeholder!r} is {len(ids)} tokens, expected 1")
+    return ids[0]
+
+
+def check_injectable(model) -> None:
+    """Raise ValueError unless `model` is open_clip's plain CLIP with a causal, argmax-pooled text tower."""
+    from open_clip.model import CLIP
+
+    if type(model) is not CLIP:
+        raise ValueError(f"token injection needs open_clip's plain CLIP, got {type(model).__name__}")
+    if getattr(model, "text_pool_type", None) != "argmax" or getattr(model, "attn_mask", None) is None:
+        raise ValueError("token injection needs a causal text tower pooled at the eot token (argmax)")
+
+
+def slots_of(tokens: torch.Tensor, token_id: int) -> torch.Tensor:
+    """[B] position of the first `token_id` in each row of tokens [B, L]; ValueError if a row has none."""
+    hit = tokens == token_id
+    if not bool(hit.any(dim=1).all()):
+        raise ValueError("a prompt has no placeholder token")
+    return hit.int().argmax(dim=1)
+
+
+def encode_with_slot(model, tokens: torch.Tensor, slot: torch.Tensor, embeds: torch.Tensor,
+                     trim: bool = True) -> torch.Tensor:
+    """Text features [B, D] (unnormalised, the tower's dtype) of tokens [B, ctx] int64 with the
+    token embedding at position slot [B] replaced by embeds [B, W]."""
+    m = model
+    eot = tokens.argmax(dim=-1)                                        # [B] eot has the highest id
+    n = int(eot.max()) + 1 if trim else tokens.shape[1]
+    cast = m.transformer.get_cast_dtype()
+    x = m.token_embedding(tokens[:, :n]).to(cast)                      # [B, L, W]
+    here = (torch.arange(n, device=tokens.device) == slot.unsqueeze(1)).unsqueeze(-1)   # [B, L, 1]
+    x = torch.where(here, embeds.to(cast).unsqueeze(1), x)             # the pseudo-word at its slot
+    x = x + m.positional_embedding[:n].to(cast)
+    x = m.transformer(x, attn_mask=m.attn_mask[:n, :n])
+    x = m.ln_final(x)
+    x = x[torch.arange(x.shape[0], device=x.device), eot]             # [B, W] at the eot token
+    if m.text_projection is not None:
+        x = m.text_projection(x) if isinstance(m.text_projection, torch.nn.Linear) else x @ m.text_projection
+    return x
