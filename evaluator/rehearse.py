@@ -38,7 +38,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import stat
 import subprocess
 import sys
@@ -48,13 +47,14 @@ import zipfile
 import zlib
 from pathlib import Path
 
+from evaluator.sandbox import interpreter_mounts, run_as_user, traversable, user_command  # noqa: F401 - re-exported
+from evaluator.write_scan import diff, snapshot, writable_places, writes_outside  # noqa: F401
+
 REPO = Path(__file__).resolve().parent.parent
 HOME = "/nonexistent"
 COMPILE_CACHES = ("inductor", "triton", "cupy")  # the names scripts/run gives them under TMPDIR
 COMPILED = {".so", ".o", ".a", ".c", ".cc", ".cpp", ".cu", ".h", ".hpp", ".cubin", ".ptx", ".fatbin",
             ".ttir", ".ttgir", ".llir"}
-LOCAL_FS = {"ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "tmpfs", "ramfs", "overlay", "devtmpfs",
-            "vfat", "exfat"}
 PASS_ENV = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "LD_LIBRARY_PATH", "ENGINE_DECODER",
             "ENGINE_READERS", "ENGINE_ARTIFACT_VERIFY", "ENGINE_FAST_EXIT", "OMP_NUM_THREADS")
 
@@ -123,94 +123,6 @@ def copy_cohort(manifest: Path, image_root: Path, dest: Path) -> int:
     return len(rows)
 
 
-# ---------------------------------------------------------------- snapshots and scans
-
-def snapshot(root: Path, exclude: tuple[Path, ...] = ()) -> dict[str, tuple]:
-    """{path: (mtime_ns, size, mode)} of everything under `root` except `exclude` subtrees."""
-    out: dict[str, tuple] = {}
-    if not os.path.lexists(root):
-        return out
-    skip = {str(e) for e in exclude}
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if os.path.join(dirpath, d) not in skip]
-        for name in [".", *dirnames, *filenames]:
-            p = os.path.normpath(os.path.join(dirpath, name))
-            st = os.lstat(p)
-            out[p] = (st.st_mtime_ns, st.st_size, st.st_mode)
-    return out
-
-
-def diff(before: dict[str, tuple], after: dict[str, tuple]) -> list[str]:
-    changes = [f"created {p}" for p in sorted(set(after) - set(before))]
-    changes += [f"deleted {p}" for p in sorted(set(before) - set(after))]
-    changes += [f"modified {p}" for p in sorted(set(before) & set(after)) if before[p] != after[p]]
-    return changes
-
-
-def writable_mounts() -> list[str]:
-    """Mount points of local read-write filesystems (pseudo filesystems like /proc left out)."""
-    out = set()
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            left, _, right = line.partition(" - ")
-            fields, fstype = left.split(), right.split()[0]
-            point = re.sub(r"\\(\d{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
-            if "rw" in fields[5].split(",") and fstype in LOCAL_FS:
-                out.add(point)
-    return sorted(out)
-
-
-def _find(roots: list[str], prune: list[str], test: list[str]) -> list[tuple[str, str]]:
-    """`find ROOTS -xdev (prune) -prune -o TEST -printf` -> [(type, path)]; unreadable corners are skipped."""
-    if not roots:
-        return []
-    pr: list[str] = []
-    for p in prune:
-        pr += (["-o"] if pr else []) + ["-path", p]
-    cmd = ["find", *roots, "-xdev", "(", *pr, ")", "-prune", "-o", "(", *test, ")", "-printf", r"%y %p\0"]
-    r = subprocess.run(cmd, capture_output=True)  # exit 1 on a vanished temp file is fine: output still complete
-    return [tuple(e.split(" ", 1)) for e in r.stdout.decode(errors="surrogateescape").split("\0") if e]
-
-
-def writable_places(uid: int, gid: int, prune: list[str]) -> dict:
-    """Folders the user may write into, world-writable files, and what the user owns already."""
-    found = _find(writable_mounts(), prune,
-                  ["-type", "d", "-perm", "-0002", "-o", "-type", "d", "-group", str(gid), "-perm", "-0020",
-                   "-o", "-type", "f", "-perm", "-0002", "-o", "-user", str(uid)])
-    dirs = sorted({p for t, p in found if t == "d"})
-    top = [d for d in dirs if not any(d != o and d.startswith(o.rstrip("/") + "/") for o in dirs)]
-    owned = {p: _stat(p) for t, p in found if _owner(p) == uid}
-    wfiles = {p: _stat(p) for t, p in found if t == "f"}
-    return {"dirs": top, "owned": owned, "world_files": wfiles}
-
-
-def _stat(p: str) -> tuple | None:
-    try:
-        st = os.lstat(p)
-    except OSError:
-        return None
-    return (st.st_mtime_ns, st.st_size, st.st_mode)
-
-
-def _owner(p: str) -> int | None:
-    try:
-        return os.lstat(p).st_uid
-    except OSError:
-        return None
-
-
-def writes_outside(places: dict, uid: int, prune: list[str]) -> list[str]:
-    """Entries the user created or changed in the writable places found before the run."""
-    bad = []
-    for _, p in _find(places["dirs"], prune, ["-user", str(uid)]):
-        if p not in places["owned"]:
-            bad.append(f"created {p}")
-        elif _stat(p) != places["owned"][p]:
-            bad.append(f"modified {p}")
-    bad += [f"modified {p}" for p, st in places["world_files"].items() if _stat(p) != st]
-    return sorted(set(bad))
-
-
 # ---------------------------------------------------------------- compilation at run time
 
 def aoti_entries(artifact: Path) -> dict[str, tuple[int, int]]:
@@ -246,91 +158,6 @@ def compiled_at_run_time(tmp: Path, entries: dict[str, tuple[int, int]]) -> tupl
         else:
             bad.append(f"{p} (compiled-code file, not an entry of the artifact's .pt2)")
     return bad, extracted
-
-
-# ---------------------------------------------------------------- the unprivileged, offline process
-
-def _traversable(path: str, uid: int, gid: int) -> bool:
-    st = os.stat(path)
-    if st.st_uid == uid:
-        return bool(st.st_mode & stat.S_IXUSR)
-    if st.st_gid == gid:
-        return bool(st.st_mode & stat.S_IXGRP)
-    return bool(st.st_mode & stat.S_IXOTH)
-
-
-def interpreter_mounts(uid: int, gid: int) -> list[tuple[str, str]]:
-    """(blocked folder, needed path) pairs: the Python tree the user cannot reach (e.g. pyenv under /root 0700).
-
-    They are fixed inside a private mount namespace: a tmpfs (0755) over the blocked folder
-    with only the needed paths bound back, so nothing on disk changes mode.
-    """
-    need = {sys.prefix, sys.base_prefix, os.path.dirname(sys.executable),
-            os.path.dirname(os.path.realpath(sys.executable))}
-    need |= {p for p in sys.path if p and os.path.exists(p) and not p.startswith(str(REPO))}
-    need |= _mapped_library_dirs()  # e.g. libpython found through an rpath outside the prefix
-    need = {os.path.realpath(p) for p in need} | need
-    out = []
-    for p in sorted(need):
-        parts = Path(p).parts
-        for i in range(2, len(parts)):
-            a = str(Path(*parts[:i]))
-            if not _traversable(a, uid, gid):
-                out.append((a, p))
-                break
-    # keep the top needed path per blocked folder
-    out = [(a, p) for a, p in out if not any(a == a2 and p != p2 and p.startswith(p2 + "/") for a2, p2 in out)]
-    return sorted(set(out))
-
-
-def _mapped_library_dirs() -> set[str]:
-    """Folders of the shared libraries this interpreter has mapped (from /proc/self/maps)."""
-    out = set()
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                path = line.split(maxsplit=5)[5].strip() if len(line.split(maxsplit=5)) == 6 else ""
-                if path.startswith("/") and ".so" in path and os.path.exists(path):
-                    out.add(os.path.dirname(path))
-    except OSError as e:
-        print(f"[rehearse] cannot read /proc/self/maps ({e}); shared-library folders not checked", file=sys.stderr)
-    return out
-
-
-def user_command(cmd: list[str], env: dict[str, str], uid: int, gid: int, memory: int | None, nproc: int,
-                 net: bool, mounts: list[tuple[str, str]], stage: Path) -> list[str]:
-    """`cmd` wrapped: [unshare --net [--mount] [mount setup]] prlimit setpriv env -i ... cmd."""
-    user = ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--inh-caps=-all",
-            "--bounding-set=-all", "--no-new-privs", "env", "-i", *[f"{k}={v}" for k, v in env.items()], *cmd]
-    lim = ["prlimit", f"--nproc={nproc}"] + ([f"--as={memory}"] if memory else []) + ["--"]
-    inner = lim + user
-    if not mounts:
-        return (["unshare", "--net", "--"] if net else []) + inner
-    lines = ["set -e"]
-    for i, (_, p) in enumerate(mounts):  # stage the needed trees before the tmpfs hides them
-        lines += [f"mkdir -p '{stage}/{i}'", f"mount --bind '{p}' '{stage}/{i}'"]
-    for a in sorted({a for a, _ in mounts}):
-        lines.append(f"mount -t tmpfs -o mode=0755,size=1m,nosuid,nodev rehearse-hide '{a}'")
-    for i, (_, p) in enumerate(mounts):
-        lines += [f"mkdir -p '{p}'", f"mount --move '{stage}/{i}' '{p}'"]
-    lines.append('exec "$@"')
-    return ["unshare", *(["--net"] if net else []), "--mount", "--propagation", "private", "--",
-            "sh", "-c", "\n".join(lines), "rehearse-ns", *inner]
-
-
-def run_as_user(cmd: list[str], timeout: float) -> tuple[int, str, str, float]:
-    """(rc, stdout, stderr, wall s); the whole process group is killed on timeout."""
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        err += f"\n[rehearse] killed after {timeout:.0f} s"
-        return 124, out, err, time.perf_counter() - t0
-    return proc.returncode, out, err, time.perf_counter() - t0
 
 
 # ---------------------------------------------------------------- the rehearsal
@@ -389,7 +216,7 @@ def rehearse(a: argparse.Namespace) -> dict:
         notes.append("network NOT isolated: " + ("--allow-network" if a.allow_network else "unshare is missing"))
     work = Path(tempfile.mkdtemp(prefix="rehearse-", dir=a.workdir))
     os.chmod(work, 0o755)
-    if not all(_traversable(str(d), uid, gid) for d in work.parents):
+    if not all(traversable(str(d), uid, gid) for d in work.parents):
         shutil.rmtree(work)
         raise Setup(f"uid {uid} cannot reach {work.parent}: pass --workdir a folder others can enter")
     summary: dict = {"workdir": str(work), "user": f"{uid}:{gid}", "home": HOME}
