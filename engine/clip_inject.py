@@ -46,17 +46,6 @@ def encode_with_slot(model, tokens: torch.Tensor, slot: torch.Tensor, embeds: to
                      trim: bool = True) -> torch.Tensor:
     """Text features [B, D] (unnormalised, the tower's dtype) of tokens [B, ctx] int64 with the
     token embedding at position slot [B] replaced by embeds [B, W]."""
-    m = model
-    eot = tokens.argmax(dim=-1)                                        # [B] eot has the highest id
-    n = int(eot.max()) + 1 if trim else tokens.shape[1]
-    cast = m.transformer.get_cast_dtype()
-    x = m.token_embedding(tokens[:, :n]).to(cast)                      # [B, L, W]
-    here = (torch.arange(n, device=tokens.device) == slot.unsqueeze(1)).unsqueeze(-1)   # [B, L, 1]
-    x = torch.where(here, embeds.to(cast).unsqueeze(1), x)             # the pseudo-word at its slot
-    x = x + m.positional_embedding[:n].to(cast)
-    x = m.transformer(x, attn_mask=m.attn_mask[:n, :n])
-    x = m.ln_final(x)
-    x = x[torch.arange(x.shape[0], device=x.device), eot]             # [B, W] at the eot token
-    if m.text_projection is not None:
-        x = m.text_projection(x) if isinstance(m.text_projection, torch.nn.Linear) else x @ m.text_projection
-    return x
+    from engine.clip_towers import text_forward
+
+    return text_forward(model, tokens, trim=trim, slot=slot, embeds=embeds)

@@ -110,18 +110,7 @@ class ClipTowers:
 
     def _encode_trimmed(self, tokens: torch.Tensor) -> torch.Tensor:
         """open_clip CLIP.encode_text on the first L positions (L = last eot + 1 in the batch)."""
-        m = self.model
-        eot = tokens.argmax(dim=-1)                                  # [B] eot has the highest id
-        n = int(eot.max()) + 1
-        cast = m.transformer.get_cast_dtype()
-        x = m.token_embedding(tokens[:, :n]).to(cast)                # [B, L, W]
-        x = x + m.positional_embedding[:n].to(cast)
-        x = m.transformer(x, attn_mask=m.attn_mask[:n, :n])
-        x = m.ln_final(x)
-        x = x[torch.arange(x.shape[0], device=x.device), eot]       # [B, W] at the eot token
-        if m.text_projection is not None:
-            x = m.text_projection(x) if isinstance(m.text_projection, torch.nn.Linear) else x @ m.text_projection
-        return x
+        return text_forward(self.model, tokens, trim=True)
 
     def encode_texts(self, texts: list[str], batch_size: int = 256) -> torch.Tensor:
         """Strings -> [B, D] float32 unit rows (batched through the text tower)."""
@@ -140,3 +129,26 @@ def _say_once(msg: str) -> None:
         _said.add(msg)
         print(msg, file=sys.stderr)
 
+
+def text_forward(m, tokens: torch.Tensor, trim: bool = True, slot: torch.Tensor | None = None,
+                 embeds: torch.Tensor | None = None) -> torch.Tensor:
+    """open_clip CLIP.encode_text, unnormalised, in the tower's dtype: tokens [B, ctx] -> [B, D].
+
+    trim: run only the first L positions (L = last eot + 1 in the batch; causal attention makes
+    the rest irrelevant). slot [B] + embeds [B, W]: replace the token embedding at that
+    position (a learned pseudo-word, see engine.clip_inject).
+    """
+    eot = tokens.argmax(dim=-1)                                        # [B] eot has the highest id
+    n = int(eot.max()) + 1 if trim else tokens.shape[1]
+    cast = m.transformer.get_cast_dtype()
+    x = m.token_embedding(tokens[:, :n]).to(cast)                      # [B, L, W]
+    if slot is not None:
+        here = (torch.arange(n, device=tokens.device) == slot.unsqueeze(1)).unsqueeze(-1)  # [B, L, 1]
+        x = torch.where(here, embeds.to(cast).unsqueeze(1), x)         # the pseudo-word at its slot
+    x = x + m.positional_embedding[:n].to(cast)
+    x = m.transformer(x, attn_mask=m.attn_mask[:n, :n])
+    x = m.ln_final(x)
+    x = x[torch.arange(x.shape[0], device=x.device), eot]             # [B, W] at the eot token
+    if m.text_projection is not None:
+        x = m.text_projection(x) if isinstance(m.text_projection, torch.nn.Linear) else x @ m.text_projection
+    return x

@@ -28,6 +28,31 @@ def probe(blob: bytes) -> tuple[int, int, str, str]:
         return im.size[0], im.size[1], im.format or "", im.mode
 
 
+def route(blobs: list[bytes | None], spec: Spec, modes: tuple[str, ...] = _JPEG_MODES):
+    """Split a batch: (fast [(index, Window)], slow [index], failed {index: reason}).
+
+    Fast: complete JPEGs in `modes`, for a GPU/DALI decoder. Slow: other formats and
+    JPEGs without an end marker (truncated: one bad image would fail a whole batch), for
+    the PIL reference, which reads them as the reference does. Failed: nothing reads them.
+    """
+    fast, slow, failed = [], [], {}
+    for i, blob in enumerate(blobs):
+        if blob is None:
+            failed[i] = "not read"
+            continue
+        try:
+            w, h, fmt, mode = probe(blob)
+            win = window(w, h, spec)
+        except Exception as e:  # noqa: BLE001 - unparseable header: nothing reads it
+            failed[i] = f"{type(e).__name__}: {e}"
+            continue
+        if fmt != "JPEG" or mode not in modes or not blob.rstrip(b"\0").endswith(b"\xff\xd9"):
+            slow.append(i)
+        else:
+            fast.append((i, win))
+    return fast, slow, failed
+
+
 class DaliDecoder:
     """Batches of encoded images -> [n, S, S, 3] uint8 (host numpy, or a CUDA tensor for gpu)."""
 
@@ -72,27 +97,10 @@ class DaliDecoder:
     def decode(self, blobs: list[bytes | None]):
         """Returns (batch [n, S, S, 3] uint8, {index: reason} for images nothing could read)."""
         n = len(blobs)
-        failed: dict[int, str] = {}
-        fast, slow = [], []          # indices for DALI / for the PIL reference
-        sizes, anchors = [], []
-        for i, blob in enumerate(blobs):
-            if blob is None:
-                failed[i] = "not read"
-                continue
-            try:
-                w, h, fmt, mode = probe(blob)
-                win = window(w, h, self.spec)
-            except Exception as e:  # noqa: BLE001 - unparseable header: nothing reads it
-                failed[i] = f"{type(e).__name__}: {e}"
-                continue
-            if fmt != "JPEG" or mode not in _JPEG_MODES or not blob.rstrip(b"\0").endswith(b"\xff\xd9"):
-                # other formats, and JPEGs without an end marker (truncated: one bad image would
-                # fail DALI's whole batch), take the reference decoder, which reads them as PIL does
-                slow.append(i)
-                continue
-            fast.append(i)
-            sizes.append(np.array([win.resize_h, win.resize_w], np.float32))
-            anchors.append(np.array([win.top, win.left], np.int64))
+        routed, slow, failed = route(blobs, self.spec)
+        fast = [i for i, _ in routed]
+        sizes = [np.array([w.resize_h, w.resize_w], np.float32) for _, w in routed]   # [2] per image
+        anchors = [np.array([w.top, w.left], np.int64) for _, w in routed]            # [2] per image
 
         out = self._empty(n)
         if fast:

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import torch
 
-from engine.decode_dali import probe
+from engine.decode_dali import route
 from engine.decode_pil import decode_pil
 from engine.geometry import window
 from engine.spec import Spec
@@ -51,19 +51,8 @@ class NvjpegDecoder:
     def decode(self, blobs: list[bytes | None]):
         n, s = len(blobs), self.spec.input_size
         out = torch.zeros((n, s, s, 3), dtype=torch.uint8, device="cuda")
-        failed: dict[int, str] = {}
-        fast, slow = [], []
-        for i, blob in enumerate(blobs):
-            if blob is None:
-                failed[i] = "not read"
-                continue
-            try:
-                _, _, fmt, mode = probe(blob)
-            except Exception as e:  # noqa: BLE001 - unparseable header: nothing reads it
-                failed[i] = f"{type(e).__name__}: {e}"
-                continue
-            ok = fmt == "JPEG" and mode in ("RGB", "L") and blob.rstrip(b"\0").endswith(b"\xff\xd9")
-            (fast if ok else slow).append(i)
+        routed, slow, failed = route(blobs, self.spec, modes=("RGB", "L"))  # nvJPEG: no CMYK
+        fast = [i for i, _ in routed]
         if fast:
             data = [torch.frombuffer(bytearray(blobs[i]), dtype=torch.uint8) for i in fast]
             try:

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from evaluator.files import write_atomic  # noqa: F401 - part of this module's interface
+
 FORMAT = "cir-index/1"
 BUILD_DIR = ".build"
 EXTRA_FILES = ("pic2word", "text_bank", "dba")   # optional data files (evaluator.cir_extras)
@@ -33,20 +35,6 @@ EXTRA_FILES = ("pic2word", "text_bank", "dba")   # optional data files (evaluato
 
 class IndexLoadError(RuntimeError):
     """The index directory holds no usable index; the message says what is wrong."""
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write `data` to `path` through a temp file in the same folder, fsync, rename."""
-    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def _npy_bytes(arr: np.ndarray) -> bytes:

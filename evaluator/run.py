@@ -49,17 +49,9 @@ def write_predictions(path: Path, top1) -> None:
     """Atomically write int32 little-endian predictions (temp file in the same folder, fsync, rename)."""
     import numpy as np
 
-    data = np.ascontiguousarray(top1, dtype="<i4").tobytes()
-    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    from evaluator.files import write_atomic
+
+    write_atomic(path, np.ascontiguousarray(top1, dtype="<i4").tobytes())
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
