@@ -6,10 +6,7 @@ never stops the stream.
 """
 from __future__ import annotations
 
-import queue
-import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,50 +25,15 @@ def embed_images(read: Callable[[int], bytes], items: Sequence[int], decoder, en
                  batch_size: int, readers: int = 8, depth: int = 2) -> Iterator[EmbeddedBatch]:
     """Yield EmbeddedBatch for `items` in order. `read(item)` returns encoded bytes or raises;
     `encode(uint8 [m, S, S, 3]) -> [m, D]` unit rows (torch, any device)."""
-    batches: queue.Queue = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-    chunks = [list(items[i:i + batch_size]) for i in range(0, len(items), batch_size)]
+    from engine.pipeline import decoded_batches, in_thread
 
-    def read_one(item: int) -> tuple[bytes | None, str | None]:
-        try:
-            return read(item), None
-        except Exception as e:  # noqa: BLE001 - a file that cannot be read fails alone
-            return None, f"{type(e).__name__}: {e}"
-
-    def produce() -> None:
-        try:
-            with ThreadPoolExecutor(max_workers=readers, thread_name_prefix="reader") as pool:
-                ahead = [pool.map(read_one, c) for c in chunks[: depth + 1]]  # read-ahead window
-                for b, chunk in enumerate(chunks):
-                    got = list(ahead.pop(0))
-                    if b + depth + 1 < len(chunks):
-                        ahead.append(pool.map(read_one, chunks[b + depth + 1]))
-                    arr, failed = decoder.decode([g[0] for g in got])  # [m, S, S, 3] uint8
-                    for j, (_, err) in enumerate(got):
-                        if err is not None:
-                            failed[j] = err
-                    while not stop.is_set():
-                        try:
-                            batches.put((chunk, arr, failed), timeout=0.5)
-                            break
-                        except queue.Full:
-                            continue
-                    if stop.is_set():
-                        return
-            batches.put(None)
-        except BaseException as e:  # noqa: BLE001 - hand the error to the consumer
-            batches.put(e)
-
-    worker = threading.Thread(target=produce, name="embed-decode", daemon=True)
-    worker.start()
+    items = list(items)
+    batches = decoded_batches(lambda i: read(items[i]), len(items), batch_size, decoder, readers, max(depth, 1))
+    if depth > 0:
+        batches = in_thread(batches, depth)  # batch n+1 decodes while batch n runs through the tower
     try:
-        while True:
-            got = batches.get()
-            if got is None:
-                return
-            if isinstance(got, BaseException):
-                raise got
-            chunk, arr, failed = got
+        for _, lo, hi, arr, failed in batches:
+            chunk = items[lo:hi]
             ok = np.ones(len(chunk), bool)
             ok[list(failed)] = False
             idx = np.flatnonzero(ok)
@@ -86,6 +48,4 @@ def embed_images(read: Callable[[int], bytes], items: Sequence[int], decoder, en
                     else emb.to(device="cpu", dtype=torch.float16).numpy())  # [m, D]
             yield EmbeddedBatch(chunk, rows, ok, {chunk[j]: r for j, r in failed.items()})
     finally:
-        stop.set()
-        worker.join(timeout=5)
-
+        batches.close()  # stops the decode worker and the readers

@@ -27,8 +27,16 @@ class Result:
     first_batch_at: float | None = None               # clock value when the first batch finished
 
 
-def _decoded_batches(read, n, bsz, decoder, readers, ahead_batches, clock, busy, timeline) -> Iterator[tuple]:
-    """Yields (batch index, lo, hi, uint8 [hi-lo, S, S, 3], {row in batch: reason})."""
+def decoded_batches(read, n, bsz, decoder, readers: int = 8, ahead_batches: int = 2,
+                    clock: Callable[[], float] = time.perf_counter, busy: dict | None = None,
+                    timeline: list | None = None) -> Iterator[tuple]:
+    """Yields (batch index, lo, hi, uint8 [hi-lo, S, S, 3], {row in batch: reason}) for items 0..n-1.
+
+    `read(i)` runs on reader threads, `ahead_batches` batches ahead of the decoder; `busy`
+    (seconds per stage) and `timeline` (decode intervals) are filled when given.
+    """
+    busy = {"read": 0.0, "decode": 0.0} if busy is None else busy
+    timeline = [] if timeline is None else timeline
 
     def read_one(i: int) -> tuple[bytes | None, str | None]:
         t = clock()
@@ -59,7 +67,7 @@ def _decoded_batches(read, n, bsz, decoder, readers, ahead_batches, clock, busy,
             yield b, lo, hi, arr, failed
 
 
-def _in_thread(gen: Iterator, depth: int) -> Iterator:
+def in_thread(gen: Iterator, depth: int) -> Iterator:
     """Run generator `gen` in a worker thread, `depth` items ahead of the consumer."""
     q: queue.Queue = queue.Queue(maxsize=depth)
     stop = threading.Event()
@@ -100,9 +108,9 @@ def classify(read: Callable[[int], bytes], n: int, decoder, runtime, readers: in
     run = getattr(runtime, "run_async", runtime.run)
     gathered = []  # per batch: (lo, hi, int32 [B] on the device); copied to the host once, at the end
     busy = {"read": 0.0, "decode": 0.0, "inference": 0.0}
-    batches = _decoded_batches(read, n, bsz, decoder, readers, max(depth, 1), clock, busy, res.timeline)
+    batches = decoded_batches(read, n, bsz, decoder, readers, max(depth, 1), clock, busy, res.timeline)
     if depth > 0:
-        batches = _in_thread(batches, depth)
+        batches = in_thread(batches, depth)
     try:
         for b, lo, hi, arr, failed in batches:
             if hi - lo < bsz:
