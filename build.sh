@@ -7,7 +7,8 @@
 #   ENGINE_MODEL        timm name                      (default eva02_large_patch14_448.mim_m38m_ft_in22k_in1k)
 #   ENGINE_PRECISION    fp32 | fp16 | bf16             (default fp32: the reference precision)
 #   ENGINE_BATCH_SIZE   static batch of the compiled model (default: the spec's)
-#   ENGINE_BACKEND      aot | eager                    (default aot)
+#   ENGINE_BACKEND      a runtime backend of engine/backends (default: the registry's default;
+#                       python -m engine.build --help lists them)
 #   ENGINE_DEVICE       auto | cuda | cpu              (default auto: cuda when torch sees a GPU)
 #   ENGINE_ARTIFACT     artifact dir, relative to this folder or absolute (default artifacts/default;
 #                       scripts/run reads the same variable with the same default)
@@ -30,7 +31,7 @@ die() { echo "build.sh: FAILED: $*" >&2; exit 1; }
 MODEL=${ENGINE_MODEL:-eva02_large_patch14_448.mim_m38m_ft_in22k_in1k}
 CHECKPOINT=${ENGINE_CHECKPOINT:-/checkpoint/model.safetensors}
 PRECISION=${ENGINE_PRECISION:-fp32}
-BACKEND=${ENGINE_BACKEND:-aot}
+BACKEND=${ENGINE_BACKEND:-}
 DEVICE=${ENGINE_DEVICE:-auto}
 ARTIFACT=${ENGINE_ARTIFACT:-artifacts/default}
 
@@ -62,19 +63,20 @@ case "$DEVICE" in cuda|cpu) ;; *) die "ENGINE_DEVICE must be auto, cuda or cpu, 
 
 # The engine.build flags, one per knob (positional parameters: safe for JSON with spaces).
 set -- --model "$MODEL" --checkpoint "$CHECKPOINT" --out "$ARTIFACT" --device "$DEVICE" \
-       --precision "$PRECISION" --backend "$BACKEND"
+       --precision "$PRECISION"
+[ -n "$BACKEND" ] && set -- "$@" --backend "$BACKEND"
 [ -n "${ENGINE_BATCH_SIZE:-}" ] && set -- "$@" --batch-size "$ENGINE_BATCH_SIZE"
 [ -n "${ENGINE_INPUT_SIZE:-}" ] && set -- "$@" --input-size "$ENGINE_INPUT_SIZE"
 [ -n "${ENGINE_CROP_MODE:-}" ] && set -- "$@" --crop-mode "$ENGINE_CROP_MODE"
 [ -n "${ENGINE_CROP_PCT:-}" ] && set -- "$@" --crop-pct "$ENGINE_CROP_PCT"
 [ -n "${ENGINE_MODEL_KWARGS:-}" ] && set -- "$@" --model-kwargs "$ENGINE_MODEL_KWARGS"
 
-log "model $MODEL, checkpoint $CHECKPOINT, $BACKEND on $DEVICE, $PRECISION -> $ARTIFACT"
+log "model $MODEL, checkpoint $CHECKPOINT, ${BACKEND:-default backend} on $DEVICE, $PRECISION -> $ARTIFACT"
 reuse=no
 if [ "${FORCE:-0}" != 1 ]; then
     # exit 0 = intact and current, 1 = stale (reasons on stderr), 2 = bad flags or unreadable input
     rc=0
-    "$PY" -m evaluator.selfcheck current -- "$@" >/dev/null || rc=$?
+    "$PY" -m evaluator.contest.selfcheck current -- "$@" >/dev/null || rc=$?
     case $rc in
         0) reuse=yes ;;
         1) ;;
@@ -91,6 +93,6 @@ else
 fi
 
 # Load the artifact and run one generated image through the contest entry point.
-"$PY" -m evaluator.selfcheck run --artifact "$ARTIFACT" >&2 \
+"$PY" -m evaluator.contest.selfcheck run --artifact "$ARTIFACT" >&2 \
     || die "the artifact at $ARTIFACT does not run through scripts/run (see above)"
 log "OK: $ARTIFACT is ready for scripts/run (ENGINE_ARTIFACT=$ARTIFACT)"

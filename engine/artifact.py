@@ -5,14 +5,14 @@ every file and of the source checkpoint. Loading checks it before any image is r
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import platform
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine import settings
+from engine.io import package_versions, sha256_file
 from engine.spec import Spec
 
 FORMAT = "eva-engine-artifact/1"
@@ -23,19 +23,11 @@ class ArtifactError(RuntimeError):
     """The artifact directory is missing, incomplete or corrupt."""
 
 
-def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 @dataclass(frozen=True)
 class Artifact:
     root: Path
     spec: Spec
-    backend: str        # eager | aot
+    backend: str        # a name in engine.backends
     device: str         # cpu | cuda
     precision: str
     batch_size: int
@@ -47,19 +39,11 @@ class Artifact:
 
 
 def versions() -> dict[str, str | None]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out: dict[str, str | None] = {"python": platform.python_version(), "machine": platform.machine()}
-    for pkg in ("torch", "timm", "nvidia-dali-cuda130", "tensorrt", "torch-tensorrt"):
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            out[pkg] = None
-    return out
+    return package_versions(("torch", "timm", "nvidia-dali-cuda130", "tensorrt", "torch-tensorrt"))
 
 
-def write_manifest(root: Path, spec: Spec, backend: str, device: str, checkpoint: Path,
-                   checkpoint_sha256: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+def write_manifest(root: Path, spec: Spec, backend: str, device: str, checkpoint: Path | None,
+                   checkpoint_sha256: str | None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Digest every file in `root` and write manifest.json last (its presence marks completion)."""
     files = {}
     for p in sorted(root.rglob("*")):
@@ -72,8 +56,8 @@ def write_manifest(root: Path, spec: Spec, backend: str, device: str, checkpoint
         "device": device,
         "precision": spec.precision,
         "batch_size": spec.batch_size,
-        "checkpoint": {"path": str(checkpoint), "sha256": checkpoint_sha256,
-                       "bytes": Path(checkpoint).stat().st_size},
+        "checkpoint": None if checkpoint is None else {
+            "path": str(checkpoint), "sha256": checkpoint_sha256, "bytes": Path(checkpoint).stat().st_size},
         "files": files,
         "versions": versions(),
         **(extra or {}),
@@ -87,9 +71,12 @@ def write_manifest(root: Path, spec: Spec, backend: str, device: str, checkpoint
 def load_artifact(root: str | os.PathLike, verify: str | None = None) -> Artifact:
     """Read and check an artifact. verify: 'sha256' (default) or 'size' (ENGINE_ARTIFACT_VERIFY)."""
     root = Path(root)
-    verify = verify or os.environ.get("ENGINE_ARTIFACT_VERIFY", "sha256")
+    try:
+        verify = verify or settings.artifact_verify()
+    except ValueError as e:
+        raise ArtifactError(str(e)) from None
     if verify not in ("sha256", "size"):
-        raise ArtifactError(f"ENGINE_ARTIFACT_VERIFY must be sha256 or size, got {verify!r}")
+        raise ArtifactError(f"verify must be sha256 or size, got {verify!r}")
     mpath = root / MANIFEST
     if not root.is_dir():
         raise ArtifactError(f"artifact directory not found: {root} (build one with python -m engine.build)")

@@ -1,7 +1,7 @@
 """The untimed preparation step: checkpoint -> artifact directory.
 
     python -m engine.build --model NAME --checkpoint FILE --out DIR [--device cpu|cuda]
-        [--precision fp32|fp16|bf16] [--backend eager|aot] [--batch-size N]
+        [--precision fp32|fp16|bf16] [--backend NAME] [--batch-size N]
         [--input-size N] [--crop-mode center|squash] [--crop-pct F] [--model-kwargs JSON]
 
 The artifact is written into a temporary sibling directory and renamed into place, so
@@ -20,35 +20,33 @@ from pathlib import Path
 
 import torch
 
-from engine.artifact import sha256_file, write_manifest
+from engine import backends
+from engine.artifact import write_manifest
 from engine.checkpoint import load_model
-from engine.runtime import BACKENDS, wrap
+from engine.io import sha256_file
 from engine.spec import CROP_MODES, PRECISIONS, Spec, resolve_spec
 
 
-def build(spec: Spec, checkpoint: Path, out: Path, backend: str = "aot", device: str = "cpu") -> dict:
-    """Build the artifact for `spec` and return its manifest."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}")
+def build(spec: Spec, checkpoint: Path | None, out: Path, backend: str = backends.DEFAULT,
+          device: str = "cpu") -> dict:
+    """Build the artifact for `spec` with `backend` (a name in engine.backends) and return its manifest."""
+    be = backends.get(backend)
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda needs a CUDA GPU on the build machine")
+    if checkpoint is None and be.NEEDS_WEIGHTS:
+        raise ValueError(f"backend {backend} needs --checkpoint")
     t0 = time.perf_counter()
-    net = load_model(spec, checkpoint)
+    net = load_model(spec, checkpoint) if be.NEEDS_WEIGHTS else None
     out = out.resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the run may be another (non-root) user
     try:
         extra = {"build": {"argv": sys.argv, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}}
-        if backend == "eager":
-            from safetensors.torch import save_file
-
-            sd = {k: v.contiguous() for k, v in wrap(net, spec, "cpu").net.state_dict().items()}
-            save_file(sd, str(tmp / "weights.safetensors"))
-        else:
-            extra["aot"] = _compile_aot(net, spec, device, tmp / "model.pt2")
+        extra.update(be.save(net, spec, device, tmp))
         extra["build"]["seconds"] = round(time.perf_counter() - t0, 3)
-        meta = write_manifest(tmp, spec, backend, device, checkpoint, sha256_file(checkpoint), extra)
+        ck_sha = sha256_file(checkpoint) if checkpoint is not None else None
+        meta = write_manifest(tmp, spec, backend, device, checkpoint, ck_sha, extra)
         if out.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
             os.replace(out, old / "a")
@@ -62,27 +60,14 @@ def build(spec: Spec, checkpoint: Path, out: Path, backend: str = "aot", device:
     return meta
 
 
-def _compile_aot(net: torch.nn.Module, spec: Spec, device: str, package: Path) -> dict:
-    """torch.export on the static batch shape, then AOTInductor into a .pt2 package."""
-    model = wrap(net, spec, device)
-    example = torch.zeros((spec.batch_size, spec.input_size, spec.input_size, 3), dtype=torch.uint8,
-                          device=device)  # [B, S, S, 3] uint8: the static shape the run pads to
-    with torch.inference_mode():
-        ep = torch.export.export(model, (example,), strict=False)
-    t0 = time.perf_counter()
-    path = torch._inductor.aoti_compile_and_package(ep, package_path=str(package))
-    return {"package": Path(path).name, "compile_seconds": round(time.perf_counter() - t0, 3),
-            "example_shape": list(example.shape)}
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m engine.build", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="timm name, e.g. eva02_large_patch14_448.mim_m38m_ft_in22k_in1k")
-    p.add_argument("--checkpoint", required=True, type=Path, help="local .safetensors / .pth / .bin")
+    p.add_argument("--checkpoint", type=Path, help="local .safetensors / .pth / .bin (every backend but null needs one)")
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--precision", choices=PRECISIONS, default="fp32")
-    p.add_argument("--backend", choices=BACKENDS, default="aot")
+    p.add_argument("--backend", choices=tuple(backends.BACKENDS), default=backends.DEFAULT)
     p.add_argument("--batch-size", type=int)
     p.add_argument("--input-size", type=int)
     p.add_argument("--crop-mode", choices=CROP_MODES)

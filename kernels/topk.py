@@ -23,7 +23,6 @@ Order and padding rules (identical in all backends, so indices compare exactly):
 from __future__ import annotations
 
 import functools
-import os
 import sys
 
 import numpy as np
@@ -325,9 +324,9 @@ def topk(scores, k: int, exclude=None, backend: str = "auto"):
     if backend not in ("auto", "cupy", "torch"):
         raise ValueError(f"backend must be auto, cupy or torch, got {backend!r}")
     if backend == "auto":
-        forced = os.environ.get("KERNELS_TOPK", "").strip().lower()
-        if forced not in ("", "auto", "cupy", "torch"):
-            raise ValueError(f"KERNELS_TOPK must be auto, cupy or torch, got {forced!r}")
+        from engine import settings
+
+        forced = settings.topk_backend()
         if forced == "torch":
             _fall_back("KERNELS_TOPK=torch")
         backend = forced if forced in ("cupy", "torch") else "auto"

@@ -1,6 +1,6 @@
 """GPU check of the contest path: EVA-02-L/448 on generated JPEGs, per backend and precision.
 
-    python scripts/device_bench.py --out DIR --json FILE [--count 2000] [--configs eager:bf16,aot:bf16]
+    python scripts/device_bench.py --out DIR --json FILE [--count 2000] [--configs BACKEND:PRECISION,...]
         [--ref-count 2000] [--batch-size 64] [--budget-s 420] [--tiny] [--device cuda]
 
 Steps, each timed: a generated cohort; an EVA-02 whose head is fit on generated renders
@@ -67,15 +67,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, required=True)
     p.add_argument("--count", type=int, default=2000)
     p.add_argument("--ref-count", type=int, default=2000)
-    p.add_argument("--configs", default="eager:bf16,eager:fp16,aot:bf16")
+    from engine import backends
+
+    # every backend that runs a model, in bf16 (the contest's likely precision), then the default in fp16
+    real = [b for b in backends.BACKENDS if backends.get(b).NEEDS_WEIGHTS]
+    p.add_argument("--configs", default=",".join([f"{b}:bf16" for b in real] + [f"{real[0]}:fp16"]))
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--budget-s", type=float, default=420)
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="the tiny test model instead of EVA-02-L/448")
     a = p.parse_args(argv)
     t_start = time.perf_counter()
-    from evaluator.agreement import agreement
-    from evaluator.cohort import TINY_INPUT, TINY_KWARGS, TINY_MODEL, make_cohort, make_tiny_checkpoint
+    from evaluator.contest.agreement import agreement
+    from evaluator.synthetic.cohort import (
+        TINY_INPUT,
+        TINY_KWARGS,
+        TINY_MODEL,
+        make_cohort,
+        make_tiny_checkpoint,
+    )
 
     model, kwargs, size = ((TINY_MODEL, TINY_KWARGS, TINY_INPUT) if a.tiny
                            else ("eva02_large_patch14_448.mim_m38m_ft_in22k_in1k", {}, 448))

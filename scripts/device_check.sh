@@ -17,7 +17,7 @@ python3 -c "import tensorrt" 2>/dev/null || echo "TensorRT not installed: no ten
 timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tail -40 > "$out/gpu_tests.txt"
 echo "gpu tests: $(tail -1 "$out/gpu_tests.txt")"
 timeout 330 python3 scripts/device_bench.py --out "$work" --json "$out/device_check.json" --budget-s 240 \
-    --count "${DEVICE_COUNT:-2000}" --ref-count "${DEVICE_REF_COUNT:-1000}" --configs "${DEVICE_CONFIGS:-eager:bf16,eager:fp16,aot:bf16}"
+    --count "${DEVICE_COUNT:-2000}" --ref-count "${DEVICE_REF_COUNT:-1000}" ${DEVICE_CONFIGS:+--configs "$DEVICE_CONFIGS"}
 rc=$?
 cp "$work"/*.log "$out"/ 2>/dev/null
 rm -rf "$work"

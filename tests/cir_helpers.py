@@ -26,7 +26,7 @@ def workspace() -> Path:
 
 @functools.cache
 def corpus() -> Path:
-    from evaluator.cir_corpus import make_corpus
+    from evaluator.synthetic.cir_corpus import make_corpus
 
     out = workspace() / "corpus"
     make_corpus(out, templates=40, per_template=8, seed=0, broken=3, requests=40)
@@ -35,7 +35,7 @@ def corpus() -> Path:
 
 @functools.cache
 def clip_dirs() -> dict[str, Path]:
-    from evaluator.cir_corpus import write_tiny_clip
+    from evaluator.synthetic.cir_corpus import write_tiny_clip
 
     return write_tiny_clip(workspace() / "clip", seed=0)
 
@@ -47,6 +47,17 @@ def script(name: str, *args: str, env: dict | None = None, timeout: float = 300,
          "CLIP_DEVICE": "cpu", **(env or {})}
     return subprocess.run([*(prefix or []), str(REPO / "scripts" / name), *args], env=e,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def killed_run(*args: str, after: int, timeout: float = 300) -> subprocess.CompletedProcess:
+    """The query ABI as a whole process that SIGKILLs itself once `after` rows are written
+    and flushed (what a kill of the call does)."""
+    code = ("import os, signal, sys\nfrom evaluator.cir import run\n"
+            f"sys.exit(run.main(sys.argv[1:], on_row=lambda n: n >= {after} and os.kill(os.getpid(), signal.SIGKILL)))")
+    e = {**os.environ, "CLIP_MODEL_DIR": str(clip_dirs()["open_clip"]), "CLIP_DEVICE": "cpu",
+         "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-c", code, *args], env=e, capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO)
 
 
 def build_args(index_dir: Path, *extra: str) -> list[str]:

@@ -17,7 +17,26 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # OpenMP threads that busy-wait starve everything else on a 2-core machine (set before torch loads)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from evaluator.cohort import TINY_INPUT, TINY_KWARGS, TINY_MODEL  # noqa: E402
+from evaluator.synthetic.cohort import TINY_INPUT, TINY_KWARGS, TINY_MODEL  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def fresh_settings(monkeypatch):
+    """engine.settings reads each variable once: forget them around every test and after
+    every monkeypatch.setenv / delenv, so a test sees the environment it sets."""
+    from engine import settings
+
+    settings.reload()
+    for name in ("setenv", "delenv"):
+        orig = getattr(monkeypatch, name)
+
+        def changed(*args, _orig=orig, **kwargs):
+            _orig(*args, **kwargs)
+            settings.reload()
+
+        setattr(monkeypatch, name, changed)
+    yield
+    settings.reload()
 
 
 def pytest_collection_modifyitems(config, items):
@@ -41,7 +60,7 @@ def tiny_spec(crop_mode: str = "squash", batch_size: int = 16, precision: str = 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> Path:
     """A tiny EVA-02 whose head was fit on generated renders (~20 s on two cores)."""
-    from evaluator.cohort import make_tiny_checkpoint
+    from evaluator.synthetic.cohort import make_tiny_checkpoint
 
     path = tmp_path_factory.mktemp("ckpt") / "tiny_eva02.safetensors"
     make_tiny_checkpoint(path, seed=0)
@@ -51,7 +70,7 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def cohort(tmp_path_factory) -> Path:
     """400 generated images (4 broken) with a manifest: enough rows for a 99.5 % gate to mean something."""
-    from evaluator.cohort import make_cohort
+    from evaluator.synthetic.cohort import make_cohort
 
     root = tmp_path_factory.mktemp("cohort")
     make_cohort(root, 400, seed=0, broken=4)
@@ -61,7 +80,7 @@ def cohort(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def small_cohort(tmp_path_factory) -> Path:
     """40 generated images (3 broken: empty, truncated, text) for fast ABI tests."""
-    from evaluator.cohort import make_cohort
+    from evaluator.synthetic.cohort import make_cohort
 
     root = tmp_path_factory.mktemp("small")
     make_cohort(root, 40, seed=1, broken=3)

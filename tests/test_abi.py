@@ -14,9 +14,9 @@ import pytest
 from conftest import REPO, run_abi
 
 from engine.artifact import load_artifact
-from engine.decode import make_decoder
+from engine.decoders import make_decoder
 from engine.runtime import load_runtime
-from evaluator.manifest import read_manifest
+from evaluator.contest.manifest import read_manifest
 
 
 def _expected(manifest: Path, root: Path, artifact: Path, decoder: str = "dali-cpu") -> np.ndarray:
@@ -167,7 +167,7 @@ def test_missing_image_and_unreadable_manifest(small_cohort, eager_artifact, tmp
 
 
 def test_a_crash_never_leaves_a_complete_looking_output(tmp_path, monkeypatch):
-    from evaluator import run as run_mod
+    from evaluator.contest import run as run_mod
 
     out = tmp_path / "p.i32"
 
@@ -199,7 +199,7 @@ def test_killed_run_leaves_no_output(small_cohort, eager_artifact, tmp_path):
 
 def test_aot_run_imports_neither_timm_nor_the_compiler(small_cohort, aot_artifact, tmp_path):
     """Fixed costs: the AOT path loads a package, so timm / inductor / dynamo stay unimported."""
-    code = ("import sys, evaluator.run as r; "
+    code = ("import sys, evaluator.contest.run as r; "
             f"rc = r.main([{str(small_cohort / 'manifest.tsv')!r}, {str(small_cohort)!r}, "
             f"{str(tmp_path / 'p.i32')!r}, '--artifact', {str(aot_artifact)!r}]); "
             "print(rc, sorted(m for m in ('timm', 'torch._inductor', 'torch._dynamo') if m in sys.modules))")

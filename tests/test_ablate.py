@@ -1,5 +1,5 @@
 """python -m evaluator.ablate on the generated corpus with the tiny CLIP: one command runs every
-method through scripts/run.sh's code, scores each with evaluator.score_retrieval, prints the
+method through scripts/run.sh's code, scores each with evaluator.cir.score, prints the
 table and writes the JSON; a method that cannot run is reported, not fatal to the others."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import time
 from cir_helpers import REPO, clip_dirs, corpus
 from cir_quality_helpers import p2w_index
 
-from evaluator.score_retrieval import load_label_files, load_results, score
+from evaluator.cir.score import load_label_files, load_results, score
 
 METHODS = ["slerp", "text-only", "pic2word", "slerp+gap+qbnorm", "sum+csls+aqe", "pic2word+reinspect:n=20"]
 

@@ -1,4 +1,4 @@
-"""evaluator.agreement: top-1 agreement at the gate, its file readers and its CLI."""
+"""evaluator.contest.agreement: top-1 agreement at the gate, its file readers and its CLI."""
 from __future__ import annotations
 
 import json
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import REPO
 
-from evaluator.agreement import GATE, Agreement, agreement, main, read_i32, read_reference
+from evaluator.contest.agreement import GATE, Agreement, agreement, main, read_i32, read_reference
 
 
 def _i32(path: Path, values) -> Path:

@@ -20,7 +20,8 @@ from safetensors.torch import save_file
 from engine.artifact import FORMAT, MANIFEST, ArtifactError, load_artifact
 from engine.build import build
 from engine.checkpoint import create_model, load_model
-from engine.runtime import load_runtime, wrap
+from engine.model import wrap
+from engine.runtime import load_runtime
 
 
 @pytest.fixture(scope="module")

@@ -93,7 +93,7 @@ def test_second_run_reuses_a_corrupt_artifact_or_force_rebuilds(first_build):
 
 
 def test_flags_that_change_the_artifact_make_it_stale(first_build, read_only_checkpoint):
-    from evaluator.selfcheck import stale_reasons
+    from evaluator.contest.selfcheck import stale_reasons
 
     art, _, r = first_build
     assert r.returncode == 0, r.stderr[-3000:]

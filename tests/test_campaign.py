@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from evaluator import campaign, provd
-from evaluator.campaign_workloads import Workload
+from evaluator.evidence import campaign, provd
+from evaluator.evidence.runs import Workload
 
 REPO = Path(__file__).resolve().parent.parent
 ROWS = 24
@@ -62,7 +62,7 @@ os._exit(0)  # skip interpreter shutdown: less exit jitter
 
 
 def make_prepared(root: Path, rows: int = ROWS) -> Path:
-    """A dir shaped like `evaluator.demo prepare` output: cohort/, artifact/, reference.i32."""
+    """A dir shaped like `evaluator.contest.demo prepare` output: cohort/, artifact/, reference.i32."""
     (root / "cohort" / "images").mkdir(parents=True)
     lines = []
     for i in range(rows):
@@ -327,9 +327,9 @@ def test_pro_profile_records_config_note(env, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not (REPO / "evaluator" / "demo.py").is_file() or not (REPO / "scripts" / "run").is_file(),
-                    reason="evaluator/demo.py or scripts/run not written yet")
+                    reason="evaluator/contest/demo.py or scripts/run not written yet")
 def test_real_eva02_min_campaign(tmp_path):
-    """The real path: `evaluator.demo prepare` input, `scripts/run` processes (tiny CPU model)."""
+    """The real path: `evaluator.contest.demo prepare` input, `scripts/run` processes (tiny CPU model)."""
     out = tmp_path / "out"
     rc = campaign.main(["run", "--workload", "eva02-imagenet1k", "--profile", "min", "--runs", "5",
                         "--count", "8", "--out", str(out), "--timeout-s", "600"])

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from cir_helpers import check_abi, read_rows, requests_of
 
-from evaluator import campaign, provd
-from evaluator.cir_index import commit
-from evaluator.cir_jsonl import read_records
-from evaluator.score_retrieval import load_label_files, load_results, score
+from evaluator.cir.index import commit
+from evaluator.cir.jsonl import read_records
+from evaluator.cir.score import load_label_files, load_results, score
+from evaluator.evidence import campaign, provd
 
 GALLERY = [100_000 + i if i % 2 == 0 else f"dev-{i}" for i in range(60)]  # int and str ids, as CIRCO/CIRR
 

@@ -24,17 +24,15 @@ from cir_helpers import (
     workspace,
 )
 
-from evaluator import cir_build
-from evaluator.cir_index import BUILD_DIR, IndexLoadError, load_index
-from evaluator.cir_jsonl import read_records
+from evaluator.cir import build as cir_build
+from evaluator.cir.index import BUILD_DIR, IndexLoadError, load_index
+from evaluator.cir.jsonl import read_records
 
 
-def _build(index_dir, *extra, env=None, monkeypatch=None):
+def _build(index_dir, *extra, stop_after_chunks=0):
     """In-process build on the CPU (same arguments as the reference build)."""
-    for k, v in (env or {}).items():
-        monkeypatch.setenv(k, v)
     return cir_build.main(build_args(index_dir, "--model-dir", str(clip_dirs()["open_clip"]), "--device", "cpu",
-                                     *extra))
+                                     *extra), stop_after_chunks=stop_after_chunks)
 
 
 def test_build_script_writes_the_index():
@@ -58,9 +56,9 @@ def test_build_script_writes_the_index():
 
 def test_stored_rows_equal_the_towers():
     """Spot check: re-embed a few records through the same decoder and tower."""
-    from engine.clip_model import load_clip
-    from engine.clip_towers import ClipTowers
-    from engine.decode import make_decoder
+    from engine.clip.load import load_clip
+    from engine.clip.towers import ClipTowers
+    from engine.decoders import make_decoder
 
     idx = load_index(built_index())
     model, spec, _ = load_clip(clip_dirs()["open_clip"])
@@ -76,11 +74,10 @@ def test_stored_rows_equal_the_towers():
 
 def test_resume_after_a_stopped_build_matches_an_uninterrupted_one(tmp_path, monkeypatch, capsys):
     d = tmp_path / "index"
-    assert _build(d, env={"CIR_BUILD_STOP_AFTER_CHUNKS": "2"}, monkeypatch=monkeypatch) == cir_build.STOPPED
+    assert _build(d, stop_after_chunks=2) == cir_build.STOPPED
     assert len(list((d / BUILD_DIR).glob("chunk-*.npz"))) == 2
     with pytest.raises(IndexLoadError, match="unfinished build"):
         load_index(d)
-    monkeypatch.delenv("CIR_BUILD_STOP_AFTER_CHUNKS")
     capsys.readouterr()
     assert _build(d) == 0
     assert "resuming: 2 of 6 chunks already built" in capsys.readouterr().err
@@ -96,10 +93,9 @@ def test_a_finished_index_is_never_half_overwritten(tmp_path, monkeypatch, capsy
     before = (d / "meta.json").read_bytes()
     assert _build(d) == 0                                         # same inputs: nothing to do
     assert "is up to date" in capsys.readouterr().err
-    assert _build(d, "--force", env={"CIR_BUILD_STOP_AFTER_CHUNKS": "1"}, monkeypatch=monkeypatch) == 3
+    assert _build(d, "--force", stop_after_chunks=1) == 3
     assert (d / "meta.json").read_bytes() == before              # the old index is intact and loads
     assert np.array_equal(np.asarray(load_index(d).emb), np.asarray(load_index(built_index()).emb))
-    monkeypatch.delenv("CIR_BUILD_STOP_AFTER_CHUNKS")
     assert _build(d, "--force") == 0
     new = json.loads((d / "meta.json").read_text())
     assert new["build_id"] != json.loads(before)["build_id"]

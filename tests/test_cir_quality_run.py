@@ -15,14 +15,15 @@ from cir_helpers import (
     clip_dirs,
     corpus,
     full_run,
+    killed_run,
     read_rows,
     requests_of,
     run_args,
-    script,
 )
 
-from evaluator import cir_build, cir_run
-from evaluator.cir_index import load_index
+from evaluator.cir import build as cir_build
+from evaluator.cir import run as cir_run
+from evaluator.cir.index import load_index
 
 OPTIONS = ["slerp+gap", "slerp+isoftmax", "slerp+qbnorm", "slerp+dual-softmax", "slerp+csls", "slerp+aqe",
            "slerp+dba", "sum+gap:text=both+csls:k=5+aqe:n=2+dba:n=2"]
@@ -57,8 +58,8 @@ def test_bank_statistics_do_not_depend_on_batching_resume_or_streaming(tmp_path)
     # swap near-ties of the random tiny CLIP
     _same_lists(whole, one, atol=1e-4, swaps=0.01)
     killed = tmp_path / "killed.jsonl"
-    r = script("run.sh", *run_args(corpus() / "requests.jsonl", killed, "--method", method, "--batch-size", "1"),
-               env={"CIR_RUN_KILL_AFTER_ROWS": "5"})
+    r = killed_run(*run_args(corpus() / "requests.jsonl", killed, "--method", method, "--batch-size", "1"),
+                   after=5)
     assert r.returncode == -9 and len(read_rows(killed)) == 5
     assert cir_run.main(run_args(corpus() / "requests.jsonl", killed, "--method", method, "--batch-size", "1")) == 0
     assert killed.read_bytes() == (tmp_path / "one.jsonl").read_bytes()   # the bank still holds every request
@@ -67,9 +68,7 @@ def test_bank_statistics_do_not_depend_on_batching_resume_or_streaming(tmp_path)
 def test_streamed_bank_statistics_match_their_reference_twin(tmp_path, monkeypatch):
     for method in ("slerp+csls", "slerp+dual-softmax", "slerp+dba"):
         fast, _ = _run(tmp_path, method, name="fast")
-        monkeypatch.setenv("CIR_BANK_CHUNK", "0")                  # off switch: one [M, N] matrix
-        ref, _ = _run(tmp_path, method, name="ref")
-        monkeypatch.delenv("CIR_BANK_CHUNK")
+        ref, _ = _run(tmp_path, method, "--bank-chunk", "0", name="ref")   # off switch: one [M, N] matrix
         _same_lists(fast, ref, atol=1e-5, swaps=0.01)
 
 

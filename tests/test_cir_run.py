@@ -14,16 +14,16 @@ from cir_helpers import (
     check_abi,
     corpus,
     full_run,
+    killed_run,
     read_rows,
     requests_of,
     run_args,
-    script,
     workspace,
 )
 
-from evaluator import cir_run
-from evaluator.cir_index import load_index
-from evaluator.cir_jsonl import finished_rows
+from evaluator.cir import run as cir_run
+from evaluator.cir.index import load_index
+from evaluator.cir.jsonl import finished_rows
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +56,8 @@ def test_scorer_reads_the_run_output():
 
 def test_killed_run_keeps_its_rows_and_resumes(ref_batch1, capsys):
     out = workspace() / "run-killed.jsonl"
-    r = script("run.sh", "--index-dir", str(built_index()), "--queries", str(corpus() / "requests.jsonl"),
-               "--output", str(out), "--batch-size", "1", env={"CIR_RUN_KILL_AFTER_ROWS": "5"})
+    r = killed_run("--index-dir", str(built_index()), "--queries", str(corpus() / "requests.jsonl"),
+                   "--output", str(out), "--batch-size", "1", after=5)
     assert r.returncode == -9, r.stderr[-2000:]
     rows = read_rows(out)                                   # complete JSON rows, nothing torn
     assert len(rows) == 5
@@ -159,7 +159,7 @@ def test_methods_and_reference_exclusion(tmp_path, monkeypatch):
 
 
 def test_model_mismatch_is_refused(tmp_path, capsys):
-    from evaluator.cir_corpus import write_tiny_clip
+    from evaluator.synthetic.cir_corpus import write_tiny_clip
 
     other = write_tiny_clip(tmp_path / "other", seed=1)["open_clip"]
     args = run_args(corpus() / "requests.jsonl", tmp_path / "o.jsonl")

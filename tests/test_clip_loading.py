@@ -12,10 +12,10 @@ import pytest
 import torch
 from cir_helpers import clip_dirs, workspace
 
-from engine.clip_hf import hf_config_from_model_cfg, hf_to_open_clip, model_cfg_from_hf, open_clip_to_hf
-from engine.clip_model import ClipLoadError, build_open_clip, find_layout, load_clip
-from engine.clip_towers import ClipTowers
-from evaluator.cir_corpus import TINY_CLIP
+from engine.clip.hf import hf_config_from_model_cfg, hf_to_open_clip, model_cfg_from_hf, open_clip_to_hf
+from engine.clip.load import ClipLoadError, build_open_clip, find_layout, load_clip
+from engine.clip.towers import ClipTowers
+from evaluator.synthetic.cir_corpus import TINY_CLIP
 
 TEXTS = ["a red car", "", "find pattern 3 but make it blue", "word " * 200]
 
@@ -133,7 +133,7 @@ def test_preprocessing_matches_open_clip_transform():
     from open_clip.transform import image_transform
     from PIL import Image
 
-    from engine.decode_pil import reference_tensor
+    from engine.decoders.pil import reference_tensor
 
     _, spec, _ = load_clip(clip_dirs()["open_clip"])
     tf = image_transform(64, is_train=False, mean=spec.image.mean, std=spec.image.std,

@@ -1,4 +1,4 @@
-"""evaluator.cohort: the generated images cover the hard encodings, and the tiny checkpoint looks trained."""
+"""evaluator.synthetic.cohort: the generated images cover the hard encodings, and the tiny checkpoint looks trained."""
 from __future__ import annotations
 
 import json
@@ -13,9 +13,9 @@ from conftest import tiny_spec
 from PIL import Image, JpegImagePlugin
 
 from engine.checkpoint import create_model, load_model
-from engine.decode_pil import reference_tensor
-from evaluator.cohort import class_ids, make_cohort
-from evaluator.manifest import read_manifest
+from engine.decoders.pil import reference_tensor
+from evaluator.contest.manifest import read_manifest
+from evaluator.synthetic.cohort import class_ids, make_cohort
 
 SMALL_COUNT, SMALL_BROKEN = 40, 3  # as conftest's small_cohort makes it
 

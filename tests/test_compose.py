@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.compose import METHODS, Method, compose, make_method, prompt_text, slerp, text_weight
+from engine.retrieval.compose import METHODS, Method, compose, make_method, prompt_text, slerp, text_weight
 
 
 def _unit(n, d=16, seed=0):

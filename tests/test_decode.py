@@ -8,9 +8,9 @@ import pytest
 from conftest import tiny_spec
 from PIL import Image
 
-from engine.decode_dali import DaliDecoder
-from engine.decode_pil import PilDecoder, decode_pil, open_rgb
-from evaluator.cohort import encode, render, templates
+from engine.decoders.dali import DaliDecoder
+from engine.decoders.pil import PilDecoder, decode_pil, open_rgb
+from evaluator.synthetic.cohort import encode, render, templates
 
 
 def _jpeg(w, h, seed=0, **opts) -> bytes:
@@ -134,7 +134,7 @@ def test_encode_helper_covers_the_kinds():
 def test_pil_decoder_is_byte_identical_to_timm_transform(small_cohort, crop_mode):
     import json
 
-    from engine.decode_pil import timm_pixels
+    from engine.decoders.pil import timm_pixels
 
     spec = tiny_spec(crop_mode)
     for it in json.loads((small_cohort / "cohort.json").read_text())["items"]:

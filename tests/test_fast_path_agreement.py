@@ -7,9 +7,9 @@ from conftest import run_abi, tiny_spec
 
 from engine.artifact import load_artifact
 from engine.runtime import load_runtime
-from evaluator.agreement import agreement
-from evaluator.manifest import read_manifest
-from evaluator.reference import reference_top1
+from evaluator.contest.agreement import agreement
+from evaluator.contest.manifest import read_manifest
+from evaluator.contest.reference import reference_top1
 
 GATE = 0.995
 

@@ -7,7 +7,7 @@ import json
 import platform
 import socket
 
-from evaluator import fingerprint
+from evaluator.evidence import fingerprint
 
 
 def test_stable_across_two_calls():

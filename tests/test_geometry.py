@@ -117,7 +117,7 @@ def test_resize_sizes_equal_a_real_pil_resize():
 
 
 def _render(w: int, h: int, seed: int) -> Image.Image:
-    from evaluator.cohort import render, templates
+    from evaluator.synthetic.cohort import render, templates
 
     t = templates(3, seed)[seed % 3]
     return Image.fromarray(render(t, w, h, np.random.default_rng(seed)))

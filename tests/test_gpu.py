@@ -2,16 +2,15 @@
 from __future__ import annotations
 
 import json
-import os
 
 import numpy as np
 import pytest
 from conftest import run_abi, tiny_spec
 
-from engine.decode_pil import decode_pil
-from evaluator.agreement import agreement
-from evaluator.manifest import read_manifest
-from evaluator.reference import reference_top1
+from engine.decoders.pil import decode_pil
+from evaluator.contest.agreement import agreement
+from evaluator.contest.manifest import read_manifest
+from evaluator.contest.reference import reference_top1
 
 pytestmark = pytest.mark.gpu
 
@@ -26,7 +25,7 @@ def _blobs(cohort):
 def test_gpu_decoders_match_the_reference(small_cohort, name, crop_mode):
     if name == "dali-gpu":
         pytest.importorskip("nvidia.dali")
-    from engine.decode import _create
+    from engine.decoders import _create
 
     spec = tiny_spec(crop_mode)
     items, blobs = _blobs(small_cohort)
@@ -69,11 +68,7 @@ def test_cuda_graph_replay_equals_plain_launches(tiny_checkpoint, tmp_path):
     x = np.random.default_rng(0).integers(0, 256, (16, 112, 112, 3), dtype=np.uint8)
     graphed = load_runtime(load_artifact(art))
     assert graphed.cuda_graph
-    os.environ["ENGINE_CUDA_GRAPHS"] = "0"
-    try:
-        plain = load_runtime(load_artifact(art))
-    finally:
-        del os.environ["ENGINE_CUDA_GRAPHS"]
+    plain = load_runtime(load_artifact(art), cuda_graphs=False)
     assert not plain.cuda_graph
     a, b = graphed.run(x), plain.run(x)
     assert np.array_equal(a, b)

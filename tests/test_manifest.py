@@ -1,4 +1,4 @@
-"""evaluator.manifest: the row parser and the path guard in front of every image read."""
+"""evaluator.contest.manifest: the row parser and the path guard in front of every image read."""
 from __future__ import annotations
 
 import os
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from evaluator.manifest import ManifestError, Row, read_manifest, resolve_image
+from evaluator.contest.manifest import ManifestError, Row, read_manifest, resolve_image
 
 
 def _write(tmp_path: Path, data: bytes, name: str = "manifest.tsv") -> Path:

@@ -10,10 +10,18 @@ import torch
 from cir_helpers import build_args, built_index, check_abi, clip_dirs, corpus, read_rows, requests_of, script
 from cir_quality_helpers import P2W_ARGS, p2w_index
 
-from engine.clip_inject import encode_with_slot, placeholder_id, slots_of
-from engine.pic2word import TRAIN_PROMPT, Pic2WordConfig, Stopped, encode_prompts, load_mapping, train
-from evaluator import cir_build, cir_run
-from evaluator.cir_index import load_index
+from engine.clip.inject import encode_with_slot, placeholder_id, slots_of
+from engine.retrieval.pic2word import (
+    TRAIN_PROMPT,
+    Pic2WordConfig,
+    Stopped,
+    encode_prompts,
+    load_mapping,
+    train,
+)
+from evaluator.cir import build as cir_build
+from evaluator.cir import run as cir_run
+from evaluator.cir.index import load_index
 
 CFG = Pic2WordConfig(hidden=128, steps=120, batch_size=64, lr=1e-3, ckpt_every=20)
 KEY = {"gallery": "test"}
@@ -21,8 +29,8 @@ KEY = {"gallery": "test"}
 
 @pytest.fixture(scope="module")
 def towers():
-    from engine.clip_model import load_clip
-    from engine.clip_towers import ClipTowers
+    from engine.clip.load import load_clip
+    from engine.clip.towers import ClipTowers
 
     model, spec, _ = load_clip(clip_dirs()["open_clip"])
     return ClipTowers(model, spec, "cpu", "fp32")
@@ -100,10 +108,8 @@ def test_training_is_seeded_and_resumes_from_its_last_checkpoint(towers, gallery
 def test_build_option_is_resumable_and_recorded(tmp_path, monkeypatch, capsys):
     d = tmp_path / "index"
     args = build_args(d, "--model-dir", str(clip_dirs()["open_clip"]), "--device", "cpu", *P2W_ARGS)
-    monkeypatch.setenv("CIR_P2W_STOP_AFTER_STEPS", "50")
-    assert cir_build.main(args) == cir_build.STOPPED
+    assert cir_build.main(args, p2w_stop_after=50) == cir_build.STOPPED
     assert (d / ".build" / "pic2word" / "pic2word-state.pt").is_file() and not (d / "meta.json").exists()
-    monkeypatch.delenv("CIR_P2W_STOP_AFTER_STEPS")
     capsys.readouterr()
     assert cir_build.main(args) == 0
     err = capsys.readouterr().err

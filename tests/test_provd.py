@@ -7,7 +7,7 @@ import tarfile
 
 import pytest
 
-from evaluator import campaign, provd
+from evaluator.evidence import campaign, provd
 
 
 @pytest.fixture

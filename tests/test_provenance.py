@@ -1,4 +1,4 @@
-"""evaluator.provenance: the demo artifact's record says what made it; planted validation data is flagged."""
+"""evaluator.rehearsal.provenance: the demo artifact's record says what made it; planted validation data is flagged."""
 from __future__ import annotations
 
 import json
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import REPO
 
-from evaluator import provenance
+from evaluator.rehearsal import provenance
 
 VAL_FILE = "ILSVRC2012" + "_val_" + "00000001.JPEG"  # assembled: this file must not match itself
 
@@ -59,7 +59,7 @@ def test_demo_record_says_generated_images(demo_artifact, tmp_path):
     assert "--checkpoint" in rec["build"]["argv"]
     assert rec["environment"]["torch"] and rec["environment"]["timm"]
     sources = {f["path"] for f in rec["source"]["files"]}
-    assert {"evaluator/provenance.py", "scripts/run", "engine/build.py"} <= sources
+    assert {"evaluator/rehearsal/provenance.py", "scripts/run", "engine/build.py"} <= sources
     assert rec["flagged"] == []
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from conftest import REPO
 
-from evaluator import rehearse
+from evaluator.rehearsal import rehearse
 
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("setpriv") or not shutil.which("unshare"),
@@ -24,8 +24,8 @@ needs_root = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def demo(tiny_checkpoint, tmp_path_factory) -> Path:
-    """`evaluator.demo prepare` output (24 generated images, eager artifact), reusing the session's checkpoint."""
-    from evaluator.demo import prepare
+    """`evaluator.contest.demo prepare` output (24 generated images, eager artifact), reusing the session's checkpoint."""
+    from evaluator.contest.demo import prepare
 
     out = tmp_path_factory.mktemp("demo")
     for suffix in (".safetensors", ".json"):  # prepare reuses a checkpoint whose recipe has the same seed

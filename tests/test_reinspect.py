@@ -16,18 +16,19 @@ import torch.nn.functional as F
 from cir_helpers import built_index, check_abi, corpus, read_rows, requests_of, run_args
 from PIL import Image
 
-from engine.compose import make_method
-from engine.reinspect import (
-    MAX_PER_REQUEST,
+from engine.retrieval.compose import make_method
+from engine.retrieval.reinspect import (
     ReinspectBudget,
     ReinspectLimitError,
     Reinspector,
     candidate_views,
 )
-from evaluator import cir_run
-from evaluator.cir_index import load_index
-from evaluator.cir_jsonl import Request
-from evaluator.cir_query import QueryPipeline
+from evaluator.cir import run as cir_run
+from evaluator.cir import task
+from evaluator.cir.index import load_index
+from evaluator.cir.jsonl import Request
+from evaluator.cir.query import QueryPipeline
+from evaluator.cir.task import MAX_REINSPECT as MAX_PER_REQUEST
 
 
 def _jpeg(colours, w=96, h=64) -> bytes:
@@ -42,8 +43,8 @@ def _jpeg(colours, w=96, h=64) -> bytes:
 
 def test_the_budget_is_enforced_in_one_place():
     with pytest.raises(ValueError):
-        ReinspectBudget(MAX_PER_REQUEST + 1)
-    b = ReinspectBudget()
+        ReinspectBudget(MAX_PER_REQUEST + 1, MAX_PER_REQUEST)
+    b = ReinspectBudget(MAX_PER_REQUEST, MAX_PER_REQUEST)
     b.take("q1", 60)
     b.take("q1", 40)
     with pytest.raises(ReinspectLimitError, match="limit of 100"):
@@ -57,7 +58,7 @@ def test_the_budget_is_enforced_in_one_place():
         r.embed("q", [0, 1, 2, 3], torch.zeros(4, 4))
     assert reads == []                                             # refused before any image is read
     with pytest.raises(ValueError):
-        make_method("slerp").__class__(reinspect=101)              # a Method past the limit is refused
+        task.check_method(make_method("slerp").__class__(reinspect=101))   # a Method past the limit is refused
 
 
 def test_views_cover_what_the_centre_crop_cut():

@@ -9,8 +9,9 @@ import subprocess
 
 import pytest
 
-from evaluator import campaign, disclosure, report_html
-from evaluator.campaign_workloads import PROFILES, WORKLOADS, RunRecord
+from evaluator.evidence import campaign, disclosure, report_html
+from evaluator.evidence.runs import PROFILES, RunRecord
+from evaluator.evidence.workloads import WORKLOADS
 
 
 def timing(total: float) -> dict:

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.compose import Method, make_method
-from engine.rescore import (
+from engine.retrieval.compose import Method, make_method
+from engine.retrieval.rescore import (
     alpha_qe,
     bank_stats,
     bank_stats_reference,
@@ -19,6 +19,7 @@ from engine.rescore import (
     row_state,
     score_cos,
 )
+from evaluator.cir import task
 
 SCORERS = ("isoftmax", "qbnorm", "dual-softmax", "csls")
 
@@ -148,7 +149,7 @@ def test_method_names_round_trip_and_defaults(capsys):
         assert Method(**make_method(name).to_dict()) == make_method(name)
     assert make_method("slerp").uses_bank is False and make_method("slerp+csls").uses_bank is True
     assert make_method("slerp+csls:bank=gallery").uses_bank is False
-    assert make_method("slerp+reinspect:n=500").reinspect == 100                  # clamped ...
+    assert task.method("slerp+reinspect:n=500").reinspect == 100                  # clamped to the task's limit ...
     assert "clamped to 100" in capsys.readouterr().err                            # ... and said
 
 

@@ -23,7 +23,7 @@ def _snapshot(root: Path) -> dict[str, tuple[int, float]]:
 
 
 def test_run_as_nobody_offline_read_only(small_cohort, aot_artifact):
-    from evaluator.sandbox import interpreter_mounts, user_command
+    from evaluator.rehearsal.sandbox import interpreter_mounts, user_command
 
     base = Path(tempfile.mkdtemp(prefix="restricted-"))
     try:

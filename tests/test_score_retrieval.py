@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from evaluator.score_retrieval import (
+from evaluator.cir.score import (
     InputError,
     Label,
     average_precision_at_k,

@@ -18,9 +18,9 @@ import pytest
 from conftest import REPO, run_abi, tiny_spec
 
 from engine.artifact import load_artifact
-from engine.decode import make_decoder
+from engine.decoders import make_decoder
 from engine.runtime import load_runtime
-from evaluator.cohort import TINY_INPUT, TINY_KWARGS, TINY_MODEL
+from evaluator.synthetic.cohort import TINY_INPUT, TINY_KWARGS, TINY_MODEL
 
 ROUNDS = 3
 

@@ -1,0 +1,127 @@
+"""DALI decode + resize + crop, on the CPU (`dali-cpu`) or with nvJPEG (`dali-gpu`).
+
+Sizes and crop offsets come from engine.geometry (torchvision's arithmetic), fed per
+sample, so only the resampling kernel differs from the reference: decoding is
+bit-exact with PIL's libjpeg-turbo on the CPU. Images DALI cannot match (non-JPEG
+formats, headers PIL cannot parse) or that make a batch fail go to the PIL reference.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+
+from engine.decoders.pil import decode_pil
+from engine.decoders.route import route
+from engine.spec import Spec
+
+
+class DaliDecoder:
+    """Batches of encoded images -> [n, S, S, 3] uint8 (host numpy, or a CUDA tensor for gpu)."""
+
+    def __init__(self, spec: Spec, batch_size: int, threads: int | None = None, device: str = "cpu",
+                 hw_decoder_load: float = 0.65):
+        if device not in ("cpu", "gpu"):
+            raise ValueError(f"device must be cpu or gpu, got {device!r}")
+        self.spec, self.batch_size, self.device = spec, batch_size, device
+        self.threads = threads or max(1, os.cpu_count() or 1)
+        self.hw_decoder_load = hw_decoder_load
+        self.name = f"dali-{device}"
+        self._pipe = self._build()
+
+    def _build(self):
+        from nvidia.dali import fn, pipeline_def, types
+
+        s = self.spec.input_size
+        interp = {"bicubic": types.INTERP_CUBIC, "bilinear": types.INTERP_LINEAR,
+                  "nearest": types.INTERP_NN}[self.spec.interpolation]
+        gpu = self.device == "gpu"
+
+        @pipeline_def(batch_size=self.batch_size, num_threads=self.threads,
+                      device_id=0 if gpu else None, prefetch_queue_depth=1)
+        def pipe():
+            enc = fn.external_source(name="enc", dtype=types.UINT8)
+            size = fn.external_source(name="size", dtype=types.FLOAT)     # [2] (h, w) after resize
+            anchor = fn.external_source(name="anchor", dtype=types.INT64)  # [2] (top, left) of the crop
+            if gpu:
+                img = fn.decoders.image(enc, device="mixed", output_type=types.RGB, adjust_orientation=False,
+                                        hw_decoder_load=self.hw_decoder_load, jpeg_fancy_upsampling=True)
+            else:
+                img = fn.decoders.image(enc, device="cpu", output_type=types.RGB, adjust_orientation=False)
+            # antialiased cubic on downscales, like PIL's resize
+            img = fn.resize(img, size=size, interp_type=interp, antialias=True, dtype=types.UINT8)
+            img = fn.slice(img, anchor, fn.constant(idata=[s, s], dtype=types.INT64), axes=[0, 1])
+            return img
+
+        p = pipe()
+        p.build()
+        return p
+
+    def decode(self, blobs: list[bytes | None]):
+        """Returns (batch [n, S, S, 3] uint8, {index: reason} for images nothing could read)."""
+        n = len(blobs)
+        routed, slow, failed = route(blobs, self.spec)
+        fast = [i for i, _ in routed]
+        sizes = [np.array([w.resize_h, w.resize_w], np.float32) for _, w in routed]   # [2] per image
+        anchors = [np.array([w.top, w.left], np.int64) for _, w in routed]            # [2] per image
+
+        out = self._empty(n)
+        if fast:
+            try:
+                got = self._run([blobs[i] for i in fast], sizes, anchors)
+            except Exception as e:  # noqa: BLE001 - DALI fails whole batches; redo them one by one
+                print(f"[engine] {self.name}: batch of {len(fast)} failed ({type(e).__name__}); "
+                      "decoding those images with pil", file=sys.stderr)
+                self._pipe = self._build()
+                slow += fast
+                got = None
+            if got is not None:
+                if self.device == "gpu":
+                    self._merge_gpu(got, fast, out)
+                else:
+                    out[fast] = got
+        for i in sorted(slow):
+            try:
+                px = decode_pil(blobs[i], self.spec)
+            except Exception as e:  # noqa: BLE001
+                failed[i] = f"{type(e).__name__}: {e}"
+                continue
+            if self.device == "gpu":
+                import torch
+
+                out[i] = torch.from_numpy(px).to(out.device)
+            else:
+                out[i] = px
+        return out, failed
+
+    def _empty(self, n: int):
+        s = self.spec.input_size
+        if self.device == "gpu":
+            import torch
+
+            return torch.zeros((n, s, s, 3), dtype=torch.uint8, device="cuda")
+        return np.zeros((n, s, s, 3), np.uint8)
+
+    def _run(self, blobs, sizes, anchors):
+        p = self._pipe
+        p.feed_input("enc", [np.frombuffer(b, np.uint8) for b in blobs])
+        p.feed_input("size", sizes)
+        p.feed_input("anchor", anchors)
+        (res,) = p.run()
+        if self.device == "gpu":
+            return res  # TensorListGPU, converted in _merge_gpu
+        return res.as_array()  # [m, S, S, 3] uint8
+
+    def _merge_gpu(self, tl, idx, out):
+        import torch
+        from nvidia.dali.plugin.pytorch import feed_ndarray
+
+        s = self.spec.input_size
+        got = torch.empty((len(idx), s, s, 3), dtype=torch.uint8, device="cuda")  # [m, S, S, 3]
+        feed_ndarray(tl.as_tensor(), got, cuda_stream=torch.cuda.current_stream())
+        out[torch.as_tensor(idx, device="cuda")] = got
+
+
+def create(name: str, spec: Spec, batch_size: int, threads: int | None = None) -> DaliDecoder:
+    return DaliDecoder(spec, batch_size, threads, device=name.split("-", 1)[1])

@@ -1,0 +1,75 @@
+"""GPU decode through torchvision's nvJPEG binding, for machines without DALI (`nvjpeg`).
+
+Decode on the GPU (`torchvision.io.decode_jpeg(device="cuda")`), then an antialiased
+bicubic resize and the crop on the GPU, with sizes and offsets from engine.geometry.
+Images the GPU decoder does not take (other formats, CMYK, truncated) or rejects go to
+the PIL reference on the CPU and are uploaded; nothing stalls on them.
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import torch
+
+from engine.decoders.pil import decode_pil
+from engine.decoders.route import route
+from engine.geometry import window
+from engine.spec import Spec
+
+_MODES = {"bicubic": "bicubic", "bilinear": "bilinear", "nearest": "nearest"}
+
+
+def resize_crop_gpu(img: torch.Tensor, spec: Spec) -> torch.Tensor:
+    """[3, H, W] uint8 CUDA -> [S, S, 3] uint8, as torchvision's tensor Resize + CenterCrop."""
+    h, w = img.shape[-2:]
+    win = window(w, h, spec)
+    x = img
+    if win.resized:
+        mode = _MODES[spec.interpolation]
+        x = torch.nn.functional.interpolate(img[None].float(), size=(win.resize_h, win.resize_w), mode=mode,
+                                            antialias=mode != "nearest", align_corners=None if mode == "nearest"
+                                            else False)[0]
+        x = x.round_().clamp_(0, 255).to(torch.uint8)  # torchvision rounds uint8 results the same way
+    x = x[:, win.top:win.top + win.size, win.left:win.left + win.size]
+    return x.permute(1, 2, 0)
+
+
+class NvjpegDecoder:
+    """Batches of encoded images -> [n, S, S, 3] uint8 on the GPU."""
+
+    name = "nvjpeg"
+
+    def __init__(self, spec: Spec, batch_size: int, threads: int | None = None):
+        if not torch.cuda.is_available():
+            raise RuntimeError("nvjpeg decoding needs a CUDA GPU")
+        from torchvision.io import ImageReadMode, decode_jpeg
+
+        self._decode_jpeg, self._rgb = decode_jpeg, ImageReadMode.RGB
+        self.spec = spec
+
+    def decode(self, blobs: list[bytes | None]):
+        n, s = len(blobs), self.spec.input_size
+        out = torch.zeros((n, s, s, 3), dtype=torch.uint8, device="cuda")
+        routed, slow, failed = route(blobs, self.spec, modes=("RGB", "L"))  # nvJPEG: no CMYK
+        fast = [i for i, _ in routed]
+        if fast:
+            data = [torch.frombuffer(bytearray(blobs[i]), dtype=torch.uint8) for i in fast]
+            try:
+                imgs = self._decode_jpeg(data, mode=self._rgb, device="cuda")  # list of [3, H, W]
+                for i, img in zip(fast, imgs):
+                    out[i] = resize_crop_gpu(img, self.spec)
+            except RuntimeError as e:
+                print(f"[engine] nvjpeg: batch of {len(fast)} failed ({e}); decoding those images with pil",
+                      file=sys.stderr)
+                slow += fast
+        for i in sorted(slow):
+            try:
+                out[i] = torch.from_numpy(np.ascontiguousarray(decode_pil(blobs[i], self.spec))).to("cuda")
+            except Exception as e:  # noqa: BLE001
+                failed[i] = f"{type(e).__name__}: {e}"
+        return out, failed
+
+
+def create(name: str, spec: Spec, batch_size: int, threads: int | None = None) -> NvjpegDecoder:
+    return NvjpegDecoder(spec, batch_size, threads)

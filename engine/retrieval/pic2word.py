@@ -1,0 +1,234 @@
+"""Pic2Word-style image-to-word mapping, learned at build time on the gallery's own images.
+
+Saito et al. 2023, "Pic2Word: Mapping Pictures to Words for Zero-shot Composed Image
+Retrieval": a small MLP maps a CLIP image embedding to a pseudo-word token embedding; the
+frozen text tower encodes "a photo of *" with `*` replaced by that token, and a
+contrastive (InfoNCE, both directions, CLIP's logit scale) loss over the batch pulls the
+text embedding towards its own image embedding and away from the batch's other images.
+Training data here: the gallery's stored image embeddings only (no captions, labels or
+other data), so no image is decoded again. At query time the request becomes a prompt
+with the pseudo-word (engine.retrieval.compose PROMPTS `pic2word*`) and its text embedding is the query.
+
+Mapping (`Im2Token`, Pic2Word's IM2TEXT shape): `layers` x (Linear, Dropout, ReLU) at
+width `hidden`, then Linear to the token width.
+
+Training (`train`): seeded (init, data order, dropout), `steps` (default: `epochs` passes
+over the gallery), AdamW, bf16 autocast on CUDA (fp32 on CPU); a checkpoint every `ckpt_every` steps (mapping, optimiser, RNG
+state, loss log; temp name + rename) in a folder the caller names, under a key (config,
+embeddings digest, model digest): a killed training resumes from its last checkpoint and
+ends with the same weights as an uninterrupted one; a changed key starts over (said on
+stderr). A wall-clock budget (`time_budget_s`) stops early, recorded in the result.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.clip.inject import check_injectable, encode_with_slot, placeholder_id, slots_of
+
+TRAIN_PROMPT = "a photo of *"
+
+
+@dataclass(frozen=True)
+class Pic2WordConfig:
+    hidden: int = 512              # MLP width (Pic2Word: 512)
+    layers: int = 2                # hidden layers
+    dropout: float = 0.1
+    epochs: int = 20               # passes over the gallery when steps == 0
+    steps: int = 0                 # optimiser steps; 0: epochs * (N // batch_size)
+    batch_size: int = 256          # InfoNCE negatives = batch_size - 1
+    lr: float = 1e-4
+    weight_decay: float = 0.1
+    seed: int = 0
+    ckpt_every: int = 200          # steps between checkpoints
+    time_budget_s: float = 2400.0  # stop early past this many seconds of training (40 min)
+
+    def total_steps(self, n: int) -> int:
+        return self.steps or self.epochs * max(1, n // self.batch_size)
+
+
+class Im2Token(nn.Module):
+    """Image embedding [B, D] -> pseudo-word token embedding [B, W]."""
+
+    def __init__(self, embed_dim: int, token_width: int, hidden: int = 512, layers: int = 2,
+                 dropout: float = 0.1):
+        super().__init__()
+        body, width = [], embed_dim
+        for _ in range(layers):
+            body += [nn.Linear(width, hidden), nn.Dropout(dropout), nn.ReLU()]
+            width = hidden
+        self.body = nn.Sequential(*body)
+        self.out = nn.Linear(width, token_width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.body(x))
+
+
+def make_mapping(model, cfg: Pic2WordConfig) -> Im2Token:
+    """A freshly (seeded) initialised mapping for `model`'s embedding and token widths."""
+    check_injectable(model)
+    torch.manual_seed(cfg.seed)
+    embed_dim = model.text_projection.shape[1] if isinstance(model.text_projection, torch.Tensor) \
+        else model.text_projection.out_features
+    return Im2Token(embed_dim, model.token_embedding.weight.shape[1], cfg.hidden, cfg.layers, cfg.dropout)
+
+
+def _autocast(towers, training: bool = False):
+    """The towers' autocast; training uses bf16 instead of fp16 (no loss scaling needed)."""
+    from engine.clip.towers import PRECISIONS
+
+    dtype = PRECISIONS[towers.precision]
+    if training and dtype is torch.float16:
+        dtype = torch.bfloat16
+    return torch.autocast(towers.device.type, dtype=dtype, enabled=dtype is not None)
+
+
+def encode_prompts(towers, mapping: Im2Token, image: torch.Tensor, prompts: list[str],
+                   batch_size: int = 256) -> torch.Tensor:
+    """[B, D] unit text embeddings of `prompts` (each with a `*`) with `*` replaced by
+    mapping(image [B, D]); returns float32 rows on the towers' device."""
+    star = placeholder_id(towers.tokenizer)
+    mapping = mapping.to(towers.device).eval()
+    out = []
+    for lo in range(0, len(prompts), batch_size):
+        tokens = towers.tokenize(prompts[lo:lo + batch_size])[0].to(towers.device)
+        img = image[lo:lo + batch_size].to(towers.device).float()
+        with torch.inference_mode(), _autocast(towers):
+            feats = encode_with_slot(towers.model, tokens, slots_of(tokens, star), mapping(img),
+                                     trim=towers.trim_text)
+        out.append(F.normalize(feats.float(), dim=-1))
+    return torch.cat(out) if out else torch.zeros(0, towers.spec.embed_dim, device=towers.device)
+
+
+class Stopped(Exception):
+    """Raised by the stop hook after N new steps, as a kill would (nothing saved past the last checkpoint)."""
+
+
+@dataclass
+class TrainResult:
+    state: dict                     # the mapping's state dict (float32, CPU)
+    steps: int
+    total_steps: int
+    final_loss: float               # mean loss of the last (up to) 20 steps
+    first_loss: float               # mean loss of the first (up to) 20 steps
+    curve: list = field(default_factory=list)   # [step, mean loss] every ~1/20 of the run
+    resumed_from: int = 0
+    stopped: str = ""               # "" or why training stopped before total_steps
+    seconds: float = 0.0
+
+
+@functools.lru_cache(maxsize=2)
+def _permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+
+
+def _batch_rows(step: int, n: int, cfg: Pic2WordConfig) -> torch.Tensor:
+    """Gallery rows of one step: epoch e's seeded permutation, sliced (no state to checkpoint);
+    the last n % batch rows of a permutation sit that epoch out."""
+    b = min(cfg.batch_size, n)
+    per_epoch = max(1, n // b)
+    epoch, i = divmod(step, per_epoch)
+    return _permutation(n, cfg.seed, epoch)[i * b:(i + 1) * b]
+
+
+def _save(path: Path, blob: dict) -> None:
+    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
+    torch.save(blob, tmp)
+    os.replace(tmp, path)
+
+
+def train(towers, emb: np.ndarray, cfg: Pic2WordConfig, ckpt_dir: Path, key: dict,
+          stop_after: int = 0, log=print) -> TrainResult:
+    """Fit the mapping on gallery embeddings emb [N, D] (unit rows); checkpoints in ckpt_dir."""
+    model, dev = towers.model, towers.device
+    check_injectable(model)
+    for p in model.parameters():
+        p.requires_grad_(False)                # CLIP stays frozen: only the mapping learns
+    x_all = torch.from_numpy(np.asarray(emb, np.float32)).to(dev)     # [N, D]
+    n = x_all.shape[0]
+    total = cfg.total_steps(n)
+    mapping = make_mapping(model, cfg).to(dev)
+    opt = torch.optim.AdamW(mapping.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    losses: list[float] = []
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    path = ckpt_dir / "pic2word-state.pt"
+    full_key = {**key, "config": asdict(cfg)}
+    start = 0
+    if path.is_file():
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+        if blob.get("key") == full_key:
+            mapping.load_state_dict(blob["mapping"])
+            opt.load_state_dict(blob["opt"])
+            torch.set_rng_state(blob["rng"])
+            if dev.type == "cuda" and "rng_cuda" in blob:
+                torch.cuda.set_rng_state(blob["rng_cuda"], dev)
+            start, losses = int(blob["step"]), list(blob["losses"])
+            log(f"pic2word: resuming from the checkpoint at step {start} of {total}")
+        else:
+            log(f"pic2word: the checkpoint in {ckpt_dir} was made under another config or gallery; "
+                "training starts over")
+    star = placeholder_id(towers.tokenizer)
+    tokens = towers.tokenize([TRAIN_PROMPT])[0].to(dev)                # [1, ctx]
+    slot = slots_of(tokens, star)
+    scale = float(model.logit_scale.exp().clamp(max=100.0))            # CLIP's own temperature
+    t0 = time.perf_counter()
+    stopped = ""
+    mapping.train()
+    step = start
+    while step < total:
+        rows = _batch_rows(step, n, cfg).to(dev)
+        img = x_all[rows]                                              # [b, D] unit image rows
+        with _autocast(towers, training=True):
+            feats = encode_with_slot(model, tokens.expand(len(rows), -1), slot.expand(len(rows)), mapping(img),
+                                     trim=towers.trim_text)
+        txt = F.normalize(feats.float(), dim=-1)                       # [b, D]
+        logits = scale * img @ txt.T                                   # [b, b]: image i vs text j
+        target = torch.arange(len(rows), device=dev)
+        loss = (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+        step += 1
+        if step % cfg.ckpt_every == 0 and step < total:
+            blob = {"key": full_key, "step": step, "mapping": mapping.state_dict(), "opt": opt.state_dict(),
+                    "rng": torch.get_rng_state(), "losses": losses}
+            if dev.type == "cuda":
+                blob["rng_cuda"] = torch.cuda.get_rng_state(dev)
+            _save(path, blob)
+        if stop_after and step - start >= stop_after:
+            raise Stopped(f"stopped after {step - start} steps (test hook)")
+        if time.perf_counter() - t0 > cfg.time_budget_s:
+            stopped = f"time budget of {cfg.time_budget_s:g} s reached at step {step} of {total}"
+            log(f"pic2word: {stopped}")
+            break
+    mapping.eval()
+    every = max(1, math.ceil(len(losses) / 20))
+    curve = [[min(i + every, len(losses)), round(float(np.mean(losses[i:i + every])), 5)]
+             for i in range(0, len(losses), every)]
+    state = {k: v.detach().float().cpu().contiguous() for k, v in mapping.state_dict().items()}
+    return TrainResult(state, step, total, float(np.mean(losses[-20:])) if losses else float("nan"),
+                       float(np.mean(losses[:20])) if losses else float("nan"), curve, start, stopped,
+                       round(time.perf_counter() - t0, 3))
+
+
+def load_mapping(state: dict, meta: dict) -> Im2Token:
+    """The mapping from its stored state dict and the meta.json `pic2word` record."""
+    m = meta["mapping"]
+    mapping = Im2Token(m["embed_dim"], m["token_width"], m["hidden"], m["layers"], m["dropout"])
+    mapping.load_state_dict(state)
+    return mapping.eval()
+
+
+def say(msg: str) -> None:
+    print(f"[pic2word] {msg}", file=sys.stderr, flush=True)

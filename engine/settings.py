@@ -1,0 +1,159 @@
+"""Every environment switch of the engine, read once, typed, checked.
+
+The rest of the engine never reads `os.environ`: it asks here (as timm's
+`layers/config.py` does). A bad value is a SettingsError naming the variable, the
+value and what it accepts. Values are read on first use and kept; `reload()` forgets
+them (tests that change the environment in-process call it).
+
+| variable | type | default | what it switches |
+|---|---|---|---|
+| ENGINE_ARTIFACT | path | artifacts/default | the artifact directory scripts/run loads |
+| ENGINE_DECODER | decoder name | the artifact's | pil, dali-cpu, dali-gpu, nvjpeg: the off switch for fast decoding |
+| ENGINE_CUDA_GRAPHS | 0/1 | 1 | replay the static batch from a captured CUDA graph |
+| ENGINE_ARTIFACT_VERIFY | sha256/size | sha256 | hash every artifact file at load, or check sizes only |
+| ENGINE_PIPELINE_DEPTH | int >= 0 | 2 | decoded batches in flight ahead of inference |
+| ENGINE_READERS | int >= 1 | 8 | file reader threads |
+| ENGINE_FAST_EXIT | 0/1 | 1 | leave without interpreter teardown once the output is synced |
+| ENGINE_T0 | seconds since the epoch | process start | when the timed run began (scripts/run sets it) |
+| CLIP_MODEL_DIR | path | (the caller's) | local CLIP folder or state-dict file |
+| CLIP_MODEL_NAME | str | (from the folder) | open_clip architecture of an OpenAI-style state dict |
+| CLIP_DEVICE | cpu/cuda[:N] | cuda if available | where the CLIP towers run |
+| CLIP_PRECISION | fp32/fp16/bf16 | fp16 on CUDA, else fp32 | CLIP autocast precision |
+| CLIP_TEXT_TRIM | 0/1 | 1 | run the text tower on the used positions only (0: all 77, the reference twin) |
+| KERNELS_TOPK | auto/cupy/torch | auto | force the top-k kernel or its torch twin |
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+class SettingsError(ValueError):
+    """An environment variable holds a value the engine cannot use."""
+
+
+_cache: dict[str, Any] = {}
+
+
+def reload() -> None:
+    """Forget every value read so far: the next use reads the environment again."""
+    _cache.clear()
+
+
+def read(name: str, parse: Callable[[str, str], Any], default: Any) -> Any:
+    """`parse(name, value)` of env `name` (read once), or `default` when unset or empty."""
+    if name not in _cache:
+        raw = os.environ.get(name, "").strip()
+        _cache[name] = default if raw == "" else parse(name, raw)
+    return _cache[name]
+
+
+def flag(name: str, raw: str) -> bool:
+    if raw not in ("0", "1"):
+        raise SettingsError(f"{name} must be 0 or 1, got {raw!r}")
+    return raw == "1"
+
+
+def int_at_least(low: int) -> Callable[[str, str], int]:
+    def parse(name: str, raw: str) -> int:
+        try:
+            v = int(raw)
+        except ValueError:
+            raise SettingsError(f"{name} must be a whole number >= {low}, got {raw!r}") from None
+        if v < low:
+            raise SettingsError(f"{name} must be a whole number >= {low}, got {raw!r}")
+        return v
+    return parse
+
+
+def choice(*choices: str) -> Callable[[str, str], str]:
+    def parse(name: str, raw: str) -> str:
+        if raw.lower() not in choices:
+            raise SettingsError(f"{name} must be one of {', '.join(choices)}, got {raw!r}")
+        return raw.lower()
+    return parse
+
+
+def number(name: str, raw: str) -> float:
+    try:
+        return float(raw)
+    except ValueError:
+        raise SettingsError(f"{name} must be a number, got {raw!r}") from None
+
+
+def path(name: str, raw: str) -> Path:
+    return Path(raw)
+
+
+def _decoder_name(name: str, raw: str) -> str:
+    from engine.decoders import DECODERS
+
+    return choice(*DECODERS)(name, raw)
+
+
+def _device(name: str, raw: str) -> str:
+    if raw != "cpu" and not (raw == "cuda" or (raw.startswith("cuda:") and raw[5:].isdigit())):
+        raise SettingsError(f"{name} must be cpu, cuda or cuda:N, got {raw!r}")
+    return raw
+
+
+def artifact() -> Path:
+    return read("ENGINE_ARTIFACT", path, Path("artifacts/default"))
+
+
+def decoder() -> str | None:
+    return read("ENGINE_DECODER", _decoder_name, None)
+
+
+def cuda_graphs() -> bool:
+    return read("ENGINE_CUDA_GRAPHS", flag, True)
+
+
+def artifact_verify() -> str:
+    return read("ENGINE_ARTIFACT_VERIFY", choice("sha256", "size"), "sha256")
+
+
+def pipeline_depth() -> int:
+    return read("ENGINE_PIPELINE_DEPTH", int_at_least(0), 2)
+
+
+def readers() -> int:
+    return read("ENGINE_READERS", int_at_least(1), 8)
+
+
+def fast_exit() -> bool:
+    return read("ENGINE_FAST_EXIT", flag, True)
+
+
+def t0() -> float | None:
+    return read("ENGINE_T0", number, None)
+
+
+def clip_model_dir() -> Path | None:
+    return read("CLIP_MODEL_DIR", path, None)
+
+
+def text(name: str, raw: str) -> str:
+    return raw
+
+
+def clip_model_name() -> str | None:
+    return read("CLIP_MODEL_NAME", text, None)
+
+
+def clip_device() -> str | None:
+    return read("CLIP_DEVICE", _device, None)
+
+
+def clip_precision() -> str | None:
+    return read("CLIP_PRECISION", choice("fp32", "fp16", "bf16"), None)
+
+
+def clip_text_trim() -> bool:
+    return read("CLIP_TEXT_TRIM", flag, True)
+
+
+def topk_backend() -> str:
+    return read("KERNELS_TOPK", choice("auto", "cupy", "torch"), "auto")

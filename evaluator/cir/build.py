@@ -1,0 +1,334 @@
+"""Build the CIR gallery index: records -> decode -> CLIP image tower -> unit FP16 rows.
+
+    scripts/build.sh --corpus DIR --index-dir DIR [--model-dir DIR] [--method slerp] ...
+
+Reads DIR/records.jsonl ({image_id, path}; paths relative to DIR or absolute), decodes
+with the engine's decoders (dali-gpu on CUDA, dali-cpu otherwise; ENGINE_DECODER=pil is
+the reference), embeds in batches, and writes the index described in evaluator.cir.index.
+Chunked and resumable: a killed build restarts at its first unfinished chunk. Images no
+decoder can read are listed in meta.json and left out. Build-time extras (gallery mean,
+`--mapping pic2word`, gallery-derived text bank, DBA): evaluator.cir.extras. Env: CLIP_MODEL_DIR,
+CLIP_MODEL_NAME, CLIP_DEVICE, CLIP_PRECISION, CIR_METHOD; CIR_BUILD_STOP_AFTER_CHUNKS=N
+(test hook) stops after N new chunks, as a kill would; CIR_P2W_STOP_AFTER_STEPS=N (test
+hook) stops the mapping's training after N new steps (resumed from its last checkpoint).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from evaluator import settings as evaluator_settings
+
+STOPPED = 3  # exit status of the CIR_BUILD_STOP_AFTER_CHUNKS hook
+
+
+def _log(msg: str) -> None:
+    print(f"[cir_build] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class BuildConfig:
+    corpus: Path
+    index_dir: Path
+    model_dir: Path | None = None
+    model_name: str | None = None
+    decoder: str = "auto"          # auto: dali-gpu on CUDA, dali-cpu otherwise
+    batch_size: int | None = None  # None: 256 on CUDA, 64 on CPU
+    chunk_size: int = 4096         # images per resumable chunk
+    readers: int = 8
+    device: str | None = None
+    precision: str | None = None
+    method: str = "slerp"
+    text_weight: float | None = None
+    prompt: str | None = None
+    force: bool = False
+    mapping: str = "none"          # none | pic2word (evaluator.cir.extras)
+    p2w_epochs: int = 20
+    p2w_steps: int = 0
+    p2w_batch_size: int = 256
+    p2w_lr: float = 1e-4
+    p2w_hidden: int = 512
+    p2w_seed: int = 0
+    p2w_ckpt_every: int = 200
+    p2w_time_budget: float = 2400.0
+    text_bank: int = -1            # -1: 4096 with a mapping, else 0
+    dba: int = 0
+    dba_alpha: float = 3.0
+    dba_chunk: int = 1024          # gallery rows per DBA block; 0: one [N, N] matrix (the reference twin)
+    stop_after_chunks: int = 0     # stop (resumably) after this many chunks; 0: never
+    p2w_stop_after: int = 0        # stop (resumably) after this many Pic2Word steps; 0: never
+
+    def extras(self):
+        from engine.retrieval.pic2word import Pic2WordConfig
+        from evaluator.cir.extras import ExtrasConfig
+
+        p2w = Pic2WordConfig(hidden=self.p2w_hidden, epochs=self.p2w_epochs, steps=self.p2w_steps,
+                             batch_size=self.p2w_batch_size, lr=self.p2w_lr, seed=self.p2w_seed,
+                             ckpt_every=self.p2w_ckpt_every, time_budget_s=self.p2w_time_budget)
+        return ExtrasConfig(self.mapping, p2w, self.text_bank, self.dba, self.dba_alpha, self.dba_chunk,
+                            self.p2w_stop_after)
+
+
+class Progress:
+    """A one-line progress bar on stderr when it is a TTY; silent otherwise."""
+
+    def __init__(self, total: int, done: int = 0):
+        self.total, self.done, self.t0 = total, done, time.perf_counter()
+        self.start, self.tty = done, sys.stderr.isatty()
+
+    def update(self, n: int) -> None:
+        self.done += n
+        if self.tty:
+            rate = (self.done - self.start) / max(time.perf_counter() - self.t0, 1e-9)
+            width = 30
+            fill = int(width * self.done / max(self.total, 1))
+            print(f"\r[cir_build] [{'#' * fill}{'.' * (width - fill)}] {self.done}/{self.total} "
+                  f"{rate:.1f} img/s", end="", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.tty:
+            print(file=sys.stderr, flush=True)
+
+
+def parse_args(argv: list[str] | None) -> BuildConfig:
+    p = argparse.ArgumentParser(prog="scripts/build.sh", description=__doc__.split("\n\n")[0])
+    p.add_argument("--corpus", type=Path, required=True, help="folder with records.jsonl")
+    p.add_argument("--index-dir", type=Path, required=True, help="where the index goes (created if missing)")
+    p.add_argument("--model-dir", type=Path, default=None, help="CLIP folder (env CLIP_MODEL_DIR)")
+    p.add_argument("--model-name", default=None, help="architecture for a bare state dict (env CLIP_MODEL_NAME)")
+    p.add_argument("--decoder", default="auto", help="auto | pil | dali-cpu | dali-gpu (env ENGINE_DECODER)")
+    p.add_argument("--batch-size", type=int, default=None, help="images per batch (default 256 on CUDA, 64 on CPU)")
+    p.add_argument("--chunk-size", type=int, default=4096)
+    p.add_argument("--readers", type=int, default=8)
+    p.add_argument("--device", default=None, help="cpu | cuda (env CLIP_DEVICE; default cuda when present)")
+    p.add_argument("--precision", default=None, help="fp32 | fp16 | bf16 (env CLIP_PRECISION)")
+    p.add_argument("--method", default=evaluator_settings.cir_method() or "slerp",
+                   help="default composition method recorded for scripts/run.sh (env CIR_METHOD)")
+    p.add_argument("--text-weight", type=float, default=None)
+    p.add_argument("--prompt", default=None)
+    p.add_argument("--force", action="store_true", help="rebuild even if the index is up to date")
+    x = p.add_argument_group("extras (docs/retrieval_quality.md)")
+    x.add_argument("--mapping", default="none", choices=("none", "pic2word"),
+                   help="learn a Pic2Word image-to-word mapping on the gallery (method pic2word)")
+    x.add_argument("--p2w-epochs", type=int, default=20, help="passes over the gallery (when --p2w-steps is 0)")
+    x.add_argument("--p2w-steps", type=int, default=0, help="optimiser steps (0: epochs x N / batch)")
+    x.add_argument("--p2w-batch-size", type=int, default=256)
+    x.add_argument("--p2w-lr", type=float, default=1e-4)
+    x.add_argument("--p2w-hidden", type=int, default=512)
+    x.add_argument("--p2w-seed", type=int, default=0)
+    x.add_argument("--p2w-ckpt-every", type=int, default=200, help="steps between training checkpoints")
+    x.add_argument("--p2w-time-budget", type=float, default=2400.0, help="seconds of training at most")
+    x.add_argument("--text-bank", type=int, default=-1,
+                   help="gallery-derived texts to store (default 4096 with a mapping, else 0)")
+    x.add_argument("--dba", type=int, default=0, help="store DBA rows over N neighbours (0: off)")
+    x.add_argument("--dba-alpha", type=float, default=3.0)
+    x.add_argument("--dba-chunk", type=int, default=1024,
+                   help="gallery rows per DBA block (0: one [N, N] matrix, the reference twin)")
+    a = p.parse_args(argv)
+    if (a.batch_size is not None and a.batch_size < 1) or a.chunk_size < 1 or a.readers < 1:
+        p.error("--batch-size, --chunk-size and --readers must be >= 1")
+    if min(a.p2w_epochs, a.p2w_batch_size, a.p2w_ckpt_every, a.p2w_hidden) < 1 or min(a.p2w_steps, a.dba,
+                                                                                        a.dba_chunk) < 0:
+        p.error("--p2w-* sizes must be >= 1 (--p2w-steps, --dba >= 0)")
+    return BuildConfig(**vars(a))
+
+
+def main(argv: list[str] | None = None, stop_after_chunks: int = 0, p2w_stop_after: int = 0) -> int:
+    """scripts/build.sh. The stop_* arguments end the build early, as an interruption would (resumable)."""
+    cfg = parse_args(argv)
+    cfg.stop_after_chunks, cfg.p2w_stop_after = stop_after_chunks, p2w_stop_after
+    t_start = time.perf_counter()
+    from evaluator.cir import task
+    from evaluator.cir.jsonl import read_records, stderr_warn
+
+    try:
+        method = task.method(cfg.method, cfg.text_weight, cfg.prompt)
+    except ValueError as e:
+        _log(f"error: {e}")
+        return 2
+    if method.name == "pic2word" and cfg.mapping != "pic2word":
+        _log("error: --method pic2word needs the mapping: add --mapping pic2word")
+        return 2
+    records_path = cfg.corpus / "records.jsonl"
+    if not records_path.is_file():
+        _log(f"error: {records_path} not found")
+        return 2
+    try:
+        cfg.index_dir.mkdir(exist_ok=True)
+    except OSError as e:
+        _log(f"error: cannot create the index dir {cfg.index_dir}: {e.strerror or e}")
+        return 2
+    if not os.access(cfg.index_dir, os.W_OK):
+        _log(f"error: the index dir {cfg.index_dir} is not writable")
+        return 2
+    records = read_records(records_path, stderr_warn("cir_build"))
+    records_sha = hashlib.sha256(records_path.read_bytes()).hexdigest()
+    if not records:
+        _log(f"error: {records_path} holds no usable records")
+        return 2
+
+    from engine.clip.load import ClipLoadError, load_clip
+    from engine.clip.towers import ClipTowers, default_device
+
+    if cfg.batch_size is None:
+        cfg.batch_size = 256 if (cfg.device or default_device()).startswith("cuda") else 64
+    try:
+        model, spec, info = load_clip(task.clip_dir(cfg.model_dir), cfg.model_name, cfg.batch_size)
+    except (ClipLoadError, FileNotFoundError) as e:
+        _log(f"error: {e}")
+        return 2
+    towers = ClipTowers(model, spec, cfg.device, cfg.precision)
+    t_loaded = time.perf_counter()
+    return build(cfg, records, records_sha, towers, info, method.to_dict(), t_start, t_loaded)
+
+
+def build(cfg: BuildConfig, records, records_sha: str, towers, info: dict, method: dict,
+          t_start: float, t_loaded: float) -> int:
+    """Embed every pending chunk, then commit the index (see evaluator.cir.index)."""
+    import numpy as np
+
+    from engine import settings as engine_settings
+    from engine.decoders import default_decoder, make_decoder
+    from engine.retrieval.embed import embed_images
+    from evaluator.cir.extras import extras_key
+    from evaluator.cir.index import ChunkStore, read_meta
+
+    decoder_name = cfg.decoder if cfg.decoder != "auto" else (
+        engine_settings.decoder() or default_decoder(towers.device.type))
+    spec = towers.spec
+    decoder = make_decoder(decoder_name, spec.image, cfg.batch_size)
+    key = {"records_sha256": records_sha, "records": len(records), "model_digest": info["digest"],
+           "clip_spec": spec.to_dict(), "decoder": decoder.name,
+           "precision": towers.precision, "device": towers.device.type, "chunk_size": cfg.chunk_size,
+           "embed_dim": spec.embed_dim}
+    ekey = extras_key(cfg.extras(), method)
+    old = read_meta(cfg.index_dir)
+    if old is not None and old.get("build_key") == key and not cfg.force:
+        if old.get("extras_key") == ekey:
+            _log(f"index in {cfg.index_dir} is up to date ({old.get('count')} images); --force rebuilds it")
+            return 0
+        return reuse_embeddings(cfg, old, towers, info, ekey, method)
+    store = ChunkStore(cfg.index_dir, key)
+    done = store.open()
+    n_chunks = (len(records) + cfg.chunk_size - 1) // cfg.chunk_size
+    if done:
+        _log(f"resuming: {len(done)} of {n_chunks} chunks already built")
+    pending = [i for i in range(len(records)) if i // cfg.chunk_size not in done]
+
+    def read(i: int) -> bytes:
+        p = Path(records[i].path)
+        return (p if p.is_absolute() else cfg.corpus / p).read_bytes()
+
+    stop_after = cfg.stop_after_chunks
+    bar = Progress(len(records), len(records) - len(pending))
+    acc: dict[int, dict] = {}      # chunk -> {"rows": [...], "emb": [...], "failed": [...], "seen": n}
+    saved = embedded = 0
+    t0 = time.perf_counter()
+    for b in embed_images(read, pending, decoder, towers.encode_images, cfg.batch_size, cfg.readers):
+        k = 0
+        for j, item in enumerate(b.items):
+            c = acc.setdefault(item // cfg.chunk_size, {"rows": [], "emb": [], "failed": [], "seen": 0})
+            c["seen"] += 1
+            if b.ok[j]:
+                c["rows"].append(item)
+                c["emb"].append(b.emb[k])
+                k += 1
+            else:
+                r = records[item]
+                c["failed"].append({"image_id": r.image_id, "path": r.path, "line": r.line,
+                                    "reason": b.failed[item]})
+                _log(f"unreadable image {r.image_id!r} ({r.path}, records line {r.line}): {b.failed[item]}")
+        embedded += k
+        bar.update(len(b.items))
+        for chunk in sorted(acc):
+            size = min(cfg.chunk_size, len(records) - chunk * cfg.chunk_size)
+            if acc[chunk]["seen"] < size:
+                break
+            c = acc.pop(chunk)
+            emb = np.stack(c["emb"]) if c["emb"] else np.zeros((0, spec.embed_dim), np.float16)
+            store.save(chunk, np.asarray(c["rows"], np.int64), emb, c["failed"])
+            saved += 1
+            if not bar.tty:
+                _log(f"chunk {chunk + 1}/{n_chunks} done")
+            if stop_after and saved >= stop_after:
+                bar.close()
+                _log(f"stopping after {saved} chunks (CIR_BUILD_STOP_AFTER_CHUNKS)")
+                return STOPPED
+    bar.close()
+    if towers.device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+    t_embed = time.perf_counter() - t0
+    rows, emb, failed = store.load(range(n_chunks))
+    ids = [records[i].image_id for i in rows.tolist()]
+    rate = embedded / t_embed if t_embed > 0 else 0.0
+    meta = {"build_key": key, "model": info, "clip_spec": spec.to_dict(), "method": method,
+            "decoder": decoder.name, "device": towers.device.type, "precision": towers.precision,
+            "records": {"path": str(cfg.corpus / "records.jsonl"), "sha256": records_sha, "usable": len(records)},
+            "corpus": str(cfg.corpus.resolve()),
+            "unreadable": failed, "counts": {"records": len(records), "indexed": len(ids), "unreadable": len(failed)},
+            "timing": {"load_s": round(t_loaded - t_start, 3), "embed_s": round(t_embed, 3),
+                       "images_embedded_this_run": embedded, "images_per_s": round(rate, 2),
+                       "resumed_chunks": len(done)}}
+    rc = commit_with_extras(cfg, emb, ids, meta, towers, info, ekey)
+    if rc:
+        return rc
+    store.clear()
+    _log(f"index: {len(ids)} images, {len(failed)} unreadable, dim {spec.embed_dim} -> {cfg.index_dir}")
+    _log(f"embedded {embedded} images in {t_embed:.2f} s: {rate:.1f} images/s "
+         f"(decoder {decoder.name}, {towers.device.type} {towers.precision}; model load {t_loaded - t_start:.2f} s)")
+    return 0
+
+
+def commit_with_extras(cfg: BuildConfig, emb, ids: list, meta: dict, towers, info: dict, ekey: dict) -> int:
+    """Compute the extras (evaluator.cir.extras), then commit; STOPPED when the training hook fires."""
+    from engine.retrieval.pic2word import Stopped
+    from evaluator.cir.extras import build_extras
+    from evaluator.cir.index import BUILD_DIR, commit
+
+    t0 = time.perf_counter()
+    try:
+        extra_meta, files = build_extras(cfg.extras(), emb, towers, info["digest"], cfg.index_dir / BUILD_DIR)
+    except Stopped as e:
+        _log(f"pic2word: {e} (CIR_P2W_STOP_AFTER_STEPS)")
+        return STOPPED
+    meta = {**meta, **extra_meta, "extras_key": ekey}
+    meta["timing"] = {**meta.get("timing", {}), "extras_s": round(time.perf_counter() - t0, 3)}
+    commit(cfg.index_dir, emb, ids, meta, files)
+    return 0
+
+
+def reuse_embeddings(cfg: BuildConfig, old: dict, towers, info: dict, ekey: dict, method: dict) -> int:
+    """The embeddings are up to date but the extras or the recorded method differ: redo only those."""
+    import shutil
+
+    import numpy as np
+
+    from evaluator.cir.index import BUILD_DIR, IndexLoadError, load_index
+
+    try:
+        idx = load_index(cfg.index_dir)
+    except IndexLoadError as e:
+        _log(f"error: {e}; pass --force to rebuild")
+        return 2
+    _log(f"embeddings in {cfg.index_dir} are up to date; recomputing the extras only")
+    keep = ("build_key", "model", "clip_spec", "decoder", "device", "precision", "records", "corpus",
+            "unreadable", "counts", "timing")
+    meta = {k: old[k] for k in keep if k in old}
+    meta["method"] = method
+    meta["corpus"] = str(cfg.corpus.resolve())
+    meta["timing"] = {**meta.get("timing", {}), "reused_embeddings": True}
+    rc = commit_with_extras(cfg, np.asarray(idx.emb), idx.ids, meta, towers, info, ekey)
+    if rc == 0:
+        shutil.rmtree(cfg.index_dir / BUILD_DIR / "pic2word", ignore_errors=True)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""The CIR gallery index on disk: chunked while building, committed by one rename.
+
+    INDEX_DIR/meta.json                     the commit record (written last, by rename)
+    INDEX_DIR/embeddings-<build>.f16.npy    [N, D] float16, L2-normalised rows
+    INDEX_DIR/ids-<build>.json              [N] image ids (as given: str or int), row order
+    INDEX_DIR/<extra>-<build>.<ext>         optional build-time extras named in meta.json `files`
+                                            (pic2word mapping, gallery-derived text bank, DBA rows)
+    INDEX_DIR/.build/progress.json          resume key of an unfinished build
+    INDEX_DIR/.build/chunk-000012.npz       finished chunks (each written to a temp name, renamed)
+
+Everything temporary lives inside INDEX_DIR (its parent may be read-only). meta.json
+names the data files of its build, so a rebuild writes new files beside the old ones
+and a reader sees either the old index or the new one, never a mix; the old files are
+deleted only after the new meta.json is in place.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from engine.io import write_atomic
+
+FORMAT = "cir-index/1"
+BUILD_DIR = ".build"
+EXTRA_FILES = ("pic2word", "text_bank", "dba")   # optional data files (evaluator.cir.extras)
+
+
+class IndexLoadError(RuntimeError):
+    """The index directory holds no usable index; the message says what is wrong."""
+
+
+def _npy_bytes(arr: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, arr, allow_pickle=False)
+    return buf.getvalue()
+
+
+@dataclass
+class Index:
+    dir: Path
+    meta: dict
+    ids: list                 # [N] image ids as the records gave them
+    emb: np.ndarray           # [N, D] float16, memory-mapped
+
+    def extra(self, name: str) -> Path | None:
+        """Path of an optional build-time data file (EXTRA_FILES), or None when this build has none."""
+        f = self.meta.get("files", {}).get(name)
+        return self.dir / f if f else None
+
+    def rows(self) -> dict[str, int]:
+        """str(image_id) -> row (ids compare as strings: CIRCO ids are ints, CIRR ids strings)."""
+        return {str(i): r for r, i in enumerate(self.ids)}
+
+
+def load_index(index_dir: str | os.PathLike) -> Index:
+    """The committed index of `index_dir`; IndexLoadError names what is missing or inconsistent."""
+    d = Path(index_dir)
+    meta_path = d / "meta.json"
+    if not meta_path.is_file():
+        extra = " (an unfinished build is there: run scripts/build.sh again to finish it)" \
+            if (d / BUILD_DIR).is_dir() else ""
+        raise IndexLoadError(f"no finished index in {d}: meta.json is missing{extra}")
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise IndexLoadError(f"{meta_path}: unreadable ({e})") from e
+    if meta.get("format") != FORMAT:
+        raise IndexLoadError(f"{meta_path}: format {meta.get('format')!r}, expected {FORMAT!r}")
+    try:
+        emb = np.load(d / meta["files"]["embeddings"], mmap_mode="r")
+        ids = json.loads((d / meta["files"]["ids"]).read_text(encoding="utf-8"))
+    except (OSError, ValueError, KeyError) as e:
+        raise IndexLoadError(f"{d}: index files named by meta.json are unreadable ({e})") from e
+    n, dim = meta["count"], meta["dim"]
+    if emb.shape != (n, dim) or emb.dtype != np.float16 or len(ids) != n:
+        raise IndexLoadError(f"{d}: embeddings {emb.shape} {emb.dtype} / {len(ids)} ids do not match "
+                          f"meta.json count {n} dim {dim}")
+    return Index(d, meta, ids, emb)
+
+
+def read_meta(index_dir: Path) -> dict | None:
+    """meta.json of a committed index, or None."""
+    try:
+        return json.loads((index_dir / "meta.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+class ChunkStore:
+    """Finished chunks of one build key under INDEX_DIR/.build/."""
+
+    def __init__(self, index_dir: Path, key: dict):
+        self.dir = index_dir / BUILD_DIR
+        self.key = key
+
+    def path(self, chunk: int) -> Path:
+        return self.dir / f"chunk-{chunk:06d}.npz"
+
+    def open(self) -> set[int]:
+        """Chunks already done for this key; chunks of another key are discarded (said on stderr)."""
+        prog = self.dir / "progress.json"
+        old = None
+        if prog.is_file():
+            try:
+                old = json.loads(prog.read_text(encoding="utf-8")).get("key")
+            except (OSError, ValueError) as e:
+                print(f"[cir_build] {prog} unreadable ({e}); starting the build over", file=sys.stderr)
+        if old is not None and old != self.key:
+            changed = sorted(k for k in set(old) | set(self.key) if old.get(k) != self.key.get(k))
+            print(f"[cir_build] discarding the unfinished build in {self.dir}: {', '.join(changed)} changed",
+                  file=sys.stderr)
+        if old != self.key:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.dir.mkdir(parents=True)
+            write_atomic(prog, json.dumps({"key": self.key}, indent=1).encode())
+            return set()
+        return {int(p.stem.split("-")[1]) for p in self.dir.glob("chunk-*.npz")}
+
+    def save(self, chunk: int, rows: np.ndarray, emb: np.ndarray, failed: list[dict]) -> None:
+        """rows: [m] int64 record numbers; emb: [m, D] float16; failed: unreadable records of the chunk."""
+        buf = io.BytesIO()
+        np.savez(buf, rows=rows.astype(np.int64), emb=emb.astype(np.float16),
+                 failed=np.frombuffer(json.dumps(failed).encode(), np.uint8))
+        write_atomic(self.path(chunk), buf.getvalue())
+
+    def load(self, chunks: range) -> tuple[np.ndarray, np.ndarray, list[dict]]:
+        """Concatenated (rows [N], emb [N, D], failed) of `chunks`, in chunk order."""
+        rows, embs, failed = [], [], []
+        for c in chunks:
+            with np.load(self.path(c), allow_pickle=False) as z:
+                rows.append(z["rows"])
+                if len(z["rows"]):
+                    embs.append(z["emb"])
+                failed += json.loads(z["failed"].tobytes().decode())
+        dim = self.key.get("embed_dim", 0)
+        emb = np.concatenate(embs) if embs else np.zeros((0, dim), np.float16)
+        return np.concatenate(rows) if rows else np.zeros(0, np.int64), emb, failed
+
+    def clear(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def commit(index_dir: Path, emb: np.ndarray, ids: list, meta: dict,
+           extras: dict[str, tuple[str, bytes]] | None = None) -> dict:
+    """Write the data files under fresh names, then meta.json (the commit), then drop old files.
+    `extras`: {name in EXTRA_FILES: (suffix, bytes)}, written as NAME-<build>SUFFIX."""
+    import hashlib
+
+    build = uuid.uuid4().hex[:12]
+    files = {"embeddings": f"embeddings-{build}.f16.npy", "ids": f"ids-{build}.json"}
+    blobs = {"embeddings": _npy_bytes(np.ascontiguousarray(emb, np.float16)), "ids": json.dumps(ids).encode()}
+    for name, (suffix, data) in (extras or {}).items():
+        if name not in EXTRA_FILES:
+            raise ValueError(f"unknown index extra {name!r} (one of {EXTRA_FILES})")
+        files[name], blobs[name] = f"{name}-{build}{suffix}", data
+    for name, data in blobs.items():
+        write_atomic(index_dir / files[name], data)
+    meta = {"format": FORMAT, "build_id": build, "files": files, "count": int(emb.shape[0]),
+            "dim": int(emb.shape[1]),
+            "sha256": {name: hashlib.sha256(data).hexdigest() for name, data in blobs.items()}, **meta}
+    write_atomic(index_dir / "meta.json", (json.dumps(meta, indent=1) + "\n").encode())
+    keep = set(files.values())
+    old = [index_dir.glob(f"{name}-*") for name in ("embeddings", "ids", *EXTRA_FILES)]
+    for p in (q for g in old for q in g):
+        if p.name not in keep and p.is_file():
+            p.unlink(missing_ok=True)
+    return meta

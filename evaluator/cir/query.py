@@ -1,0 +1,298 @@
+"""One CIR call's query pipeline: encode -> compose -> gallery-aware scores -> top k [-> re-inspect].
+
+    q = compose(image, text)                      engine.retrieval.compose (pic2word: the pseudo-word prompt)
+    gap:      image, text and gallery centred on their modality's mean before composing
+    hubness:  scores = scorer(q . G, per-item bank statistics)      engine.retrieval.rescore
+    aqe:      q <- alpha_qe(q, its top n), scored again
+    dba:      G <- DBA rows (stored at build time, else computed here)
+    reinspect: the top R candidates re-scored with multi-view rows  engine.retrieval.reinspect
+
+Methods that need the call's own requests (gap with the requests' text mean, a hubness
+scorer with a requests bank) encode every request of the call first (`prepare`), so the
+answers do not depend on batching or on where a killed call resumed. Plain methods encode
+batch by batch, as before. `report()` says what was used (bank source and size, means,
+re-inspection counts) for the run's summary.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+GAP_MIN_TEXTS = 8          # fewer request texts than this make no text mean (said on stderr)
+
+
+class PipelineError(RuntimeError):
+    """The method cannot run on this index (the message says what is missing)."""
+
+
+def _log(msg: str) -> None:
+    print(f"[cir_run] {msg}", file=sys.stderr, flush=True)
+
+
+class QueryPipeline:
+    def __init__(self, index, towers, method, warn, queries: Path, corpus: Path | None = None, k: int = 50,
+                 bank_chunk: int = 256):
+        from engine.retrieval.rescore import center
+
+        self.index, self.towers, self.method, self.warn, self.queries = index, towers, method, warn, queries
+        self.k = min(k, len(index.ids))
+        dev = towers.device
+        # [N, D] unit rows; FP16 on disk, FP32 for scoring (ties and order as the reference computes them)
+        self.raw = torch.from_numpy(np.array(index.emb)).to(dev).float()   # copy: the mmap is read-only
+        self.rows_of = index.rows()
+        self.unreadable = {str(u.get("image_id")) for u in index.meta.get("unreadable", [])}
+        self.info: dict = {"method_label": method.label}
+        self.cached: dict[str, torch.Tensor] = {}     # query_id -> [D] composed query (prepare)
+        self.bank_chunk = bank_chunk        # requests per bank-statistics block; 0: the reference twin
+        self.mapping = self._load_mapping() if method.name == "pic2word" else None
+        self.text_bank = self._load_text_bank() if method.gap in ("bank", "both") or (
+            method.hubness and method.bank in ("gallery", "both")) else None
+        self.base = self._dba() if method.dba else self.raw             # gallery before gap centring
+        self.image_mean = self.text_mean = None
+        if method.gap:
+            self.image_mean = self._image_mean()
+            self.gallery = center(self.base, self.image_mean)
+        else:
+            self.gallery = self.base
+        self.stats = None
+        self.reinspector = self._reinspector(corpus) if method.reinspect else None
+
+    # ------------------------------------------------------------ set-up
+    def _load_mapping(self):
+        from safetensors.torch import load_file
+
+        from engine.retrieval.pic2word import load_mapping
+
+        path, meta = self.index.extra("pic2word"), self.index.meta.get("pic2word")
+        if path is None or meta is None:
+            raise PipelineError(f"method pic2word: the index in {self.index.dir} has no mapping; "
+                                "build it with scripts/build.sh ... --mapping pic2word")
+        self.info["pic2word"] = {k: meta.get(k) for k in ("steps", "final_loss", "seed", "stopped_early")}
+        return load_mapping(load_file(str(path)), meta).to(self.towers.device)
+
+    def _load_text_bank(self) -> torch.Tensor | None:
+        path = self.index.extra("text_bank")
+        if path is None:
+            _log("the index has no gallery-derived text bank (build with --mapping pic2word); "
+                 "using the call's own requests instead")
+            return None
+        return torch.from_numpy(np.load(path).astype(np.float32)).to(self.towers.device)
+
+    def _dba(self) -> torch.Tensor:
+        from engine.retrieval.rescore import dba
+
+        m, stored = self.method, self.index.meta.get("dba") or {}
+        if stored.get("n") == m.dba and stored.get("alpha") == m.dba_alpha and self.index.extra("dba"):
+            self.info["dba"] = "stored at build time"
+            return torch.from_numpy(np.load(self.index.extra("dba")).astype(np.float32)).to(self.raw.device)
+        t0 = time.perf_counter()
+        out = dba(self.raw, m.dba, m.dba_alpha, chunk=1024 if self.bank_chunk else 0)
+        _log(f"DBA n={m.dba} alpha={m.dba_alpha:g} is not stored in the index (build --dba {m.dba} "
+             f"--dba-alpha {m.dba_alpha:g} stores it): computed here in {time.perf_counter() - t0:.2f} s")
+        self.info["dba"] = "computed at query time"
+        return out
+
+    def _image_mean(self) -> torch.Tensor:
+        stored = self.index.meta.get("gallery_mean")
+        if stored and self.base is self.raw:
+            self.info["image_mean"] = "stored at build time"
+            return torch.tensor(stored, dtype=torch.float32, device=self.raw.device)
+        self.info["image_mean"] = "computed from the gallery rows" + (" (DBA)" if self.method.dba else "")
+        if not stored and self.base is self.raw:
+            _log("the index has no stored gallery mean (built before it was recorded): computing it")
+        return self.base.mean(0)
+
+    def _reinspector(self, corpus: Path | None):
+        from engine.retrieval.reinspect import ReinspectBudget, Reinspector
+        from evaluator.cir.jsonl import read_records
+        from evaluator.cir.task import MAX_REINSPECT
+
+        meta = self.index.meta
+        root = corpus or (Path(meta["corpus"]) if meta.get("corpus") else
+                          Path(meta["records"]["path"]).parent if meta.get("records", {}).get("path") else None)
+        records = root / "records.jsonl" if root else None
+        if records is None or not records.is_file():
+            _log(f"re-inspection off: no corpus records at {records} (pass --corpus DIR)")
+            self.info["reinspection"] = f"off: no records.jsonl at {records}"
+            return None
+        paths = {str(r.image_id): r.path for r in read_records(records, self.warn)}
+        ids = self.index.ids
+
+        def read(row: int) -> bytes:
+            p = Path(paths[str(ids[row])])
+            return (p if p.is_absolute() else root / p).read_bytes()
+
+        spec = self.towers.spec.image
+        self.info["reinspection"] = f"{self.method.reinspect} candidates x {self.method.crops} views, corpus {root}"
+        return Reinspector(read, self.towers.encode_images, spec.input_size, self.method.crops,
+                           ReinspectBudget(self.method.reinspect, MAX_REINSPECT), spec.interpolation)
+
+    # ------------------------------------------------------------ encoding
+    def _refs(self, batch) -> torch.Tensor:
+        ref = []
+        for r in batch:
+            row = self.rows_of.get(r.reference, -1) if r.reference is not None else -1
+            if row < 0 and r.reference is not None:
+                why = "was unreadable at build time" if r.reference in self.unreadable else "is not in the index"
+                self.warn(f"{self.queries}:{r.line}: query {r.query_id!r}: reference image {r.reference!r} {why}; "
+                          "answering from the text alone")
+            ref.append(row)
+        return torch.tensor(ref, dtype=torch.int64, device=self.towers.device)   # [B], -1 = none
+
+    def _texts(self, batch, ref_t: torch.Tensor) -> torch.Tensor:
+        """[B, D] unit text-side embeddings (pic2word: the pseudo-word prompt where there is a reference)."""
+        from engine.retrieval.compose import make_method, prompt_text
+
+        m, towers = self.method, self.towers
+        texts = [prompt_text(m, r.modification, r.shared_concept) for r in batch]
+        tokens, cut = towers.tokenize(texts)
+        for r, c in zip(batch, cut):
+            if c:
+                self.warn(f"{self.queries}:{r.line}: query {r.query_id!r}: prompt longer than "
+                          f"{towers.spec.context_length} tokens; truncated")
+        if self.mapping is None:
+            return towers.encode_tokens(tokens)
+        from engine.retrieval.pic2word import encode_prompts
+
+        has = (ref_t >= 0).tolist()
+        out = torch.empty(len(batch), towers.spec.embed_dim, device=towers.device)
+        if any(has):
+            sel = [i for i, h in enumerate(has) if h]
+            out[sel] = encode_prompts(towers, self.mapping, self.raw[ref_t[sel]], [texts[i] for i in sel])
+        if not all(has):             # no image for the pseudo-word: the bare modification alone
+            plain = make_method("text-only")
+            sel = [i for i, h in enumerate(has) if not h]
+            out[sel] = towers.encode_texts([prompt_text(plain, batch[i].modification, None) for i in sel])
+        return out
+
+    def _compose(self, batch, text: torch.Tensor, ref_t: torch.Tensor) -> torch.Tensor:
+        from engine.retrieval.compose import compose, text_weight
+        from engine.retrieval.rescore import center
+
+        image = self.raw[ref_t.clamp(min=0)] if len(self.raw) else torch.zeros_like(text)
+        if self.method.gap:
+            image = center(image, self.image_mean)
+            if self.text_mean is not None:
+                text = center(text, self.text_mean)
+        weights = torch.tensor([text_weight(self.method, r.shared_concept) for r in batch], device=text.device)
+        return compose(self.method, image, ref_t >= 0, text, weights)          # [B, D] unit rows
+
+    def prepare(self, requests) -> None:
+        """Per-call statistics: the text mean, the hubness bank (encoding every request when needed)."""
+        from engine.retrieval.rescore import bank_stats, center
+
+        m, bank = self.method, self.text_bank
+        use_requests_mean = m.gap in ("requests", "both") or (m.gap == "bank" and bank is None)
+        use_requests_bank = bool(m.hubness) and (m.bank in ("requests", "both") or bank is None)
+        text_all = ref_all = None
+        if (use_requests_mean or use_requests_bank) and requests:
+            t0 = time.perf_counter()
+            texts, refs = [], []
+            for lo in range(0, len(requests), 256):                    # every request of the call
+                refs.append(self._refs(requests[lo:lo + 256]))
+                texts.append(self._texts(requests[lo:lo + 256], refs[-1]))
+            text_all, ref_all = torch.cat(texts), torch.cat(refs)       # [M, D], [M]
+            self.info["prepare_s"] = round(time.perf_counter() - t0, 3)
+        if m.gap:
+            means, src = [], []
+            if use_requests_mean and text_all is not None and len(text_all) >= GAP_MIN_TEXTS:
+                means.append(text_all.mean(0))
+                src.append(f"{len(text_all)} request texts")
+            elif use_requests_mean:
+                _log(f"gap correction: {len(requests)} request texts are too few for a text mean "
+                     f"(< {GAP_MIN_TEXTS}); texts are not centred")
+            if m.gap in ("bank", "both") and bank is not None:
+                means.append(bank.mean(0))
+                src.append(f"{len(bank)} gallery-derived texts")
+            self.text_mean = torch.stack(means).mean(0) if means else None
+            self.info["text_mean"] = " + ".join(src) or "none"
+        q_all = None
+        if text_all is not None:
+            q_all = self._compose(requests, text_all, ref_all)            # [M, D]
+            self.cached = {str(r.query_id): q for r, q in zip(requests, q_all)}
+        if m.hubness:
+            parts, src, ex = [], [], []
+            if use_requests_bank and q_all is not None:
+                parts.append(q_all)
+                ex.append(ref_all)
+                src.append(f"{len(q_all)} request queries")
+            if bank is not None and m.bank in ("gallery", "both"):
+                tb = center(bank, self.text_mean) if self.text_mean is not None else bank
+                parts.append(tb)
+                ex.append(torch.full((len(tb),), -1, dtype=torch.int64, device=tb.device))
+                src.append(f"{len(tb)} gallery-derived texts")
+            if not parts:
+                raise PipelineError(f"{m.hubness}: no query bank (no requests and no stored text bank)")
+            self.stats = bank_stats(m.hubness, torch.cat(parts), self.gallery, m.beta, m.temp, m.csls_k,
+                                    torch.cat(ex), has_queries=use_requests_bank, chunk=self.bank_chunk)
+            self.info["bank"] = " + ".join(src)
+
+    # ------------------------------------------------------------ answering
+    def _score(self, q: torch.Tensor, ref_t: torch.Tensor):
+        from engine.retrieval.rescore import row_state, score_cos
+
+        m = self.method
+        cos = q @ self.gallery.T                                           # [B, N] cosine similarities
+        state = row_state(m.hubness, cos, self.stats, m.csls_k, ref_t)
+        return cos, score_cos(m.hubness, cos, self.stats, state, None, m.beta, m.temp), state
+
+    def answer(self, batch) -> list[list[tuple[int, float]]]:
+        """[(gallery row, score), ...] per request: at most k, best first, the reference excluded."""
+        from engine.retrieval.rescore import alpha_qe
+        from kernels.topk import topk
+
+        m = self.method
+        ref_t = self._refs(batch) if not self.cached else torch.tensor(
+            [self.rows_of.get(r.reference, -1) if r.reference is not None else -1 for r in batch],
+            dtype=torch.int64, device=self.towers.device)
+        if self.cached:
+            q = torch.stack([self.cached[str(r.query_id)] for r in batch])
+        else:
+            q = self._compose(batch, self._texts(batch, ref_t), ref_t)
+        cos, scores, state = self._score(q, ref_t)
+        if m.aqe:
+            _, nb = topk(scores, min(m.aqe, self.k), ref_t)                 # [B, n] (-1 padded)
+            ok = (nb >= 0).unsqueeze(-1)
+            sims = cos.gather(1, nb.clamp(min=0)) * ok.squeeze(-1)
+            q = alpha_qe(q, self.gallery[nb.clamp(min=0)] * ok, sims, m.aqe_alpha)
+            cos, scores, state = self._score(q, ref_t)
+        depth = min(max(self.k, m.reinspect if self.reinspector else 0), len(self.index.ids))
+        vals, idx = topk(scores, depth, ref_t)                             # [B, depth] each
+        if self.reinspector is not None:
+            vals, idx = self._reinspect(batch, q, vals, idx, state)
+        out = []
+        for vs, js in zip(vals[:, :self.k].cpu().tolist(), idx[:, :self.k].cpu().tolist()):
+            out.append([(j, v) for v, j in zip(vs, js) if j >= 0 and np.isfinite(v)])
+        return out
+
+    def _reinspect(self, batch, q, vals, idx, state):
+        """Re-score each row's top R candidates with multi-view rows (same scorer), then re-sort."""
+        from engine.retrieval.rescore import RowState, center, score_cos
+
+        m = self.method
+        vals, idx = vals.clone(), idx.clone()
+        for b, r in enumerate(batch):
+            cand = [j for j in idx[b, :m.reinspect].tolist() if j >= 0]
+            if not cand:
+                continue
+            cols = torch.tensor(cand, device=idx.device)
+            v = self.reinspector.embed(str(r.query_id), cand, self.base[cols])   # [C, D]
+            if self.image_mean is not None:
+                v = center(v, self.image_mean)
+            cos = (v @ q[b]).unsqueeze(0)                                  # [1, C]
+            st = RowState(*(None if t is None else t[b:b + 1] for t in (state.normalised, state.r_q)))
+            vals[b, :len(cand)] = score_cos(m.hubness, cos, self.stats, st, cols.unsqueeze(0), m.beta, m.temp)[0]
+            order = torch.sort(vals[b], descending=True, stable=True).indices
+            vals[b], idx[b] = vals[b, order], idx[b, order]
+        return vals, idx
+
+    def report(self) -> dict:
+        r = self.reinspector
+        return {**self.info, "reinspected_per_request_max": r.budget.max_used if r else 0,
+                "reinspected_total": r.budget.total if r else 0,
+                "reinspect_limit": r.budget.per_request if r else 0,
+                "reinspect_unreadable": len(r.failed) if r else 0}

@@ -1,0 +1,197 @@
+"""Answer CIR requests against a built index: one JSONL row per query, flushed as it completes.
+
+    scripts/run.sh --index-dir DIR --queries FILE.jsonl --output FILE.jsonl [--method slerp] ...
+
+Per batch of requests: text tower on the prompt (modification, with shared_concept when
+the method's prompt uses it), the reference's stored embedding, `engine.retrieval.compose` into a
+unit query, scores against the whole gallery (one matrix multiply), top 50 excluding the
+reference (`kernels.topk.topk`). Output rows: {"query_id", "results": [{"image_id",
+"score"}]}. An existing output resumes after its valid rows (a torn last line is dropped).
+A request whose reference is not in the index is answered from its text alone.
+The method may add gallery-aware options (`slerp+gap+qbnorm`, `pic2word+reinspect`, ...):
+evaluator.cir.query runs them; docs/retrieval_quality.md lists them.
+Env: CLIP_MODEL_DIR, CLIP_MODEL_NAME, CLIP_DEVICE, CLIP_PRECISION, CIR_METHOD,
+CIR_TEXT_WEIGHT, CIR_PROMPT, CIR_CORPUS; CIR_BANK_CHUNK=0 (reference twin of the streamed
+bank statistics); CIR_RUN_KILL_AFTER_ROWS=N (test hook) SIGKILLs the process after N new rows.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from evaluator import settings as evaluator_settings
+from evaluator.cir.task import TOP_K
+
+
+def _log(msg: str) -> None:
+    print(f"[cir_run] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class RunConfig:
+    index_dir: Path
+    queries: Path
+    output: Path
+    model_dir: Path | None = None
+    model_name: str | None = None
+    method: str | None = None          # None: env CIR_METHOD, else the index's recorded method
+    text_weight: float | None = None
+    prompt: str | None = None
+    batch_size: int = 256
+    k: int = TOP_K
+    device: str | None = None
+    precision: str | None = None
+    resume: bool = True
+    allow_model_mismatch: bool = False
+    report: Path | None = None
+    corpus: Path | None = None         # image files for re-inspection (default: recorded at build time)
+    bank_chunk: int = 256              # requests per bank-statistics block; 0: one [M, N] matrix (reference twin)
+
+
+def parse_args(argv: list[str] | None) -> RunConfig:
+    p = argparse.ArgumentParser(prog="scripts/run.sh", description=__doc__.split("\n\n")[0])
+    p.add_argument("--index-dir", type=Path, required=True)
+    p.add_argument("--queries", type=Path, required=True)
+    p.add_argument("--output", type=Path, required=True)
+    p.add_argument("--model-dir", type=Path, default=None, help="CLIP folder (env CLIP_MODEL_DIR)")
+    p.add_argument("--model-name", default=None, help="architecture for a bare state dict (env CLIP_MODEL_NAME)")
+    p.add_argument("--method", default=evaluator_settings.cir_method(),
+                   help="slerp | sum | text-only | pic2word, optionally +options, e.g. slerp+gap+qbnorm "
+                        "(env CIR_METHOD; default: the index's, else slerp)")
+    p.add_argument("--text-weight", type=float, default=evaluator_settings.cir_text_weight(),
+                   help="text weight for every request (env CIR_TEXT_WEIGHT; default per method)")
+    p.add_argument("--prompt", default=evaluator_settings.cir_prompt(),
+                   help="auto | plain | magiclens | template with {modification} (env CIR_PROMPT)")
+    p.add_argument("--batch-size", type=int, default=256, help="requests per batch")
+    p.add_argument("--k", type=int, default=TOP_K, help=f"results per query (at most {TOP_K})")
+    p.add_argument("--device", default=None)
+    p.add_argument("--precision", default=None)
+    p.add_argument("--no-resume", dest="resume", action="store_false", help="overwrite an existing output")
+    p.add_argument("--allow-model-mismatch", action="store_true",
+                   help="run even if the CLIP differs from the one that built the index")
+    p.add_argument("--report", type=Path, default=None, help="also write the run summary JSON here")
+    p.add_argument("--corpus", type=Path, default=evaluator_settings.cir_corpus(),
+                   help="corpus folder (records.jsonl) for re-inspection (env CIR_CORPUS; default: the index's)")
+    p.add_argument("--bank-chunk", type=int, default=256,
+                   help="requests per bank-statistics block (0: one [M, N] matrix, the reference twin)")
+    a = p.parse_args(argv)
+    if a.bank_chunk < 0:
+        p.error("--bank-chunk must be >= 0")
+    if a.batch_size < 1 or not 1 <= a.k <= TOP_K:
+        p.error(f"--batch-size must be >= 1 and --k in 1..{TOP_K}")
+    return RunConfig(**vars(a))
+
+
+def main(argv: list[str] | None = None, on_row=None) -> int:
+    """scripts/run.sh. `on_row(n)` is called after the n-th row is written and flushed."""
+    cfg = parse_args(argv)
+    t0 = time.perf_counter()
+    from engine.retrieval.compose import Method
+    from evaluator.cir import task
+    from evaluator.cir.index import IndexLoadError, load_index
+    from evaluator.cir.jsonl import finished_rows, read_requests, stderr_warn
+
+    warn = stderr_warn("cir_run")
+    try:
+        index = load_index(cfg.index_dir)
+        requests = read_requests(cfg.queries, warn)
+    except (IndexLoadError, OSError) as e:
+        _log(f"error: {e}")
+        return 2
+    recorded = index.meta.get("method") or {}
+    try:
+        if cfg.method is None and cfg.text_weight is None and cfg.prompt is None and recorded:
+            method = task.check_method(Method(**recorded))   # the method recorded at build time
+        else:
+            method = task.method(cfg.method or (Method(**recorded).label if recorded else "slerp"),
+                                 cfg.text_weight, cfg.prompt)
+    except (TypeError, ValueError) as e:
+        _log(f"error: {e}")
+        return 2
+
+    from engine.clip.load import ClipLoadError, load_clip
+    from engine.clip.towers import ClipTowers
+
+    try:
+        model, spec, info = load_clip(task.clip_dir(cfg.model_dir), cfg.model_name)
+    except (ClipLoadError, FileNotFoundError) as e:
+        _log(f"error: {e}")
+        return 2
+    built_with = index.meta.get("model", {}).get("digest")
+    if built_with != info["digest"]:
+        msg = f"the CLIP in {info['dir']} (digest {info['digest'][:12]}) is not the one that built the index " \
+              f"({str(built_with)[:12]})"
+        if not cfg.allow_model_mismatch:
+            _log(f"error: {msg}; pass --allow-model-mismatch to run anyway")
+            return 2
+        _log(f"warning: {msg}")
+    towers = ClipTowers(model, spec, cfg.device, cfg.precision)
+    from evaluator.cir.query import PipelineError, QueryPipeline
+
+    try:
+        pipe = QueryPipeline(index, towers, method, warn, cfg.queries, cfg.corpus, cfg.k, cfg.bank_chunk)
+        pipe.prepare(requests)
+    except PipelineError as e:
+        _log(f"error: {e}")
+        return 2
+
+    done: list[str] = []
+    end = 0
+    if cfg.resume:
+        done, end = finished_rows(cfg.output, warn)
+    mode = "r+b" if cfg.resume and cfg.output.is_file() else "wb"
+    try:
+        out = open(cfg.output, mode)
+    except OSError as e:
+        _log(f"error: cannot write {cfg.output}: {e.strerror or e}")
+        return 2
+    with out:
+        if mode == "r+b":
+            out.truncate(end)   # drop a torn last line (and anything after the valid prefix)
+            out.seek(end)
+            if done:
+                _log(f"resuming {cfg.output}: {len(done)} rows kept")
+        wanted = {str(r.query_id) for r in requests}
+        stray = [q for q in done if q not in wanted]
+        if stray:
+            _log(f"{len(stray)} kept rows of {cfg.output} answer queries not in {cfg.queries}")
+        skip = set(done)
+        pending = [r for r in requests if str(r.query_id) not in skip]
+        t1 = time.perf_counter()
+        n = answer(cfg, index, pipe, pending, out, on_row)
+    t_end = time.perf_counter()
+    rate = n / (t_end - t1) if t_end > t1 else 0.0
+    summary = {"queries": len(requests), "answered": n, "resumed": len(done), "method": method.to_dict(),
+               "device": towers.device.type, "precision": towers.precision, "gallery": len(index.ids),
+               "setup_s": round(t1 - t0, 3), "query_s": round(t_end - t1, 3), "queries_per_s": round(rate, 2),
+               **pipe.report()}
+    _log(json.dumps(summary))
+    if cfg.report is not None:
+        cfg.report.write_text(json.dumps(summary, indent=2) + "\n")
+    return 0
+
+
+def answer(cfg: RunConfig, index, pipe, pending, out, on_row=None) -> int:
+    """Write one row per pending request, batch by batch (evaluator.cir.query); returns the rows written."""
+    written = 0
+    for lo in range(0, len(pending), cfg.batch_size):
+        batch = pending[lo:lo + cfg.batch_size]
+        for r, hits in zip(batch, pipe.answer(batch)):
+            results = [{"image_id": index.ids[j], "score": v} for j, v in hits if math.isfinite(v)]
+            out.write((json.dumps({"query_id": r.query_id, "results": results}) + "\n").encode())
+            out.flush()                                                # a killed call keeps this row
+            written += 1
+            if on_row is not None:
+                on_row(written)
+        os.fsync(out.fileno())
+    return written
+
+
+if __name__ == "__main__":
+    sys.exit(main())

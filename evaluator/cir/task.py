@@ -1,0 +1,32 @@
+"""The retrieval task's rules, in one place: what the ABI may return and spend.
+
+The engine's retrieval code takes these as arguments; it knows no task.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+TOP_K = 50                  # at most 50 distinct gallery images per request
+MAX_REINSPECT = 100         # candidate images per request that may be re-inspected visually
+CLIP_DIR = Path("/task/models/clip")   # where the task mounts the supplied CLIP
+
+
+def clip_dir(given=None) -> Path:
+    """The CLIP folder: `given`, else CLIP_MODEL_DIR, else where the task mounts it."""
+    from engine import settings
+
+    return Path(given or settings.clip_model_dir() or CLIP_DIR)
+
+
+def method(name: str = "slerp", text_weight: float | None = None, prompt: str | None = None):
+    """engine.retrieval.compose.make_method with the task's re-inspection cap (clamped, and said)."""
+    from engine.retrieval.compose import make_method
+
+    return make_method(name, text_weight, prompt, max_reinspect=MAX_REINSPECT)
+
+
+def check_method(m):
+    """`m` unchanged if it keeps to the task's limits, else ValueError."""
+    if m.reinspect > MAX_REINSPECT:
+        raise ValueError(f"reinspect must lie in 0..{MAX_REINSPECT} candidates per request, got {m.reinspect}")
+    return m

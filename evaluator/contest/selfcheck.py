@@ -1,0 +1,155 @@
+"""Build-step checks of an artifact: is it current for these build flags, and does it run?
+
+    python -m evaluator.contest.selfcheck current -- ENGINE_BUILD_FLAGS...   # exit 0 reuse, 1 stale, 2 bad input
+    python -m evaluator.contest.selfcheck run --artifact DIR [--timeout S]
+
+`current` takes exactly the flags `python -m engine.build` would get (--out names the
+artifact) and says whether the artifact there is intact (SHA-256 of every file) and was
+made from the same checkpoint bytes, spec, backend and device. `run` renders one
+generated image, writes a one-row manifest in a temp dir, runs `scripts/run` on it as a
+whole process and checks the output is one little-endian int32 in [0, 999]. Both print
+one JSON line on stdout and say why on stderr when they fail.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+# caches scripts/run points into TMPDIR; a file there after the check means the run compiled
+COMPILE_CACHES = ("inductor", "triton", "cupy")
+
+
+def _err(msg: str) -> None:
+    print(f"selfcheck: {msg}", file=sys.stderr)
+
+
+def stale_reasons(build_argv: list[str]) -> list[str]:
+    """Why the artifact named by `--out` in `build_argv` cannot be reused ([] = reusable)."""
+    from engine.artifact import ArtifactError, load_artifact
+    from engine.build import parse_args
+    from engine.io import sha256_file
+    from engine.spec import Spec, resolve_spec
+
+    a = parse_args(build_argv)
+    # the same mapping engine.build.main applies, so the comparison is one-to-one with the flags
+    spec = resolve_spec(a.model, precision=a.precision, batch_size=a.batch_size, input_size=a.input_size,
+                        crop_mode=a.crop_mode, crop_pct=a.crop_pct, interpolation=a.interpolation,
+                        num_classes=a.num_classes, model_kwargs=a.model_kwargs)
+    if not (a.out / "manifest.json").is_file():
+        return [f"no artifact at {a.out}"]
+    try:
+        art = load_artifact(a.out, verify="sha256")
+    except ArtifactError as e:
+        return [f"artifact is not intact: {e}"]
+    reasons = []
+    want_sha = sha256_file(a.checkpoint)
+    have_sha = art.meta.get("checkpoint", {}).get("sha256")
+    if have_sha != want_sha:
+        reasons.append(f"checkpoint sha256 {str(have_sha)[:12]} != {want_sha[:12]} ({a.checkpoint})")
+    have_spec = Spec.from_dict(art.meta["spec"]).to_json()
+    if have_spec != spec.to_json():
+        diff = sorted(k for k, v in spec.to_dict().items() if art.meta["spec"].get(k) != v)
+        reasons.append(f"spec differs in {diff}")
+    if art.backend != a.backend:
+        reasons.append(f"backend {art.backend} != {a.backend}")
+    if art.device != a.device:
+        reasons.append(f"device {art.device} != {a.device}")
+    return reasons
+
+
+def current(build_argv: list[str]) -> int:
+    try:
+        reasons = stale_reasons(build_argv)
+    except (OSError, ValueError, RuntimeError) as e:
+        _err(f"cannot compare the artifact with the build flags: {type(e).__name__}: {e}")
+        return 2
+    print(json.dumps({"reusable": not reasons, "reasons": reasons}))
+    for r in reasons:
+        _err(f"stale: {r}")
+    return 0 if not reasons else 1
+
+
+def write_probe(folder: Path, seed: int = 0) -> Path:
+    """One generated JPEG plus a one-row manifest in `folder`; returns the manifest path."""
+    import numpy as np
+
+    from evaluator.synthetic.cohort import encode, render, templates
+
+    rng = np.random.default_rng(seed)
+    data, _ = encode(render(templates(1, seed)[0], 320, 240, rng), rng, "rgb")
+    (folder / "images").mkdir(parents=True, exist_ok=True)
+    (folder / "images" / "probe.JPEG").write_bytes(data)
+    manifest = folder / "manifest.tsv"
+    manifest.write_text("selfcheck-0\timages/probe.JPEG\n")  # LF only: CRLF is the entrant's bug to avoid
+    return manifest
+
+
+def run_check(artifact: Path, timeout: float) -> int:
+    """Run scripts/run on one generated image with `artifact`; 0 when the output is sane."""
+    from evaluator.contest.agreement import read_i32
+
+    work = Path(tempfile.mkdtemp(prefix="selfcheck-"))
+    try:
+        manifest = write_probe(work / "input")
+        out, tmp = work / "out", work / "tmp"
+        out.mkdir()
+        tmp.mkdir()
+        env = {**os.environ, "ENGINE_ARTIFACT": str(artifact.resolve()), "TMPDIR": str(tmp)}
+        env.pop("CONTEST_REPORT", None)
+        t0 = time.perf_counter()
+        try:
+            r = subprocess.run([str(REPO / "scripts" / "run"), str(manifest), str(work / "input"),
+                                str(out / "predictions.i32")], env=env, capture_output=True, text=True,
+                               timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _err(f"scripts/run did not finish within {timeout:.0f} s on one image")
+            return 1
+        wall = round(time.perf_counter() - t0, 3)
+        if r.returncode != 0:
+            _err(f"scripts/run exited {r.returncode} on one generated image; its stderr:\n{r.stderr[-4000:]}")
+            return 1
+        pred = out / "predictions.i32"
+        if not pred.is_file():
+            _err("scripts/run exited 0 but wrote no output file")
+            return 1
+        try:
+            top1 = read_i32(pred, n=1)  # exactly 4 bytes, value in [0, 999]
+        except ValueError as e:
+            _err(f"bad output: {e}")
+            return 1
+        compiled = [str(p.relative_to(tmp)) for c in COMPILE_CACHES if (tmp / c).is_dir()
+                    for p in (tmp / c).rglob("*") if p.is_file()]
+        if compiled:
+            _err(f"the run compiled at run time (files in its compile caches): {compiled[:5]}")
+            return 1
+        print(json.dumps({"ok": True, "artifact": str(artifact), "top1": int(top1[0]), "wall_s": wall}))
+        return 0
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m evaluator.contest.selfcheck", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("current", help="exit 0 when the artifact at --out is intact and matches the flags")
+    c.add_argument("build_argv", nargs=argparse.REMAINDER, help="the flags for python -m engine.build")
+    r = sub.add_parser("run", help="one generated image through scripts/run")
+    r.add_argument("--artifact", type=Path, required=True)
+    r.add_argument("--timeout", type=float, default=900.0)
+    a = p.parse_args(argv)
+    if a.command == "current":
+        argv_ = a.build_argv[1:] if a.build_argv[:1] == ["--"] else a.build_argv
+        return current(argv_)
+    return run_check(a.artifact, a.timeout)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,238 @@
+"""Generated ImageNet-like cohorts and a tiny EVA-02 whose logits look trained.
+
+No ImageNet data is used anywhere: images are procedural renders of seeded "class
+templates" (colour blobs, a background gradient and oriented stripes), and the tiny
+model's head is built from the features of such renders, so predictions have many
+distinct top-1 classes and real margins (a random head gives near-ties everywhere).
+
+    python -m evaluator.cohort --out DIR [--count N] [--seed S] [--checkpoint]
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+TINY_MODEL = "eva02_tiny_patch14_224"
+TINY_KWARGS = {"depth": 4}
+TINY_INPUT = 112  # 8 x 8 patches of 14 px: fast on two CPU cores
+
+
+@dataclass(frozen=True)
+class Template:
+    centers: np.ndarray   # [3, 2] blob centres in relative (x, y)
+    radii: np.ndarray     # [3] relative radii
+    colors: np.ndarray    # [3, 3] blob colours
+    bg: np.ndarray        # [2, 3] gradient end colours
+    angle: float          # gradient and stripe direction
+    freq: float           # stripe cycles across the image
+    amp: float            # stripe amplitude
+
+
+def templates(k: int, seed: int) -> list[Template]:
+    """`k` class templates, fixed by `seed`."""
+    rng = np.random.default_rng(seed)
+    return [Template(rng.uniform(0.15, 0.85, (3, 2)), rng.uniform(0.08, 0.3, 3), rng.uniform(0, 255, (3, 3)),
+                     rng.uniform(0, 255, (2, 3)), float(rng.uniform(0, np.pi)), float(rng.uniform(1, 12)),
+                     float(rng.uniform(10, 50)))
+            for _ in range(k)]
+
+
+def render(t: Template, w: int, h: int, rng: np.random.Generator) -> np.ndarray:
+    """[h, w, 3] uint8 render of template `t` with per-image jitter."""
+    y, x = np.mgrid[0:h, 0:w].astype(np.float32)
+    x, y = x / max(w - 1, 1), y / max(h - 1, 1)
+    d = np.cos(t.angle) * x + np.sin(t.angle) * y
+    img = t.bg[0] * (1 - d[..., None]) + t.bg[1] * d[..., None]
+    img += (t.amp * np.sin(2 * np.pi * t.freq * d + rng.uniform(0, 2 * np.pi)))[..., None]
+    shift = rng.normal(0, 0.03, (3, 2))
+    for (cx, cy), r, c in zip(t.centers + shift, t.radii * rng.uniform(0.9, 1.1, 3), t.colors):
+        m = np.exp(-((x - cx) ** 2 + (y - cy) ** 2) / (2 * r * r))[..., None]
+        img = img * (1 - m) + c * m
+    img += rng.uniform(-12, 12) + rng.normal(0, 4, img.shape)
+    return np.clip(img, 0, 255).astype(np.uint8)
+
+
+def encode(px: np.ndarray, rng: np.random.Generator, kind: str) -> tuple[bytes, str]:
+    """JPEG bytes of `px` in one of the cohort's encodings; returns (bytes, description)."""
+    from PIL import Image
+
+    im = Image.fromarray(px)
+    q = int(rng.integers(60, 97))
+    opts: dict = {"quality": q}
+    if kind == "gray":
+        im = im.convert("L")
+    elif kind == "cmyk":
+        im = im.convert("CMYK")
+    elif kind == "progressive":
+        opts["progressive"] = True
+    if kind in ("rgb", "progressive"):
+        opts["subsampling"] = int(rng.choice([0, 1, 2]))  # 4:4:4, 4:2:2, 4:2:0
+    buf = io.BytesIO()
+    if kind == "png":
+        im.save(buf, "PNG")  # PNG in disguise: named .JPEG, read by PIL all the same
+    else:
+        im.save(buf, "JPEG", **opts)
+    return buf.getvalue(), f"{kind} q{q} sub{opts.get('subsampling', '-')}"
+
+
+KINDS = ("rgb", "rgb", "rgb", "rgb", "rgb", "progressive", "gray", "cmyk", "png")
+BROKEN = ("empty", "truncated", "text")
+
+
+def class_ids(k: int, seed: int) -> np.ndarray:
+    """The ImageNet-1k-sized label ids the `k` templates stand for (spread over 0..999)."""
+    return np.random.default_rng(seed + 1).permutation(1000)[:k]
+
+
+TEMPLATE_SEED = 0  # the "world" of classes: shared by every cohort and the tiny checkpoint's head
+
+
+def _make_image(args: tuple) -> tuple[bytes, int, str]:
+    """One cohort file from its own seeded stream: (bytes, template index, encoding)."""
+    seed, i, count, broken, classes, template_seed = args
+    rng = np.random.default_rng([seed, i])  # per image: the same cohort whatever the worker count
+    t_idx = int(rng.integers(classes))
+    t = templates(classes, template_seed)[t_idx]
+    if i >= count - broken:
+        kind = BROKEN[(count - 1 - i) % len(BROKEN)]
+        return _broken(kind, t, rng), t_idx, f"broken:{kind}"
+    w, h = (int(v) for v in rng.integers(150, 801, 2))
+    data, desc = encode(render(t, w, h, rng), rng, str(rng.choice(KINDS)))
+    return data, t_idx, desc
+
+
+def make_cohort(out: Path, count: int, seed: int = 0, classes: int = 100, broken: int | None = None,
+                template_seed: int = TEMPLATE_SEED, workers: int = 1) -> dict:
+    """Write `out/images/...`, `out/manifest.tsv` and `out/cohort.json`; return the cohort record.
+
+    `seed` draws the images; `template_seed` fixes the class templates, which must match the
+    checkpoint's for its predictions to have trained-looking margins. `workers` > 1 renders
+    in parallel processes (same bytes).
+    """
+    rng = np.random.default_rng(seed)
+    broken = max(1, count // 100) if broken is None else broken
+    (out / "images").mkdir(parents=True, exist_ok=True)
+    jobs = [(seed, i, count, broken, classes, template_seed) for i in range(count)]
+    if workers > 1:
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(workers) as pool:
+            made = list(pool.map(_make_image, jobs, chunksize=16))
+    else:
+        made = [_make_image(j) for j in jobs]
+    rows, items = [], []
+    for i, (data, c, desc) in enumerate(made):
+        rid = f"{rng.integers(1 << 62):016x}"  # randomized request ids: order is by row, never by id
+        rel = f"images/{i % 10:02d}/gen_{i:06d}.JPEG"
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        (out / rel).write_bytes(data)
+        rows.append(f"{rid}\t{rel}\n")
+        items.append({"request_id": rid, "path": rel, "template": c, "encoding": desc})
+    order = rng.permutation(count)  # broken files land anywhere in the manifest
+    (out / "manifest.tsv").write_text("".join(rows[j] for j in order))
+    record = {"seed": seed, "template_seed": template_seed, "count": count, "classes": classes,
+              "made_from": "procedural renders; no real images", "items": [items[j] for j in order]}
+    (out / "cohort.json").write_text(json.dumps(record, indent=1) + "\n")
+    return record
+
+
+def _broken(kind: str, t: Template, rng: np.random.Generator) -> bytes:
+    if kind == "empty":
+        return b""
+    if kind == "text":
+        return b"this is not an image\n" * 8
+    data, _ = encode(render(t, 300, 200, rng), rng, "rgb")
+    return data[: len(data) // 3]  # truncated mid-scan
+
+
+def make_tiny_checkpoint(path: Path, seed: int = 0, classes: int = 100, renders: int = 12,
+                         input_size: int = TINY_INPUT, steps: int = 300, template_seed: int = TEMPLATE_SEED,
+                         model: str = TINY_MODEL, model_kwargs: dict | None = None, device: str = "cpu") -> dict:
+    """An EVA-02 (the tiny test model by default) whose head is fit on generated renders.
+
+    The backbone keeps its seeded random init; only the head is learned (softmax
+    regression on whitened pooled features), which gives diverse top-1 classes with
+    margins large against the pixel-level noise between decoders. `model`,
+    `model_kwargs`, `input_size` and `device` make the same kind of checkpoint for the
+    full-size EVA-02-L/448 on a GPU. Returns the build recipe.
+    """
+    import torch
+    from PIL import Image
+    from safetensors.torch import save_file
+
+    from engine.checkpoint import create_model
+    from engine.decoders.pil import _timm_transform
+    from engine.spec import resolve_spec
+
+    torch.manual_seed(seed)
+    kwargs = TINY_KWARGS if model_kwargs is None else model_kwargs
+    spec = resolve_spec(model, input_size=input_size, crop_pct=1.0, crop_mode="squash", model_kwargs=kwargs)
+    net = create_model(spec).to(device)
+    tf = _timm_transform(spec.to_json(), True)
+    rng = np.random.default_rng(seed + 2)
+    xs, ys = [], []
+    for c, t in enumerate(templates(classes, template_seed)):
+        for _ in range(renders):
+            w, h = (int(v) for v in rng.integers(150, 500, 2))
+            xs.append(tf(Image.fromarray(render(t, w, h, rng))))
+            ys.append(c)
+    with torch.inference_mode():
+        feats = torch.cat([net.forward_head(net.forward_features(torch.stack(xs[i:i + 64]).to(device)),
+                                            pre_logits=True).float().cpu()
+                           for i in range(0, len(xs), 64)])    # [K * R, D]
+    y = torch.as_tensor(ys)
+    mu, sd = feats.mean(0), feats.std(0) + 1e-6                # whiten: random features are anisotropic
+    z = (feats - mu) / sd
+    lin = torch.nn.Linear(z.shape[1], classes)
+    opt = torch.optim.Adam(lin.parameters(), lr=0.05)
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(lin(z), y) + 1e-4 * lin.weight.square().sum()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        w_k = lin.weight / sd                                  # fold the whitening into the head
+        b_k = lin.bias - (w_k * mu).sum(-1)
+        weight = torch.randn(1000, z.shape[1]) * 1e-3          # unused classes: small rows, low bias
+        bias = torch.full((1000,), float(b_k.min()) - 10.0)
+        ids = torch.as_tensor(class_ids(classes, template_seed))
+        weight[ids], bias[ids] = w_k, b_k
+        net.head.weight.copy_(weight)
+        net.head.bias.copy_(bias)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    recipe = {"model": model, "model_kwargs": kwargs, "input_size": input_size, "seed": seed,
+              "template_seed": template_seed,
+              "classes": classes, "fit_loss": round(loss.item(), 4),
+              "made_from": "generated images (procedural renders); no ImageNet data"}
+    save_file({k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}, str(path),
+              metadata={k: json.dumps(v) for k, v in recipe.items()})
+    path.with_suffix(".json").write_text(json.dumps(recipe, indent=2) + "\n")
+    return recipe
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m evaluator.cohort", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--count", type=int, default=200)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--classes", type=int, default=100)
+    p.add_argument("--broken", type=int, help="broken files among --count (default 1 %%, at least 1)")
+    p.add_argument("--checkpoint", action="store_true", help="also write OUT/tiny_eva02.safetensors")
+    a = p.parse_args(argv)
+    if a.count < 1 or not 1 <= a.classes <= 1000:
+        p.error("--count must be >= 1 and --classes in 1..1000")
+    make_cohort(a.out, a.count, a.seed, a.classes, a.broken)
+    if a.checkpoint:
+        make_tiny_checkpoint(a.out / "tiny_eva02.safetensors", a.seed, a.classes)
+    print(json.dumps({"out": str(a.out), "count": a.count}), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""The layout's rules, checked on the source: no import cycles, a backend named only by its
+own file and the registry, the environment read only in the settings modules, a thin
+evaluator top level, and the engine free of task rules."""
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import tokenize
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGES = ("engine", "evaluator", "kernels")
+
+
+def _source_files() -> list[Path]:
+    out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True,
+                         text=True, check=True).stdout.split()
+    return [REPO / f for f in out if (REPO / f).is_file()]
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for p in _source_files():
+        rel = p.relative_to(REPO)
+        if p.suffix == ".py" and rel.parts[0] in PACKAGES:
+            name = ".".join(rel.with_suffix("").parts)
+            mods[name.removesuffix(".__init__")] = p
+    return mods
+
+
+def _imports(path: Path, name: str, known: set[str]) -> set[str]:
+    """Project modules `name` imports anywhere in its file (function-level imports too),
+    except under `if TYPE_CHECKING:`."""
+    tree = ast.parse(path.read_text())
+    typing_only = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            typing_only.update(id(n) for n in ast.walk(node))
+    is_pkg = path.name == "__init__.py"
+    out = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name in known)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = name.split(".") if is_pkg else name.split(".")[:-1]
+                parts = parts[: len(parts) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            for a in node.names:
+                full = f"{base}.{a.name}"
+                out.add(full if full in known else base)
+    return {m for m in out if m in known and m != name}
+
+
+def test_no_import_cycles():
+    mods = _modules()
+    graph = {m: _imports(p, m, set(mods)) for m, p in mods.items()}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                cycle = stack[stack.index(n):] + [n]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if n not in state:
+                visit(n)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+    assert not any(m.startswith("engine") and any(n.startswith("evaluator") for n in deps)
+                   for m, deps in graph.items()), "engine/ must never import evaluator/"
+
+
+def test_evaluator_top_level_is_thin_commands_and_subpackages():
+    top = sorted(p.name for p in (REPO / "evaluator").glob("*.py"))
+    subpackages = sorted(p.parent.name for p in (REPO / "evaluator").glob("*/__init__.py"))
+    assert len(top) <= 14, top
+    assert len(subpackages) >= 3, subpackages
+    for p in (REPO / "evaluator").glob("*.py"):
+        if p.name not in ("__init__.py", "settings.py"):
+            assert len(p.read_text().splitlines()) <= 12, f"{p.name} is a command: keep it a thin entry point"
+
+
+def _string_literals(path: Path) -> list[tuple[int, str]]:
+    with open(path, "rb") as f:
+        return [(t.start[0], ast.literal_eval(t.string)) for t in tokenize.tokenize(f.readline)
+                if t.type == tokenize.STRING and not t.string.startswith(('f"', "f'", 'rb', 'b"', "b'"))
+                and not t.string.startswith(('"""', "'''"))]
+
+
+def test_a_backend_is_named_only_by_its_own_file_and_the_registry():
+    from engine.backends import BACKENDS
+
+    registry = REPO / "engine" / "backends" / "__init__.py"
+    for path in _source_files():
+        rel = path.relative_to(REPO)
+        if rel.parts[0] in ("tests", "docs") or path.suffix in (".md", ".json", ".tsv", ".txt", ".toml"):
+            continue
+        for name in BACKENDS:
+            own = REPO / "engine" / "backends" / f"{name}.py"
+            if path in (own, registry):
+                continue
+            if path.suffix == ".py":
+                hits = [line for line, s in _string_literals(path) if s == name]
+            else:  # shell scripts and the Dockerfile: the bare word
+                text = path.read_text(errors="replace")
+                hits = [i for i, line in enumerate(text.splitlines(), 1)
+                        if re.search(rf"(?<![\w/.-]){re.escape(name)}(?![\w/.-])", line)]
+            assert not hits, f"{rel}:{hits[0]} names backend {name!r}: ask engine.backends instead"
+
+
+def test_adding_a_backend_is_one_file_and_one_entry(tmp_path, monkeypatch):
+    """A backend defined in one module and registered once builds, loads and runs through the ABI code."""
+    import numpy as np
+    import torch
+
+    from engine import backends
+    from engine.artifact import load_artifact
+    from engine.build import build
+    from engine.runtime import load_runtime
+    from engine.spec import Spec
+
+    mod = tmp_path / "backend_seven.py"
+    mod.write_text(
+        "import torch\nNAME = 'seven'\nFILES = ('seven.txt',)\nCOMPILED = ('.seven',)\nNEEDS_WEIGHTS = False\n"
+        "def save(net, spec, device, out_dir):\n    (out_dir / FILES[0]).write_text('7')\n    return {'seven': 1}\n"
+        "def load(artifact, device):\n    k = int(artifact.path(FILES[0]).read_text())\n"
+        "    return lambda x: torch.full((x.shape[0],), k, dtype=torch.int32)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(backends.BACKENDS, "seven", "backend_seven")
+    spec = Spec(model="any", input_size=16, batch_size=4)
+    meta = build(spec, None, tmp_path / "art", backend="seven")
+    assert meta["seven"] == 1 and meta["files"]["seven.txt"]["bytes"] == 1
+    rt = load_runtime(load_artifact(tmp_path / "art"))
+    assert rt.run(np.zeros((4, 16, 16, 3), np.uint8)).tolist() == [7, 7, 7, 7]
+    assert ".seven" in backends.compiled_suffixes()
+    assert torch.is_tensor(rt.run_async(np.zeros((4, 16, 16, 3), np.uint8)))
+
+
+def test_the_environment_is_read_only_in_the_settings_modules():
+    allowed = {REPO / "engine" / "settings.py", REPO / "evaluator" / "settings.py"}
+    read = re.compile(r"os\.environ\.get\(|os\.environ\[|os\.getenv\(|environ\.setdefault\(")
+    for path in _source_files():
+        rel = path.relative_to(REPO)
+        if path.suffix != ".py" or rel.parts[0] not in PACKAGES or path in allowed:
+            continue
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            assert not read.search(line), f"{rel}:{i} reads the environment: use engine.settings / evaluator.settings"
+
+
+def test_the_engine_knows_no_task():
+    for path in (REPO / "engine").rglob("*.py"):
+        text = path.read_text()
+        for word in ("/task/", "the task", "contest"):
+            assert word not in text.lower(), f"{path.relative_to(REPO)} mentions {word!r}"
+
+
+def test_bad_settings_are_one_clear_error(monkeypatch):
+    from engine import settings
+
+    for var, value, getter in [("ENGINE_READERS", "0", settings.readers), ("ENGINE_READERS", "abc", settings.readers),
+                               ("ENGINE_DECODER", "foo", settings.decoder),
+                               ("ENGINE_CUDA_GRAPHS", "yes", settings.cuda_graphs),
+                               ("CLIP_DEVICE", "tpu", settings.clip_device)]:
+        monkeypatch.setenv(var, value)
+        with pytest.raises(settings.SettingsError, match=var):
+            getter()
+    monkeypatch.setenv("ENGINE_READERS", "3")
+    assert settings.readers() == 3
+    monkeypatch.delenv("ENGINE_READERS")
+    assert settings.readers() == 8
