@@ -1,30 +1,40 @@
-"""Tests of the CIR scorer: hand-computed metrics, official formats, CLI, error paths."""
+"""Tests of the CIR scorer: hand-computed metrics, the task's reward map, row validity as the
+verifier sees it, official formats, CLI, error paths."""
 
 import json
 import math
+import random
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from evaluator.cir.score import (
+    INVALID_KINDS,
     InputError,
     Label,
     average_precision_at_k,
+    check_results,
     load_label_files,
     load_labels,
+    load_references,
     load_results,
     main,
+    read_results,
     recall_at_k,
     reward,
+    reward_rule,
     score,
+    score_file,
 )
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "cir"
 CIRCO_EXCERPT = FIXTURES / "circo_val.excerpt.json"
 CIRR_EXCERPT = FIXTURES / "cirr_cap.rc2.val.excerpt.json"
+B = 0.26812065144613684
 
 
 def write_jsonl(path: Path, rows) -> Path:
@@ -35,6 +45,11 @@ def write_jsonl(path: Path, rows) -> Path:
 def row(qid, ids):
     """A results row with strictly decreasing scores."""
     return {"query_id": qid, "results": [{"image_id": i, "score": 1.0 - 0.01 * n} for n, i in enumerate(ids)]}
+
+
+def rule_reward(q: float) -> float:
+    """The task's map written out independently: 0.2 q / b up to b, then 0.2 + 0.8 (q - b) / (1 - b)."""
+    return 0.2 * q / B if q <= B else 0.2 + 0.8 * (q - B) / (1 - B)
 
 
 # ---------------------------------------------------------------- AP@k
@@ -82,12 +97,6 @@ def test_ap_ids_compared_as_strings():
     )
 
 
-def test_ap_duplicates_count_twice_like_official():
-    # ranking [a, a] with positives {a, b}: official cumsum counts both positions
-    # AP@5 = (1/1 + 2/2) / min(5, 2) = 1  (the ABI forbids duplicates; this pins the arithmetic)
-    assert average_precision_at_k(["a", "a"], ["a", "b"], 5) == pytest.approx(1.0)
-
-
 def test_ap_rejects_bad_arguments():
     with pytest.raises(ValueError):
         average_precision_at_k(["a"], [], 5)
@@ -109,6 +118,44 @@ def test_recall_cases():
     assert recall_at_k(["dev-1-img0"], ["dev-1-img0"], 1) == 1.0
 
 
+# ---------------------------------------------------------------- reward
+
+
+@pytest.mark.parametrize("q, expected", [
+    (0.0, 0.0),                                  # 0 -> 0
+    (B, 0.2),                                    # b -> a / 100
+    (0.3, 0.2 + 0.8 * (0.3 - B) / (1 - B)),      # just above b: the upper line
+    (1.0, 1.0),                                  # 1 -> 1
+    (0.42, 0.2 + 0.8 * (0.42 - B) / (1 - B)),    # the rule's 0.366 (a logistic gave 0.954)
+    (0.1, 0.2 * 0.1 / B),                        # below b: the lower line
+])
+def test_reward_is_the_piecewise_linear_map(q, expected):
+    assert reward(q) == pytest.approx(expected, abs=1e-15)
+    assert reward(q) == pytest.approx(rule_reward(q), abs=1e-15)
+
+
+def test_reward_worked_values_and_continuity():
+    assert reward(0.42) == pytest.approx(0.36601, abs=1e-5)
+    assert reward(0.3) == pytest.approx(0.23485, abs=1e-5)
+    assert reward(B - 1e-12) == pytest.approx(0.2, abs=1e-9) and reward(B + 1e-12) == pytest.approx(0.2, abs=1e-9)
+    # slopes on each side: 0.2 / b below, 0.8 / (1 - b) above
+    assert (reward(0.2) - reward(0.1)) / 0.1 == pytest.approx(0.2 / B)
+    assert (reward(0.9) - reward(0.8)) / 0.1 == pytest.approx(0.8 / (1 - B))
+
+
+@pytest.mark.parametrize("q", [float("nan"), float("inf"), -0.01, 1.01])
+def test_reward_refuses_values_outside_0_1(q):
+    with pytest.raises(ValueError):
+        reward(q)
+
+
+def test_reward_rule_names_its_formula():
+    rule = reward_rule()
+    assert rule["name"] == "piecewise-linear" and rule["b"] == B and rule["a"] == 20
+    assert "piecewise linear" in rule["formula"] and "0.26812065144613684" in rule["formula"]
+    assert "exp" not in rule["formula"]
+
+
 # ---------------------------------------------------------------- score()
 
 
@@ -128,7 +175,7 @@ def test_score_both_sources_hand_computed():
     }
     rep = score(results, labels)
     circo = rep["sources"]["circo"]
-    assert circo["queries"] == 2 and circo["missing"] == 1
+    assert circo["queries"] == 2 and circo["missing"] == 1 and circo["answered"] == 1
     # mAP@k = (5/9 + 0) / 2 = 5/18 for every k
     for k in (5, 10, 25, 50):
         assert circo["fraction"][f"mAP@{k}"] == pytest.approx(5 / 18)
@@ -141,22 +188,31 @@ def test_score_both_sources_hand_computed():
     # raw = (5/18 + 7/8) / 2, sources weighted equally
     assert rep["raw"] == pytest.approx((5 / 18 + 7 / 8) / 2)
     assert rep["raw_sources"] == ["circo", "cirr"]
-    assert rep["missing"] == 1 and rep["unlabeled"] == 1 and rep["queries"] == 4
-    assert rep["reward"] == pytest.approx(1 / (1 + math.exp(-20 * (rep["raw"] - 0.26812065144613684))))
-    assert "0.26812065144613684" in rep["reward_mapping"] and "20" in rep["reward_mapping"]
+    assert rep["missing"] == 1 and rep["unlabeled"] == 1 and rep["queries"] == 4 and rep["invalid"] == 0
+    assert rep["reward"] == pytest.approx(rule_reward(rep["raw"]))
+    assert rep["reward_rule"]["name"] == "piecewise-linear" and "0.26812065144613684" in rep["reward_mapping"]
 
 
 def test_score_single_source_says_so():
     rep = score({"r1": ["t"]}, {"r1": Label("cirr", ("t",))})
-    assert rep["raw"] == pytest.approx(1.0)
+    assert rep["raw"] == pytest.approx(1.0) and rep["reward"] == pytest.approx(1.0)
     assert rep["raw_sources"] == ["cirr"]
     assert "only cirr" in rep["raw_note"]
     assert "circo" not in rep["sources"]
 
 
-def test_score_counts_duplicate_rows():
-    rep = score({"c": ["a", "a"]}, {"c": Label("circo", ("a", "b"))})
-    assert rep["sources"]["circo"]["rows_with_duplicates"] == 1
+def test_score_counts_rankings_that_break_the_id_rules_as_invalid():
+    # a repeated id (AP would be 1 by the official arithmetic) and 51 results both score zero
+    labels = {"c": Label("circo", ("a", "b")), "d": Label("circo", ("a",))}
+    rep = score({"c": ["a", "a"], "d": ["a"] + [f"x{i}" for i in range(50)]}, labels)
+    assert rep["raw"] == 0.0 and rep["invalid"] == 2 and rep["sources"]["circo"]["answered"] == 0
+
+
+def test_score_given_invalid_queries_scores_them_zero():
+    labels = {"c": Label("circo", ("a",)), "d": Label("circo", ("a",))}
+    rep = score({"d": ["a"]}, labels, invalid={"c": "rising_scores"})
+    assert rep["raw"] == pytest.approx(0.5)  # c: 0, d: 1
+    assert rep["sources"]["circo"]["invalid"] == 1 and rep["missing"] == 0
 
 
 def test_score_needs_labels():
@@ -164,15 +220,263 @@ def test_score_needs_labels():
         score({"q": ["a"]}, {})
 
 
-def test_reward_mapping():
-    b = 0.26812065144613684
-    assert reward(b) == pytest.approx(0.5)
-    assert reward(b + 0.1) == pytest.approx(1 / (1 + math.exp(-2.0)))
-    assert reward(b - 0.1) == pytest.approx(1 / (1 + math.exp(2.0)))
-    assert reward(0.0) < reward(0.3) < reward(1.0) < 1.0
-    assert reward(-1e6) == 0.0 and reward(1e6) == 1.0  # no overflow
-    with pytest.raises(ValueError):
-        reward(float("nan"))
+# ---------------------------------------------------------------- row validity
+
+
+def items(ids, scores=None):
+    scores = scores if scores is not None else [1.0 - 0.01 * n for n in range(len(ids))]
+    return [{"image_id": i, "score": s} for i, s in zip(ids, scores)]
+
+
+@pytest.mark.parametrize("value, kind, words", [
+    ({}, "bad_results", "not a list"),
+    ([{"score": 1.0}], "bad_results", "result 1 has no valid image_id"),
+    ([{"image_id": "a", "score": "1"}], "bad_results", "not a number"),
+    ([{"image_id": "a", "score": True}], "bad_results", "not a number"),
+    ([{"image_id": "a"}], "bad_results", "not a number"),
+    (["a"], "bad_results", "no valid image_id"),
+    (items(["a", "b"], [1.0, float("nan")]), "non_finite_score", "rank 2 is not finite"),
+    (items(["a"], [float("-inf")]), "non_finite_score", "not finite"),
+    (items([f"i{n}" for n in range(51)]), "too_many_results", "51 results (at most 50)"),
+    (items(["a", "b", "a"]), "duplicate_ids", "'a' appears more than once (ranks 1 and 3)"),
+    (items([1, "1"]), "duplicate_ids", "appears more than once"),  # ids compare as strings
+    (items(["a", "b", "c"], [0.9, 0.8, 0.85]), "rising_scores", "scores increase at rank 3"),
+    (items(["a", "ref", "c"]), "reference_image", "reference image 'ref' is in its results (rank 2)"),
+])
+def test_check_results_kinds(value, kind, words):
+    got = check_results(value, reference="ref")
+    assert got is not None and got[0] == kind and words in got[1], got
+
+
+def test_check_results_accepts_valid_rows():
+    assert check_results([]) is None
+    assert check_results(items([f"i{n}" for n in range(50)])) is None  # exactly 50
+    assert check_results(items(["a", "b", "c"], [0.5, 0.5, 0.1])) is None  # ties are non-increasing
+    assert check_results(items(["a", "b"], [3, -2])) is None  # ints are numbers
+    assert check_results(items(["ref"])) is None  # no reference given: not checked
+
+
+def test_every_invalid_kind_has_a_description():
+    assert set(INVALID_KINDS) == {
+        "torn_last_line", "malformed_json", "not_an_object", "bad_query_id", "duplicate_query", "bad_results",
+        "non_finite_score", "too_many_results", "duplicate_ids", "rising_scores", "reference_image"}
+
+
+def test_read_results_records_every_invalid_line(tmp_path):
+    p = tmp_path / "run.jsonl"
+    lines = [
+        json.dumps(row(1, ["a", 5])),                                           # 1 valid
+        "",                                                                     # 2 blank: not a row
+        '{"query_id": 2, "results": [',                                         # 3 malformed
+        "[1, 2]",                                                               # 4 not an object
+        json.dumps({"results": []}),                                            # 5 no query_id
+        json.dumps(row(1, ["zz"])),                                             # 6 second row for 1
+        '{"query_id": 3, "results": [{"image_id": "a", "score": NaN}]}',         # 7 NaN
+        json.dumps(row("q", [])),                                               # 8 valid, empty
+        '{"query_id": 4, "results": [{"image_id": "a", "sc',                    # 9 torn (no newline)
+    ]
+    p.write_bytes(("\n".join(lines)).encode() + b"")  # no newline at the end: line 9 is the torn last line
+    rf = read_results(p)
+    assert rf.rankings == {"1": ["a", "5"], "q": []} and rf.rows == 8
+    assert [(r.line, r.query_id, r.kind) for r in rf.invalid] == [
+        (3, None, "malformed_json"), (4, None, "not_an_object"), (5, None, "bad_query_id"),
+        (6, "1", "duplicate_query"), (7, "3", "non_finite_score"), (9, None, "torn_last_line")]
+    assert rf.invalid_queries == {"3": "non_finite_score"}
+    assert "skipped" in rf.reference_check
+    assert load_results(p) == rf.rankings
+
+
+def test_first_row_of_a_query_decides_even_when_invalid(tmp_path):
+    bad_first = {"query_id": 7, "results": items(["a", "b"], [0.1, 0.9])}  # rising: invalid
+    p = write_jsonl(tmp_path / "run.jsonl", [bad_first, row(7, ["t"])])
+    rf = read_results(p)
+    assert rf.rankings == {} and rf.invalid_queries == {"7": "rising_scores"}
+    assert [r.kind for r in rf.invalid] == ["rising_scores", "duplicate_query"]
+    rep = score_file(rf, {"7": Label("cirr", ("t",))})
+    assert rep["raw"] == 0.0 and rep["invalid"] == 1 and rep["missing"] == 0
+
+
+def test_bad_utf8_and_crlf_lines(tmp_path):
+    p = tmp_path / "run.jsonl"
+    p.write_bytes(json.dumps(row(1, ["a"])).encode() + b"\r\n" + b'{"query_id": 2, "results": [\xff]}\n')
+    rf = read_results(p)
+    assert rf.rankings == {"1": ["a"]}
+    assert [(r.line, r.kind) for r in rf.invalid] == [(2, "malformed_json")] and "UTF-8" in rf.invalid[0].reason
+
+
+def test_reference_check_uses_the_requests_file(tmp_path):
+    reqs = write_jsonl(tmp_path / "requests.jsonl", [
+        {"query_id": 1, "reference_image_id": 555, "modification": "x"},
+        {"query_id": "r", "reference_image_id": "dev-1", "modification": "y"}])
+    run = write_jsonl(tmp_path / "run.jsonl", [row(1, ["a", 555]), row("r", ["dev-2"])])
+    refs = load_references(reqs)
+    assert refs == {"1": "555", "r": "dev-1"}
+    rf = read_results(run, refs)
+    assert rf.rankings == {"r": ["dev-2"]} and [r.kind for r in rf.invalid] == ["reference_image"]
+    assert "checked" in rf.reference_check
+    assert read_results(run).rankings == {"1": ["a", "555"], "r": ["dev-2"]}  # without it: not checked
+
+
+def test_references_from_the_official_annotation_files():
+    circo = load_references(CIRCO_EXCERPT)
+    cirr = load_references(CIRR_EXCERPT)
+    assert circo["0"] == "271520" and len(circo) == 100  # CIRCO id 0: reference_img_id 271520
+    assert cirr["12060"] == "dev-244-0-img0" and len(cirr) == 200
+
+
+# ---------------------------------------------------------------- Done when: official annotations, every kind planted
+
+
+def oracle_metrics(ranking: list[str], positives: list[str], source: str) -> list[float]:
+    """The official scripts' arithmetic, written independently of the scorer (numpy, as upstream)."""
+    if source == "circo":
+        out = []
+        for k in (5, 10, 25, 50):
+            hits = np.isin(np.array(ranking[:k], dtype=object), np.array(positives, dtype=object)).astype(float)
+            precision = np.cumsum(hits) / np.arange(1, len(hits) + 1) if len(hits) else hits
+            out.append(float((precision * hits).sum() / min(k, len(positives))))
+        return out
+    return [float(positives[0] in ranking[:k]) for k in (1, 5, 10, 50)]
+
+
+def build_run(quality: str, seed: int):
+    """(requests, labels, result lines, planted kinds, expected raw) from the official excerpts.
+
+    Rankings are drawn around each query's positives (never its reference); invalid rows of every
+    kind are planted on chosen queries, whose expected contribution is zero."""
+    circo = json.loads(CIRCO_EXCERPT.read_text())
+    cirr = json.loads(CIRR_EXCERPT.read_text())
+    rng = random.Random(seed)
+    distractors = [f"coco-{i}" for i in range(400)] + [f"dev-x-{i}" for i in range(400)]
+    queries = []  # (query_id as written, source, reference, positives as str)
+    for e in circo:
+        queries.append((e["id"], "circo", str(e["reference_img_id"]), [str(g) for g in e["gt_img_ids"]]))
+    for e in cirr:
+        queries.append((e["pairid"], "cirr", e["reference"], [e["target_hard"]]))
+    requests = [{"query_id": q, "reference_image_id": ref, "modification": "m"} for q, _, ref, _ in queries]
+
+    def ranking_for(positives: list[str]) -> list[str]:
+        n = rng.randint(0, 50)
+        pool = rng.sample(distractors, n)
+        for p in positives:
+            if quality == "high" or rng.random() < 0.4:
+                spot = rng.randint(0, 3) if quality == "high" else rng.randint(0, 60)
+                if spot < 50:
+                    pool.insert(spot, p)
+        return list(dict.fromkeys(pool))[:50]
+
+    def ok_row(qid, ids):
+        return json.dumps({"query_id": qid, "results": items(ids)})
+
+    lines, planted, zero = [], [], set()
+    plan = {  # query index -> kind planted on its row (both sources get several)
+        3: "malformed_json", 5: "not_an_object", 7: "bad_query_id", 9: "bad_results", 11: "bad_results",
+        13: "non_finite_score", 15: "non_finite_score", 17: "too_many_results", 19: "duplicate_ids",
+        21: "rising_scores", 23: "reference_image", 25: "duplicate_query", 27: "invalid_then_valid",
+        110: "malformed_json", 120: "bad_results", 130: "non_finite_score", 140: "too_many_results",
+        150: "duplicate_ids", 160: "rising_scores", 170: "reference_image", 180: "duplicate_query",
+        190: "invalid_then_valid", 200: "bad_utf8", 210: "missing",
+    }
+    rankings = {}
+    for n, (qid, _source, ref, positives) in enumerate(queries):
+        ids = ranking_for(positives)
+        kind = plan.get(n)
+        if kind is None:
+            lines.append(ok_row(qid, ids))
+            rankings[str(qid)] = ids
+            continue
+        if kind == "missing":
+            zero.add(str(qid))
+            continue
+        if kind == "duplicate_query":  # the first row counts, the second (a perfect one) does not
+            lines.append(ok_row(qid, ids))
+            lines.append(ok_row(qid, positives))
+            rankings[str(qid)] = ids
+            planted.append("duplicate_query")
+            continue
+        zero.add(str(qid))
+        if kind == "invalid_then_valid":  # the first row decides: an invalid first row, then a perfect one
+            lines.append(json.dumps({"query_id": qid, "results": items(["late", "later"], [0.1, 0.9])}))
+            lines.append(ok_row(qid, positives))
+            planted += ["rising_scores", "duplicate_query"]
+            continue
+        res = items(ids)
+        if kind == "malformed_json":
+            lines.append(ok_row(qid, ids)[:-7])
+        elif kind == "bad_utf8":
+            lines.append('{"query_id": %s, "results": [\udcff]}' % json.dumps(qid))
+            kind = "malformed_json"
+        elif kind == "not_an_object":
+            lines.append(json.dumps([qid, res]))
+        elif kind == "bad_query_id":
+            lines.append(json.dumps({"query": qid, "results": res}))
+        elif kind == "bad_results":
+            lines.append(json.dumps({"query_id": qid, "results": {"image_id": "a", "score": 1}}))
+        elif kind == "non_finite_score":
+            lines.append(json.dumps({"query_id": qid, "results": items(positives + ["z"], [1.0] * len(positives)
+                                                                         + [float("nan")])}))
+        elif kind == "too_many_results":
+            lines.append(ok_row(qid, positives + distractors[:51 - len(positives)]))
+        elif kind == "duplicate_ids":
+            lines.append(ok_row(qid, positives + [positives[0]]))
+        elif kind == "rising_scores":
+            lines.append(json.dumps({"query_id": qid, "results": items(positives + ["z"],
+                                                                         [0.5] * len(positives) + [0.7])}))
+        elif kind == "reference_image":
+            lines.append(ok_row(qid, positives + [ref]))
+        planted.append(kind)
+    # the torn last line: what a timeout leaves (the query it was answering scores zero)
+    qid, source, ref, positives = queries[-1]
+    lines = [ln for ln in lines if not ln.startswith('{"query_id": %s,' % json.dumps(qid))]
+    rankings.pop(str(qid), None)
+    zero.add(str(qid))
+    lines.append(ok_row(qid, positives)[:25])
+    planted.append("torn_last_line")
+
+    sums = {"circo": np.zeros(4), "cirr": np.zeros(4)}
+    count = {"circo": 0, "cirr": 0}
+    for qid, source, _ref, positives in queries:
+        count[source] += 1
+        if str(qid) in rankings and str(qid) not in zero:
+            sums[source] += oracle_metrics(rankings[str(qid)], positives, source)
+    expected = (sums["circo"].mean() / count["circo"] + sums["cirr"].mean() / count["cirr"]) / 2
+    return requests, lines, planted, float(expected)
+
+
+@pytest.mark.parametrize("quality, seed", [("low", 1), ("high", 2)])
+def test_official_annotations_with_every_invalid_kind_planted(tmp_path, quality, seed):
+    requests, lines, planted, expected = build_run(quality, seed)
+    reqs = write_jsonl(tmp_path / "requests.jsonl", requests)
+    run = tmp_path / "run.jsonl"
+    data = "\n".join(lines).encode("utf-8", errors="surrogateescape")  # the torn last line has no newline
+    run.write_bytes(data)
+    assert b"\xff" in data and not data.endswith(b"\n")
+    out = tmp_path / "report.json"
+    proc = run_cli("--results", run, "--labels", CIRCO_EXCERPT, "--labels", CIRR_EXCERPT,
+                   "--queries", reqs, "--out", out)
+    assert proc.returncode == 0, proc.stderr
+    rep = json.loads(proc.stdout)
+    # raw quality = the rules' value: invalid and missing rows 0, valid rows as usual
+    assert abs(rep["raw"] - expected) <= 1e-9, (rep["raw"], expected)
+    assert (rep["raw"] < B) if quality == "low" else (rep["raw"] > B)  # both sides of b
+    assert abs(rep["reward"] - rule_reward(expected)) <= 1e-9
+    v = rep["validity"]
+    counts = {k: planted.count(k) for k in set(planted)}
+    assert v["invalid_by_kind"] == counts and set(counts) == set(INVALID_KINDS)
+    assert v["invalid_rows"] == len(planted) and v["valid_rows"] == v["rows_read"] - len(planted)
+    assert "checked" in v["reference_check"]
+    first = v["invalid_examples"][0]
+    assert set(first) == {"line", "query_id", "kind", "reason"} and first["line"] >= 1
+    assert rep["queries"] == 300 and rep["missing"] + rep["invalid"] + rep["answered"] == 300
+    assert json.loads(out.read_text()) == rep
+
+
+def test_without_queries_the_reference_check_is_skipped_and_said(tmp_path):
+    circo = json.loads(CIRCO_EXCERPT.read_text())[0]
+    run = write_jsonl(tmp_path / "run.jsonl", [row(circo["id"], [circo["reference_img_id"], *circo["gt_img_ids"]])])
+    rep = score_file(read_results(run), load_labels(CIRCO_EXCERPT))
+    assert rep["validity"]["reference_check"].startswith("skipped")
+    assert rep["answered"] == 1 and rep["invalid"] == 0
 
 
 # ---------------------------------------------------------------- loaders
@@ -180,7 +484,7 @@ def test_reward_mapping():
 
 def test_load_circo_official_excerpt():
     labels = load_labels(CIRCO_EXCERPT)
-    assert len(labels) == 8
+    assert len(labels) == 100
     # first entry of val.json: id 0, gt_img_ids [355099, 528417, 534704]
     assert labels["0"] == Label("circo", ("355099", "528417", "534704"))
     assert all(lab.source == "circo" for lab in labels.values())
@@ -188,7 +492,7 @@ def test_load_circo_official_excerpt():
 
 def test_load_cirr_official_excerpt():
     labels = load_labels(CIRR_EXCERPT)
-    assert len(labels) == 8
+    assert len(labels) == 200
     # first entry of cap.rc2.val.json: pairid 12060, target_hard dev-1028-1-img1
     assert labels["12060"] == Label("cirr", ("dev-1028-1-img1",))
     assert all(lab.source == "cirr" for lab in labels.values())
@@ -205,58 +509,25 @@ def test_load_jsonl_labels_and_merge(tmp_path):
     labels = load_labels(p)
     assert labels == {"q1": Label("circo", ("1", "2")), "9007": Label("cirr", ("dev-1-img0",))}
     merged = load_label_files([CIRCO_EXCERPT, CIRR_EXCERPT, p])
-    assert len(merged) == 18
+    assert len(merged) == 302
     with pytest.raises(InputError, match="already labelled"):
         load_label_files([CIRCO_EXCERPT, CIRCO_EXCERPT])
 
 
-def test_official_excerpts_score_perfect_and_reference_only(tmp_path):
+def test_official_excerpts_score_perfect_and_reference_only():
     circo = json.loads(CIRCO_EXCERPT.read_text())
     cirr = json.loads(CIRR_EXCERPT.read_text())
     labels = load_label_files([CIRCO_EXCERPT, CIRR_EXCERPT])
     # perfect run: all positives first -> every mAP and recall is 1
     perfect = {str(e["id"]): e["gt_img_ids"] for e in circo}
     perfect.update({e["pairid"]: [e["target_hard"]] for e in cirr})
-    assert score(perfect, labels)["raw"] == pytest.approx(1.0)
+    rep = score(perfect, labels)
+    assert rep["raw"] == pytest.approx(1.0) and rep["reward"] == pytest.approx(1.0)
     # a run returning only each reference image finds nothing
     useless = {str(e["id"]): [e["reference_img_id"]] for e in circo}
     useless.update({str(e["pairid"]): [e["reference"]] for e in cirr})
     rep = score(useless, labels)
-    assert rep["raw"] == 0.0 and rep["missing"] == 0
-
-
-def test_load_results(tmp_path):
-    p = tmp_path / "run.jsonl"
-    p.write_text(json.dumps(row(1, [5, "a"])) + "\n\n" + json.dumps(row("q", [])) + "\n")
-    assert load_results(p) == {"1": ["5", "a"], "q": []}
-
-
-@pytest.mark.parametrize(
-    "line, message",
-    [
-        ('{"query_id": 1, "results": [', "malformed JSON"),
-        ("[1, 2]", "expected a JSON object"),
-        ('{"results": []}', "query_id"),
-        ('{"query_id": 1, "results": {}}', "must be a list"),
-        ('{"query_id": 1, "results": [{"score": 1.0}]}', "image_id"),
-        ('{"query_id": 1, "results": [{"image_id": "a", "score": NaN}]}', "finite"),
-        ('{"query_id": 1, "results": [{"image_id": "a", "score": Infinity}]}', "finite"),
-        ('{"query_id": 1, "results": [{"image_id": "a", "score": "1"}]}', "finite"),
-        ('{"query_id": 1, "results": [{"image_id": "a"}]}', "finite"),
-    ],
-)
-def test_load_results_errors_name_file_and_line(tmp_path, line, message):
-    p = tmp_path / "run.jsonl"
-    p.write_text(json.dumps(row(0, ["a"])) + "\n" + line + "\n")
-    with pytest.raises(InputError, match=message) as info:
-        load_results(p)
-    assert f"{p}:2" in str(info.value)
-
-
-def test_load_results_duplicate_query(tmp_path):
-    p = write_jsonl(tmp_path / "run.jsonl", [row(0, ["a"]), row("0", ["b"])])
-    with pytest.raises(InputError, match=r"run.jsonl:2: duplicate row"):
-        load_results(p)
+    assert rep["raw"] == 0.0 and rep["reward"] == 0.0 and rep["missing"] == 0
 
 
 @pytest.mark.parametrize(
@@ -294,10 +565,10 @@ def run_cli(*args):
 
 def test_cli_end_to_end(tmp_path):
     # CIRCO query 0 (gt 355099, 528417, 534704): ranking [355099, 1, 528417]
-    #   AP@k = (1/1 + 2/3) / 3 = 5/9 for every k; the other 7 CIRCO queries are missing (0)
-    #   -> mAP@k = (5/9) / 8 = 5/72
-    # CIRR 12060 (target dev-1028-1-img1) at rank 2 -> R@1 = 0, R@5+ = 1; 7 others missing
-    #   -> R@1 = 0, R@5 = R@10 = R@50 = 1/8, mean = 3/32
+    #   AP@k = (1/1 + 2/3) / 3 = 5/9 for every k; the other 99 CIRCO queries are missing (0)
+    #   -> mAP@k = (5/9) / 100
+    # CIRR 12060 (target dev-1028-1-img1) at rank 2 -> R@1 = 0, R@5+ = 1; 199 others missing
+    #   -> R@1 = 0, R@5 = R@10 = R@50 = 1/200, mean = 3/800
     results = write_jsonl(
         tmp_path / "run.jsonl",
         [
@@ -311,25 +582,51 @@ def test_cli_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stderr
     rep = json.loads(proc.stdout)
     assert rep == json.loads(out.read_text())
-    assert rep["sources"]["circo"]["fraction"]["mAP@5"] == pytest.approx(5 / 72)
+    assert rep["sources"]["circo"]["fraction"]["mAP@5"] == pytest.approx(5 / 9 / 100)
     assert rep["sources"]["cirr"]["fraction"]["R@1"] == 0.0
-    assert rep["sources"]["cirr"]["fraction"]["R@5"] == pytest.approx(1 / 8)
-    assert rep["raw"] == pytest.approx((5 / 72 + 3 / 32) / 2)
-    assert rep["missing"] == 14 and rep["unlabeled"] == 1
-    assert 0.0 < rep["reward"] < 0.5
+    assert rep["sources"]["cirr"]["fraction"]["R@5"] == pytest.approx(1 / 200)
+    assert rep["raw"] == pytest.approx((5 / 9 / 100 + 3 / 800) / 2)
+    assert rep["missing"] == 298 and rep["unlabeled"] == 1
+    assert rep["reward"] == pytest.approx(rule_reward(rep["raw"]))
 
 
-def test_cli_bad_input_exits_2(tmp_path):
+def test_cli_scores_despite_bad_rows(tmp_path):
     results = tmp_path / "run.jsonl"
     results.write_text(
-        json.dumps(row(0, ["a"])) + "\n" + '{"query_id": 1, "results": [{"image_id": 2, "score": NaN}]}\n'
+        json.dumps(row(0, [355099])) + "\n" + '{"query_id": 1, "results": [{"image_id": 2, "score": NaN}]}\n'
     )
     proc = run_cli("--results", results, "--labels", CIRCO_EXCERPT)
-    assert proc.returncode == 2
-    assert f"{results}:2" in proc.stderr and "finite" in proc.stderr
-    assert proc.stdout == ""
+    assert proc.returncode == 0, proc.stderr
+    rep = json.loads(proc.stdout)
+    assert rep["validity"]["invalid_by_kind"] == {"non_finite_score": 1}
+    assert rep["validity"]["invalid_examples"][0]["line"] == 2 and rep["invalid"] == 1
 
 
-def test_main_missing_file_exits_2(tmp_path, capsys):
-    assert main(["--results", str(tmp_path / "nope.jsonl"), "--labels", str(CIRR_EXCERPT)]) == 2
-    assert "nope.jsonl" in capsys.readouterr().err
+@pytest.mark.parametrize("case", ["missing_results", "results_is_dir", "missing_labels", "bad_labels",
+                                  "missing_queries"])
+def test_cli_exits_2_only_when_a_file_cannot_be_read(tmp_path, capsys, case):
+    results = write_jsonl(tmp_path / "run.jsonl", [row(0, [1])])
+    args = {"--results": results, "--labels": CIRR_EXCERPT}
+    if case == "missing_results":
+        args["--results"] = tmp_path / "nope.jsonl"
+    elif case == "results_is_dir":
+        args["--results"] = tmp_path
+    elif case == "missing_labels":
+        args["--labels"] = tmp_path / "nolabels.json"
+    elif case == "bad_labels":
+        args["--labels"] = tmp_path / "bad.json"
+        args["--labels"].write_text("[1")
+    elif case == "missing_queries":
+        args["--queries"] = tmp_path / "noqueries.jsonl"
+    assert main([str(x) for kv in args.items() for x in kv]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("score_retrieval: error:") and len(err.strip().splitlines()) == 1
+
+
+def test_cli_empty_results_file_scores_zero(tmp_path, capsys):
+    empty = tmp_path / "run.jsonl"
+    empty.write_bytes(b"")
+    assert main(["--results", str(empty), "--labels", str(CIRR_EXCERPT)]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["raw"] == 0.0 and rep["missing"] == 200 and rep["validity"]["rows_read"] == 0
+    assert math.isclose(rep["reward"], 0.0)
