@@ -1,4 +1,5 @@
-"""evaluator.contest.agreement: top-1 agreement at the gate, its file readers and its CLI."""
+"""evaluator.contest.agreement: the contest gate over every row, agreement over answered rows,
+the file readers and the CLI."""
 from __future__ import annotations
 
 import json
@@ -11,7 +12,17 @@ import numpy as np
 import pytest
 from conftest import REPO
 
-from evaluator.contest.agreement import GATE, Agreement, agreement, main, read_i32, read_reference
+from evaluator.contest.agreement import (
+    GATE,
+    ContestGate,
+    agreement,
+    contest_gate,
+    main,
+    read_frozen_reference,
+    read_i32,
+    read_reference,
+    threshold,
+)
 
 
 def _i32(path: Path, values) -> Path:
@@ -125,9 +136,80 @@ def test_i32_reference_allows_unreadable_rows(tmp_path):
         read_reference(ref, None, 2)
 
 
+# ---- the contest gate -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows, needed", [(10_000, 9_900), (9_800, 9_702), (100, 99), (64, 64), (1, 1), (101, 100)])
+def test_threshold_is_ceil_of_99_percent_of_rows(rows, needed):
+    assert threshold(rows) == needed == -(-99 * rows // 100)  # integer ceil, no float rounding
+
+
+def test_9710_true_matches_of_10000_rows_fail():
+    # 9,800 rows answered, 9,710 of them match; 200 rows have no reference answer
+    ref = np.arange(10_000, dtype=np.int32) % 1000
+    pred = ref.copy()
+    pred[:90] = (pred[:90] + 1) % 1000    # 90 answered rows wrong
+    ref[-200:] = -1                        # 200 rows without an answer: misses
+    g = contest_gate(pred, ref)
+    assert (g.matches, g.rows, g.unanswered, g.threshold) == (9_710, 10_000, 200, 9_900)
+    assert not g.passed and g.rate == pytest.approx(0.971)
+    # the measure over answered rows alone would have said 9710/9800 = 99.08 % PASS
+    a = agreement(pred, ref)
+    assert (a.matches, a.total) == (9_710, 9_800) and a.passed
+
+
+def test_two_percent_unanswered_fails_even_when_every_answer_matches():
+    ref = np.arange(1_000, dtype=np.int32) % 1000
+    pred = ref.copy()
+    ref[::50] = -1                         # 20 of 1,000 rows (2 %) have no answer
+    g = contest_gate(pred, ref)
+    assert (g.matches, g.rows, g.unanswered) == (980, 1_000, 20) and not g.passed
+
+
+def test_gate_is_inclusive_at_the_threshold():
+    ref = np.zeros(10_000, np.int32)
+    pred = ref.copy()
+    pred[:100] = 1                          # 9,900 matches: exactly the threshold
+    assert contest_gate(pred, ref).passed
+    pred[100] = 1                           # 9,899
+    assert not contest_gate(pred, ref).passed
+
+
+def test_a_gate_that_saw_no_row_fails():
+    g = contest_gate(np.zeros(0, np.int32), np.zeros(0, np.int32))
+    assert (g.rows, g.threshold, g.passed) == (0, 0, False)
+
+
+def test_gate_line_names_matches_rows_threshold_and_misses():
+    g = ContestGate(9_710, 10_000, 200, GATE)
+    assert g.line() == ("9710/10000 (97.10 %) FAIL at the 99 % gate (threshold 9900 of 10000 rows); "
+                        "200 rows without a reference answer count as misses")
+
+
+def test_frozen_reference_refuses_minus_one_in_an_i32(tmp_path):
+    ref = _i32(tmp_path / "ref.i32", [3, -1, 4, -1])
+    with pytest.raises(ValueError, match=r"row 2 holds -1 \(no answer; 2 such rows\): a frozen reference answers every row"):
+        read_frozen_reference(ref, None, 4)
+    with pytest.raises(ValueError, match=r"class 1000 at row 1 is outside \[0, 999\]"):
+        read_frozen_reference(_i32(tmp_path / "big.i32", [1000]), None, 1)
+    assert read_frozen_reference(_i32(tmp_path / "ok.i32", [0, 999]), None, 2).tolist() == [0, 999]
+
+
+def test_frozen_tsv_reference_leaves_unnamed_rows_as_misses(tmp_path, manifest):
+    ref = tmp_path / "ref.tsv"
+    ref.write_text("id05\t5\nid03\t3\n")
+    assert read_frozen_reference(ref, manifest, 5).tolist() == [5, 3, -1, -1, -1]
+    ref.write_text("id05\t-1\n")
+    with pytest.raises(ValueError, match=r"ref.tsv:1: class -1 is outside \[0, 999\]"):
+        read_frozen_reference(ref, manifest, 5)
+    ref.write_text("id05\t5\nid05\t6\n")
+    with pytest.raises(ValueError, match="answered twice"):
+        read_frozen_reference(ref, manifest, 5)
+
+
 # ---- CLI --------------------------------------------------------------------------------------
 
-LINE = re.compile(r"^(\d+)/(\d+) \((\d+\.\d\d) %\) (PASS|FAIL) at the ([\d.]+) % gate")
+LINE = re.compile(r"^(\d+)/(\d+) \((\d+\.\d\d) %\) (PASS|FAIL) at the ([\d.]+) % gate \(threshold (\d+) of (\d+) rows\)")
 
 
 def _run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -138,12 +220,12 @@ def _run(capsys, *argv: str) -> tuple[int, str, str]:
 
 def test_cli_pass(tmp_path, capsys):
     pred = _i32(tmp_path / "p.i32", list(range(200)))
-    ref = _i32(tmp_path / "r.i32", list(range(199)) + [-1])
+    ref = _i32(tmp_path / "r.i32", list(range(198)) + [0, 0])
     rc, out, err = _run(capsys, "--predictions", pred, "--reference", ref)
     assert rc == 0 and err == ""
     m = LINE.match(out)
-    assert m and m.groups() == ("199", "199", "100.00", "PASS", "99"), out
-    assert "1 rows without a reference answer" in out
+    assert m and m.groups() == ("198", "200", "99.00", "PASS", "99", "198", "200"), out
+    assert "without a reference answer" not in out
 
 
 def test_cli_fail(tmp_path, capsys):
@@ -151,33 +233,67 @@ def test_cli_fail(tmp_path, capsys):
     ref = _i32(tmp_path / "r.i32", [0] * 100)
     rc, out, _ = _run(capsys, "--predictions", pred, "--reference", ref)
     assert rc == 1
-    assert LINE.match(out).groups() == ("98", "100", "98.00", "FAIL", "99"), out
-    assert "without a reference" not in out
+    assert LINE.match(out).groups() == ("98", "100", "98.00", "FAIL", "99", "99", "100"), out
     # the same rows pass a lower gate
     rc, out, _ = _run(capsys, "--predictions", pred, "--reference", ref, "--gate", "0.98")
-    assert rc == 0 and LINE.match(out).group(4) == "PASS" and LINE.match(out).group(5) == "98"
+    assert rc == 0 and LINE.match(out).group(4) == "PASS" and LINE.match(out).group(6) == "98"
 
 
-def test_cli_tsv_with_manifest(tmp_path, manifest, capsys):
-    pred = _i32(tmp_path / "p.i32", [55, 33, 99, 11, 0])
+def test_cli_tsv_with_manifest_counts_unnamed_rows_as_misses(tmp_path, manifest, capsys):
+    pred = _i32(tmp_path / "p.i32", [55, 33, 99, 11, 77])
     ref = tmp_path / "ref.tsv"
-    ref.write_text("id07\t77\nid01\t11\nid09\t99\nid05\t55\nid03\t33\n")
+    ref.write_text("id01\t11\nid09\t99\nid05\t55\nid03\t33\n")   # id07 has no answer
     rc, out, _ = _run(capsys, "--predictions", pred, "--reference", ref, "--manifest", manifest)
     assert rc == 1 and LINE.match(out).groups()[:4] == ("4", "5", "80.00", "FAIL")
+    assert "1 rows without a reference answer count as misses" in out
+
+
+def test_cli_two_percent_unanswered_fails_though_every_answer_matches(tmp_path, capsys):
+    """The Done-when case: 2 % of rows have no answer (a TSV that does not name them), every other row matches."""
+    rows = 500
+    man = tmp_path / "m.tsv"
+    man.write_text("".join(f"r{i}\tx/{i}.JPEG\n" for i in range(rows)))
+    classes = [i % 1000 for i in range(rows)]
+    pred = _i32(tmp_path / "p.i32", classes)
+    ref = tmp_path / "ref.tsv"
+    ref.write_text("".join(f"r{i}\t{classes[i]}\n" for i in range(rows) if i % 50 != 7))  # 10 rows left out
+    rc, out, _ = _run(capsys, "--predictions", pred, "--reference", ref, "--manifest", man)
+    assert rc == 1, out
+    assert LINE.match(out).groups() == ("490", "500", "98.00", "FAIL", "99", "495", "500")
+
+
+def test_cli_refuses_an_i32_reference_with_minus_one(tmp_path, capsys):
+    pred = _i32(tmp_path / "p.i32", [1, 2, 3])
+    ref = _i32(tmp_path / "r.i32", [1, -1, 3])
+    rc, out, err = _run(capsys, "--predictions", pred, "--reference", ref)
+    assert rc == 2 and out == ""
+    assert err.startswith("agreement: error:") and "frozen reference answers every row" in err
+
+
+def test_cli_expect_rows(tmp_path, capsys):
+    pred = _i32(tmp_path / "p.i32", [7] * 10)
+    ref = _i32(tmp_path / "r.i32", [7] * 10)
+    assert _run(capsys, "--predictions", pred, "--reference", ref, "--expect-rows", "10")[0] == 0
+    rc, out, _ = _run(capsys, "--predictions", pred, "--reference", ref, "--expect-rows", "10000")
+    assert rc == 1 and LINE.match(out).group(4) == "PASS"  # every row matches, but not the contest's cohort
+    assert "FAIL: the cohort has 10 rows, expected 10000 (--expect-rows)" in out
+    rc, out, _ = _run(capsys, "--predictions", pred, "--reference", ref, "--expect-rows", "10000", "--json")
+    assert rc == 1 and json.loads(out)["verdict"] == "FAIL" and json.loads(out)["expect_rows"] == 10000
 
 
 def test_cli_json(tmp_path, capsys):
     pred = _i32(tmp_path / "p.i32", [1, 2, 3, 4])
-    ref = _i32(tmp_path / "r.i32", [1, 2, 3, -1])
-    rc, out, _ = _run(capsys, "--predictions", pred, "--reference", ref, "--json")
+    ref = _i32(tmp_path / "r.i32", [1, 2, 3, 5])
+    rc, out, _ = _run(capsys, "--predictions", pred, "--reference", ref, "--json", "--gate", "0.75")
     assert rc == 0
     d = json.loads(out)
-    assert d == {"matches": 3, "total": 3, "unreadable": 1, "gate": GATE, "rate": 1.0, "verdict": "PASS"}
-    assert set(d) == set(Agreement.__dataclass_fields__) | {"rate", "verdict"}
+    assert d == {"matches": 3, "rows": 4, "unanswered": 0, "gate": 0.75, "threshold": 3, "rate": 0.75,
+                 "expect_rows": None, "verdict": "PASS"}
+    assert set(d) == set(ContestGate.__dataclass_fields__) | {"threshold", "rate", "expect_rows", "verdict"}
 
 
 @pytest.mark.parametrize("case", ["missing_pred", "partial_int", "out_of_range", "length", "tsv_no_manifest",
-                                  "bad_manifest", "manifest_rows"])
+                                  "bad_manifest", "manifest_rows", "minus_one"])
 def test_cli_bad_input_exits_2(tmp_path, manifest, capsys, case):
     pred = _i32(tmp_path / "p.i32", [1, 2, 3, 4, 5])
     ref = _i32(tmp_path / "r.i32", [1, 2, 3, 4, 5])
@@ -199,9 +315,19 @@ def test_cli_bad_input_exits_2(tmp_path, manifest, capsys, case):
     elif case == "manifest_rows":
         _i32(pred, [1, 2, 3])
         args += ["--manifest", manifest]
+    elif case == "minus_one":
+        _i32(ref, [1, 2, -1, 4, 5])
     rc, out, err = _run(capsys, *args)
     assert rc == 2 and out == ""
     assert err.startswith("agreement: error:") and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("flag, value", [("--gate", "1.5"), ("--gate", "0"), ("--gate", "x"), ("--expect-rows", "0")])
+def test_cli_bad_flag_values_exit_2(tmp_path, capsys, flag, value):
+    pred = _i32(tmp_path / "p.i32", [1])
+    with pytest.raises(SystemExit) as info:
+        main(["--predictions", str(pred), "--reference", str(pred), flag, value])
+    assert info.value.code == 2 and "error:" in capsys.readouterr().err
 
 
 def test_cli_as_a_process(tmp_path):
