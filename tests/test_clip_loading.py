@@ -60,9 +60,12 @@ def test_model_dir_env_and_default(monkeypatch, tmp_path):
     assert find_layout(clip_dirs()["hf"]).kind == "hf"
     assert load_clip()[2]["layout"] == "hf"
     monkeypatch.delenv("CLIP_MODEL_DIR")
-    if not Path("/task/models/clip").exists():
-        with pytest.raises(ClipLoadError, match="/task/models/clip"):
-            load_clip()
+    with pytest.raises(ClipLoadError, match="CLIP_MODEL_DIR"):   # the engine has no default folder
+        load_clip()
+    from evaluator.cir import task
+
+    assert task.clip_dir() == Path("/task/models/clip")          # the retrieval ABI's default mount
+    assert task.clip_dir("/x") == Path("/x")
 
 
 def test_hf_mapping_round_trip_multi_head():
