@@ -3,6 +3,13 @@
     python -m engine.build --model NAME --checkpoint FILE --out DIR [--device cpu|cuda]
         [--precision fp32|fp16|bf16] [--backend NAME] [--batch-size N]
         [--input-size N] [--crop-mode center|squash] [--crop-pct F] [--model-kwargs JSON]
+        [--no-guard] [--calibration-images DIR] [--guard-safety F] [--recheck-batch N]
+
+Below FP32 the network follows the mixed-precision policy (engine.precision) and the
+build is guarded by default (engine.guard): the low-precision graph also returns its
+top-1/top-2 margin, a second FP32 graph of `--recheck-batch` images re-checks the rows
+under tau, and tau is chosen here on calibration images that are not evaluation data
+(engine.calibrate). `--no-guard` builds the raw low-precision form.
 
 The artifact is written into a temporary sibling directory and renamed into place, so
 an interrupted build never leaves a directory that looks complete.
@@ -10,6 +17,7 @@ an interrupted build never leaves a directory that looks complete.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -18,19 +26,34 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from engine import backends
-from engine.artifact import write_manifest
+from engine.artifact import Artifact, write_manifest
 from engine.checkpoint import load_model
 from engine.io import sha256_file
+from engine.precision import describe as describe_policy
 from engine.spec import CROP_MODES, PRECISIONS, Spec, resolve_spec
+
+RECHECK_DIR = "recheck"   # the guard's FP32 graph, built by the same backend, inside the artifact
+
+
+@dataclasses.dataclass
+class GuardConfig:
+    enabled: bool = True                  # below fp32: re-check near-ties in FP32
+    calibration_images: Path | None = None  # None: procedural renders (engine.renders)
+    calibration_count: int = 256
+    safety: float = 2.0                   # tau = safety x the largest disagreeing margin
+    recheck_batch: int = 8                # static batch of the FP32 re-check graph
 
 
 def build(spec: Spec, checkpoint: Path | None, out: Path, backend: str = backends.DEFAULT,
-          device: str = "cpu") -> dict:
+          device: str = "cpu", guard: GuardConfig | None = None) -> dict:
     """Build the artifact for `spec` with `backend` (a name in engine.backends) and return its manifest."""
     be = backends.get(backend)
+    guard = guard or GuardConfig()
+    guarded = guard.enabled and spec.precision != "fp32" and be.NEEDS_WEIGHTS
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda needs a CUDA GPU on the build machine")
     if checkpoint is None and be.NEEDS_WEIGHTS:
@@ -42,8 +65,11 @@ def build(spec: Spec, checkpoint: Path | None, out: Path, backend: str = backend
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the run may be another (non-root) user
     try:
-        extra = {"build": {"argv": sys.argv, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}}
-        extra.update(be.save(net, spec, device, tmp))
+        extra = {"build": {"argv": sys.argv, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
+                 "precision_policy": describe_policy(spec.precision)}
+        extra.update(be.save(net, spec, device, tmp, margin=guarded))
+        if guarded:
+            extra["guard"] = _build_guard(be, backend, net, spec, device, tmp, guard)
         extra["build"]["seconds"] = round(time.perf_counter() - t0, 3)
         ck_sha = sha256_file(checkpoint) if checkpoint is not None else None
         meta = write_manifest(tmp, spec, backend, device, checkpoint, ck_sha, extra)
@@ -58,6 +84,35 @@ def build(spec: Spec, checkpoint: Path | None, out: Path, backend: str = backend
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return meta
+
+
+def _build_guard(be, backend: str, net, spec: Spec, device: str, tmp: Path, cfg: GuardConfig) -> dict:
+    """Compile the FP32 re-check graph, then choose tau with the compiled low-precision graph."""
+    from engine import calibrate
+    from engine.model import wrap
+
+    t0 = time.perf_counter()
+    rspec = dataclasses.replace(spec, precision="fp32", batch_size=cfg.recheck_batch)
+    (tmp / RECHECK_DIR).mkdir()
+    be.save(net, rspec, device, tmp / RECHECK_DIR, margin=False)
+    if cfg.calibration_images is not None:
+        pixels, origin = calibrate.folder_pixels(cfg.calibration_images, spec, cfg.calibration_count)
+    else:
+        pixels, origin = calibrate.generated_pixels(spec, cfg.calibration_count)
+    view = Artifact(tmp, spec, backend, device, spec.precision, spec.batch_size, {}, {"guard": True})
+    low = be.load(view, torch.device(device))                       # the graph the run will execute
+    low_top1, margins = calibrate.classify(low, pixels, spec.batch_size, margin=True)
+    ref = wrap(net, dataclasses.replace(spec, precision="fp32"), device, margin=True)
+    ref_top1, ref_margins = calibrate.classify(lambda x: ref(x.to(device)), pixels, 16, margin=True)
+    agree = low_top1 == ref_top1
+    floor = float(np.abs(margins[agree] - ref_margins[agree]).max()) if agree.any() else 0.0
+    chosen = calibrate.choose_tau(low_top1, margins, ref_top1, cfg.safety, floor)
+    print(f"engine.build: guard tau {chosen['tau']:.4f} from {chosen['images']} calibration images "
+          f"({chosen['disagreements']} disagreements, {chosen['rechecked_fraction']:.1%} re-checked)",
+          file=sys.stderr)
+    return {**chosen, "recheck_batch": cfg.recheck_batch, "dir": RECHECK_DIR, "recheck_spec": rspec.to_dict(),
+            "calibration": origin, "floor_rule": "max |margin low - margin fp32| over agreeing images",
+            "seconds": round(time.perf_counter() - t0, 3)}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -75,7 +130,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--interpolation")
     p.add_argument("--num-classes", type=int)
     p.add_argument("--model-kwargs", type=json.loads, help="extra timm constructor kwargs as JSON")
-    return p.parse_args(argv)
+    g = p.add_argument_group("margin guard (precisions below fp32)")
+    g.add_argument("--no-guard", dest="guard", action="store_false", help="build the raw low-precision form")
+    g.add_argument("--calibration-images", type=Path,
+                   help="folder of images (not evaluation data) to choose tau on; default: procedural renders")
+    g.add_argument("--calibration-count", type=int, default=256, help="calibration images used")
+    g.add_argument("--guard-safety", type=float, default=2.0, help="tau = this x the largest disagreeing margin")
+    g.add_argument("--recheck-batch", type=int, default=8, help="static batch of the FP32 re-check graph")
+    a = p.parse_args(argv)
+    if a.calibration_count < 16 or a.recheck_batch < 1 or a.guard_safety < 1:
+        p.error("--calibration-count must be >= 16, --recheck-batch >= 1 and --guard-safety >= 1")
+    return a
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         spec = resolve_spec(a.model, precision=a.precision, batch_size=a.batch_size, input_size=a.input_size,
                             crop_mode=a.crop_mode, crop_pct=a.crop_pct, interpolation=a.interpolation,
                             num_classes=a.num_classes, model_kwargs=a.model_kwargs)
-        meta = build(spec, a.checkpoint, a.out, backend=a.backend, device=a.device)
+        guard = GuardConfig(a.guard, a.calibration_images, a.calibration_count, a.guard_safety, a.recheck_batch)
+        meta = build(spec, a.checkpoint, a.out, backend=a.backend, device=a.device, guard=guard)
     except (OSError, ValueError, RuntimeError) as e:
         print(f"engine.build: error: {e}", file=sys.stderr)
         return 2

@@ -1,20 +1,20 @@
-"""Top1Model: normalisation + network + argmax in one graph, the module every backend runs."""
+"""Top1Model: normalisation + network + top-1 in one graph, the module every backend runs."""
 from __future__ import annotations
 
 import torch
 
+from engine.precision import apply_policy
 from engine.spec import Spec
-
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class Top1Model(torch.nn.Module):
-    """Only uint8 pixels cross to the device; the int32 top-1 comes back."""
+    """Only uint8 pixels cross to the device; the int32 top-1 comes back (and, for a guarded
+    low-precision graph, the FP32 margin between the two highest logits)."""
 
-    def __init__(self, net: torch.nn.Module, spec: Spec):
+    def __init__(self, net: torch.nn.Module, spec: Spec, margin: bool = False):
         super().__init__()
         self.net = net
-        self.dtype = DTYPES[spec.precision]
+        self.margin = margin
         self.register_buffer("mean", torch.tensor(spec.mean, dtype=torch.float32).view(1, 3, 1, 1))
         self.register_buffer("std", torch.tensor(spec.std, dtype=torch.float32).view(1, 3, 1, 1))
 
@@ -22,12 +22,17 @@ class Top1Model(torch.nn.Module):
         # x: [B, S, S, 3] uint8 -> [B, 3, S, S] float32 in [0, 1], as ToTensor + Normalize do
         x = x.permute(0, 3, 1, 2).float().div(255.0)
         x = (x - self.mean) / self.std
-        return self.net(x.to(self.dtype)).float()  # [B, num_classes]
+        return self.net(x).float()  # [B, num_classes]; the policy keeps the head in FP32
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.logits(x).argmax(dim=-1).to(torch.int32)  # [B]
+    def forward(self, x: torch.Tensor):
+        logits = self.logits(x)
+        top1 = logits.argmax(dim=-1).to(torch.int32)                 # [B]
+        if not self.margin:
+            return top1
+        top2 = logits.topk(2, dim=-1).values                          # [B, 2]
+        return top1, top2[:, 0] - top2[:, 1]                          # [B] int32, [B] float32
 
 
-def wrap(net: torch.nn.Module, spec: Spec, device: str) -> Top1Model:
-    """Top1Model in the spec's precision on `device` (norm buffers stay FP32)."""
-    return Top1Model(net.to(DTYPES[spec.precision]), spec).to(device).eval()
+def wrap(net: torch.nn.Module, spec: Spec, device: str, margin: bool = False) -> Top1Model:
+    """Top1Model of `net` (FP32) under the mixed-precision policy of the spec's precision, on `device`."""
+    return Top1Model(apply_policy(net, spec.precision), spec, margin).to(device).eval()

@@ -6,6 +6,7 @@ compiles: a backend that would need to is an error, not a JIT.
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import numpy as np
@@ -13,49 +14,94 @@ import torch
 
 from engine import backends, settings
 from engine.artifact import Artifact
+from engine.guard import Guard
+from engine.spec import Spec
 
 
 class Runtime:
-    """Callable batch classifier. `run` takes exactly `batch_size` images (pad the last batch)."""
+    """Callable batch classifier. `run` takes exactly `batch_size` images (pad the last batch).
 
-    def __init__(self, fn, artifact: Artifact, device: torch.device, cuda_graphs: bool | None = None):
-        self._fn, self.artifact, self.device = fn, artifact, device
+    A guarded artifact (manifest "guard") also loads its FP32 re-check graph; `guard=False`
+    (or ENGINE_GUARD=0) runs the raw low-precision answers.
+    """
+
+    def __init__(self, fn, artifact: Artifact, device: torch.device, cuda_graphs: bool | None = None,
+                 guard: Guard | None = None):
+        self._fn, self.artifact, self.device, self.guard = fn, artifact, device, guard
         self.batch_size = artifact.batch_size
         self.name = artifact.backend
-        self.cuda_graph = False
         shape = (self.batch_size, artifact.spec.input_size, artifact.spec.input_size, 3)
-        self._pinned = torch.empty(shape, dtype=torch.uint8).pin_memory() if device.type == "cuda" else None
+        # two pinned host buffers, each reused only after its last upload finished (its event)
+        self._pinned = [torch.empty(shape, dtype=torch.uint8).pin_memory() for _ in range(2)] \
+            if device.type == "cuda" else []
+        self._uploaded = [None, None]
+        self._turn = 0
         if cuda_graphs is None:
             cuda_graphs = settings.cuda_graphs()
+        self.cuda_graph_status = "off"
         if device.type == "cuda" and cuda_graphs:
-            self._fn, self.cuda_graph = _capture(fn, shape, device)
+            self._fn, self.cuda_graph_status = _capture(fn, shape, device)
+            if guard is not None:
+                rshape = (guard.batch,) + shape[1:]
+                guard.recheck, _ = _capture(guard.recheck, rshape, device)
+
+    @property
+    def cuda_graph(self) -> bool:
+        return self.cuda_graph_status == "captured"
+
+    def _upload(self, x: torch.Tensor) -> torch.Tensor:
+        """Host batch -> device through a pinned buffer whose previous upload has completed."""
+        i = self._turn
+        self._turn ^= 1
+        if self._uploaded[i] is not None:
+            self._uploaded[i].synchronize()  # the copy out of this buffer (two batches ago) is done
+        self._pinned[i].copy_(x)
+        dev = self._pinned[i].to(self.device, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        self._uploaded[i] = ev
+        return dev
 
     @torch.inference_mode()
-    def run_async(self, batch) -> torch.Tensor:
+    def run_async(self, batch, valid: int | None = None) -> torch.Tensor:
         """batch: [B, S, S, 3] uint8 (numpy or torch, any device) -> int32 [B] on the run's device.
 
-        On CUDA nothing synchronises: the host copy goes through a pinned buffer, and the
-        result stays on the GPU until the caller gathers it.
+        On CUDA the host copy goes through a pinned buffer and the result stays on the GPU
+        until the caller gathers it; a guarded artifact reads the margins of each batch
+        (one small sync) to choose the rows it re-checks. Rows at and past `valid` are padding.
         """
         x = torch.as_tensor(batch)
         if x.shape[0] != self.batch_size:
             raise ValueError(f"static batch shape is {self.batch_size}, got {x.shape[0]}: pad the batch")
-        if self._pinned is not None and x.device.type == "cpu":
-            self._pinned.copy_(x)
-            x = self._pinned
-        x = x.to(self.device, non_blocking=True)
+        if self._pinned and x.device.type == "cpu":
+            x = self._upload(x)
+        else:
+            x = x.to(self.device, non_blocking=True)
         out = self._fn(x)
-        if isinstance(out, (list, tuple)):
-            out = out[0]
-        return out.clone() if self.cuda_graph else out  # a graph reuses its output buffer
+        top1 = out[0] if isinstance(out, (list, tuple)) else out
+        if self.cuda_graph:
+            top1 = top1.clone()  # a graph reuses its output buffer
+        if self.guard is not None:
+            top1 = self.guard.apply(x, top1, out[1], valid)
+        return top1
 
-    def run(self, batch) -> np.ndarray:
+    def run(self, batch, valid: int | None = None) -> np.ndarray:
         """Like run_async, gathered to the host: int32 [B]."""
-        return self.run_async(batch).cpu().numpy().astype(np.int32, copy=False)
+        return self.run_async(batch, valid).cpu().numpy().astype(np.int32, copy=False)
+
+    def report(self) -> dict:
+        """What the timing report records of the runtime: graphs and the guard's work."""
+        out = {"cuda_graph": self.cuda_graph_status}
+        if self.guard is not None:
+            out["guard"] = self.guard.stats.report(self.guard.tau, self.guard.batch)
+        elif self.artifact.meta.get("guard"):
+            out["guard"] = "off (ENGINE_GUARD=0): raw low-precision answers"
+        return out
 
 
 def _capture(fn, shape: tuple[int, ...], device: torch.device):
-    """Replay `fn` from a CUDA graph on a static uint8 input; on failure say why and run it plainly."""
+    """(replay, "captured") of `fn` from a CUDA graph on a static uint8 input; on failure say
+    why and return (fn, "failed(<why>)")."""
     try:
         static_in = torch.zeros(shape, dtype=torch.uint8, device=device)  # [B, S, S, 3]
         side = torch.cuda.Stream()
@@ -67,22 +113,29 @@ def _capture(fn, shape: tuple[int, ...], device: torch.device):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph), torch.inference_mode():
             static_out = fn(static_in)
-        if isinstance(static_out, (list, tuple)):
-            static_out = static_out[0]
     except Exception as e:  # noqa: BLE001 - any capture failure falls back to eager launches
-        print(f"[engine] CUDA graph capture failed ({type(e).__name__}: {e}); running without graphs",
-              file=sys.stderr)
-        return fn, False
+        why = f"{type(e).__name__}: {e}".replace("\n", " ")[:200]
+        print(f"[engine] CUDA graph capture failed ({why}); running without graphs", file=sys.stderr)
+        return fn, f"failed({why})"
 
-    def replay(x: torch.Tensor) -> torch.Tensor:
+    def replay(x: torch.Tensor):
         static_in.copy_(x, non_blocking=True)
         graph.replay()
-        return static_out
+        return static_out  # int32 [B], or [top-1, margin]: the graph's own buffers
 
-    return replay, True
+    return replay, "captured"
 
 
-def load_runtime(artifact: Artifact, device: str | None = None, cuda_graphs: bool | None = None) -> Runtime:
+def recheck_view(artifact: Artifact) -> Artifact:
+    """The guard's FP32 re-check graph as an artifact of its own (a folder inside the artifact)."""
+    g = artifact.meta["guard"]
+    spec = Spec.from_dict(g["recheck_spec"])
+    return dataclasses.replace(artifact, root=artifact.root / g["dir"], spec=spec, precision=spec.precision,
+                               batch_size=spec.batch_size, files={}, meta={})
+
+
+def load_runtime(artifact: Artifact, device: str | None = None, cuda_graphs: bool | None = None,
+                 guard: bool | None = None) -> Runtime:
     """The artifact's model, ready to run on its device (its backend from the registry)."""
     dev = torch.device(device or artifact.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -91,4 +144,11 @@ def load_runtime(artifact: Artifact, device: str | None = None, cuda_graphs: boo
         backend = backends.get(artifact.backend)
     except ValueError as e:
         raise RuntimeError(str(e)) from None
-    return Runtime(backend.load(artifact, dev), artifact, dev, cuda_graphs)
+    g = artifact.meta.get("guard")
+    use_guard = bool(g) and (settings.guard() if guard is None else guard)
+    checker = Guard(backend.load(recheck_view(artifact), dev), g["tau"], g["recheck_batch"]) if use_guard else None
+    fn = backend.load(artifact, dev)
+    if g and not use_guard:
+        inner = fn
+        fn = lambda x: inner(x)[0]  # noqa: E731 - raw answers: drop the margin output
+    return Runtime(fn, artifact, dev, cuda_graphs, checker)

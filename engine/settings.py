@@ -10,17 +10,23 @@ them (tests that change the environment in-process call it).
 | ENGINE_ARTIFACT | path | artifacts/default | the artifact directory scripts/run loads |
 | ENGINE_DECODER | decoder name | the artifact's | pil, dali-cpu, dali-gpu, nvjpeg: the off switch for fast decoding |
 | ENGINE_CUDA_GRAPHS | 0/1 | 1 | replay the static batch from a captured CUDA graph |
-| ENGINE_ARTIFACT_VERIFY | sha256/size | sha256 | hash every artifact file at load, or check sizes only |
+| ENGINE_GUARD | 0/1 | 1 | re-check near-ties of a guarded low-precision artifact in FP32 (0: raw answers) |
+| ENGINE_ARTIFACT_VERIFY | quick/size/sha256 | quick | at load: sizes + a sampled SHA-256 of each file, sizes only, or the full SHA-256 (engine.artifact) |
 | ENGINE_PIPELINE_DEPTH | int >= 0 | 2 | decoded batches in flight ahead of inference |
-| ENGINE_READERS | int >= 1 | 8 | file reader threads |
+| ENGINE_READERS | int >= 1 | from ENGINE_THREADS | file reader threads (engine.threads) |
 | ENGINE_FAST_EXIT | 0/1 | 1 | leave without interpreter teardown once the output is synced |
 | ENGINE_T0 | seconds since the epoch | process start | when the timed run began (scripts/run sets it) |
+| ENGINE_THREADS | int >= 1 | usable CPUs, at most 16 | the thread budget: DALI, torch, OpenMP and readers are sized from it (engine.threads) |
+| ENGINE_MAX_FILE_BYTES | int >= 1 | 67108864 (64 MiB) | larger image files are refused unread |
+| ENGINE_DECODER_ISOLATE | 0/1 | 1 | run the DALI CPU decoder in a child process (a native crash costs a batch, not the run) |
 | CLIP_MODEL_DIR | path | (the caller's) | local CLIP folder or state-dict file |
 | CLIP_MODEL_NAME | str | (from the folder) | open_clip architecture of an OpenAI-style state dict |
 | CLIP_DEVICE | cpu/cuda[:N] | cuda if available | where the CLIP towers run |
 | CLIP_PRECISION | fp32/fp16/bf16 | fp16 on CUDA, else fp32 | CLIP autocast precision |
 | CLIP_TEXT_TRIM | 0/1 | 1 | run the text tower on the used positions only (0: all 77, the reference twin) |
 | KERNELS_TOPK | auto/cupy/torch | auto | force the top-k kernel or its torch twin |
+| ENGINE_DEBUG | 0/1 | 0 | show the Python traceback of a user error (as `--debug` does) instead of one line |
+| ENGINE_PROGRESS | auto/bar/lines/off | auto | progress of long steps on stderr: a bar on a terminal, a line every few seconds otherwise |
 """
 from __future__ import annotations
 
@@ -112,15 +118,16 @@ def cuda_graphs() -> bool:
 
 
 def artifact_verify() -> str:
-    return read("ENGINE_ARTIFACT_VERIFY", choice("sha256", "size"), "sha256")
+    return read("ENGINE_ARTIFACT_VERIFY", choice("quick", "size", "sha256"), "quick")
 
 
 def pipeline_depth() -> int:
     return read("ENGINE_PIPELINE_DEPTH", int_at_least(0), 2)
 
 
-def readers() -> int:
-    return read("ENGINE_READERS", int_at_least(1), 8)
+def readers() -> int | None:
+    """The reader thread count given by ENGINE_READERS, or None (engine.threads derives it)."""
+    return read("ENGINE_READERS", int_at_least(1), None)
 
 
 def fast_exit() -> bool:
@@ -157,3 +164,38 @@ def clip_text_trim() -> bool:
 
 def topk_backend() -> str:
     return read("KERNELS_TOPK", choice("auto", "cupy", "torch"), "auto")
+
+
+def guard() -> bool:
+    return read("ENGINE_GUARD", flag, True)
+
+
+def debug() -> bool:
+    return read("ENGINE_DEBUG", flag, False)
+
+
+def progress() -> str:
+    return read("ENGINE_PROGRESS", choice("auto", "bar", "lines", "off"), "auto")
+
+
+MAX_THREADS = 16  # default budget cap: many-core hosts gain little past it, and scored sandboxes bound PIDs
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, as `nproc` counts them)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def threads() -> int:
+    return read("ENGINE_THREADS", int_at_least(1), min(usable_cpus(), MAX_THREADS))
+
+
+def max_file_bytes() -> int:
+    return read("ENGINE_MAX_FILE_BYTES", int_at_least(1), 64 << 20)
+
+
+def decoder_isolate() -> bool:
+    return read("ENGINE_DECODER_ISOLATE", flag, True)

@@ -1,4 +1,8 @@
-"""`eager`: the timm modules themselves, weights converted to the run precision at build time."""
+"""`eager`: the timm modules themselves; the reference form of every precision.
+
+The artifact keeps the FP32 weights; the precision policy (engine.precision) is applied
+when the run loads them, so one file serves the low-precision graph and its FP32 twin.
+"""
 from __future__ import annotations
 
 import torch
@@ -11,10 +15,11 @@ COMPILED: tuple[str, ...] = ()
 NEEDS_WEIGHTS = True
 
 
-def save(net: torch.nn.Module, spec, device: str, out_dir) -> dict:
+def save(net: torch.nn.Module, spec, device: str, out_dir, margin: bool = False) -> dict:
     from safetensors.torch import save_file
 
-    sd = {k: v.contiguous() for k, v in wrap(net, spec, "cpu").net.state_dict().items()}
+    sd = {k: v.detach().float().contiguous() if v.is_floating_point() else v.contiguous()
+          for k, v in net.state_dict().items()}
     save_file(sd, str(out_dir / FILES[0]))
     return {}
 
@@ -28,4 +33,4 @@ def load(artifact, device: torch.device):
     sd = load_file(str(artifact.path(FILES[0])))
     check_state_dict(net, sd, artifact.path(FILES[0]))
     net.load_state_dict(sd)
-    return wrap(net, artifact.spec, str(device))
+    return wrap(net, artifact.spec, str(device), margin=bool(artifact.meta.get("guard")))

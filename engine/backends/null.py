@@ -13,7 +13,7 @@ COMPILED: tuple[str, ...] = ()
 NEEDS_WEIGHTS = False
 
 
-def save(net, spec, device: str, out_dir) -> dict:
+def save(net, spec, device: str, out_dir, margin: bool = False) -> dict:
     return {}
 
 

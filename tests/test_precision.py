@@ -1,0 +1,144 @@
+"""The mixed-precision policy, the margin guard and the choice of tau."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_spec
+from torch import nn
+
+from engine.calibrate import choose_tau, folder_pixels, generated_pixels
+from engine.checkpoint import load_model
+from engine.guard import Guard
+from engine.model import Top1Model, wrap
+from engine.precision import Fp32Linear, Fp32Norm, LowPrecisionLinear, _fold_qkv_bias, apply_policy
+from engine.spec import Spec
+
+
+def test_policy_puts_gemms_low_and_keeps_norms_head_and_patch_embed_fp32(tiny_checkpoint):
+    net = load_model(tiny_spec(), tiny_checkpoint)
+    low = apply_policy(net, "bf16")
+    linears = [m for m in low.modules() if isinstance(m, LowPrecisionLinear)]
+    assert linears and all(m.weight.dtype == torch.bfloat16 for m in linears)
+    assert type(low.head) is Fp32Linear and low.head.weight.dtype == torch.float32
+    assert low.patch_embed.proj.weight.dtype == torch.float32
+    norms = [m for m in low.modules() if isinstance(m, Fp32Norm)]
+    assert norms and all(p.dtype == torch.float32 for m in norms for p in m.parameters())
+    assert not any(isinstance(m, nn.LayerNorm) and not isinstance(p, Fp32Norm)
+                   for p in low.modules() for m in p.children() if not isinstance(p, Fp32Norm))
+    assert next(net.parameters()).dtype == torch.float32      # the policy works on a copy
+
+
+def test_exported_graph_runs_norms_and_head_in_fp32_and_matmuls_in_bf16(tiny_checkpoint):
+    spec = tiny_spec(batch_size=2, precision="bf16")
+    model = wrap(load_model(spec, tiny_checkpoint), spec, "cpu")
+    x = torch.zeros((2, spec.input_size, spec.input_size, 3), dtype=torch.uint8)
+    with torch.inference_mode():
+        ep = torch.export.export(model, (x,), strict=False)
+    dtypes: dict[str, set] = {}
+    for node in ep.graph.nodes:
+        if node.op != "call_function":
+            continue
+        name = str(node.target)
+        if "layer_norm" in name or "linear" in name or "addmm" in name or "mm.default" in name:
+            arg = node.args[0]
+            dtypes.setdefault(name.split(".")[1] if "." in name else name, set()).add(arg.meta["val"].dtype)
+    norm_ops = [k for k in dtypes if "layer_norm" in k]
+    assert norm_ops and all(dtypes[k] == {torch.float32} for k in norm_ops), dtypes
+    mm_dtypes = set().union(*(v for k, v in dtypes.items() if "layer_norm" not in k))
+    assert torch.bfloat16 in mm_dtypes and torch.float32 in mm_dtypes   # the blocks' GEMMs and the head
+    out_node = [n for n in ep.graph.nodes if n.op == "output"][0]
+    assert out_node.args[0][0].meta["val"].dtype == torch.int32
+
+
+def test_folding_the_qkv_biases_is_exact(tiny_checkpoint):
+    net = load_model(tiny_spec(), tiny_checkpoint)
+    folded = apply_policy(net, "fp32")
+    _fold_qkv_bias(folded)
+    assert folded.blocks[0].attn.q_bias is None and folded.blocks[0].attn.qkv.bias is not None
+    x = torch.randn(2, 3, 112, 112)
+    with torch.inference_mode():
+        torch.testing.assert_close(folded(x), net(x), rtol=0, atol=2e-5)
+
+
+class _NearTie(nn.Module):
+    """Two features from nearly equal GEMM rows (low precision under the policy) read out by an
+    FP32 identity head: their FP32 gap is far below the bf16 spacing of each, so rounding
+    decides the order of classes 0 and 1 (class 2 is never top)."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(3 * size * size, generator=g) * 0.05
+        self.body = nn.Linear(3 * size * size, 3, bias=False)
+        self.body.weight.data = torch.stack([w, w + 1e-4 * torch.randn(w.shape, generator=g), -w])
+        self.head = nn.Linear(3, 3)
+        self.head.weight.data = torch.eye(3)
+        self.head.bias.data.zero_()
+
+    def get_classifier(self):
+        return self.head
+
+    def forward(self, x):
+        return self.head(self.body(x.flatten(1)))
+
+
+def test_guard_restores_fp32_answers_on_planted_near_ties():
+    size = 8
+    spec = Spec(model="near-tie", input_size=size, batch_size=32, precision="bf16", num_classes=3)
+    net = _NearTie(size).eval()
+    low = Top1Model(apply_policy(net, "bf16"), spec, margin=True)
+    ref = Top1Model(apply_policy(net, "fp32"), spec)
+    x = torch.from_numpy(np.random.default_rng(1).integers(0, 256, (32, size, size, 3), dtype=np.uint8))
+    with torch.inference_mode():
+        want = ref(x)
+        raw, margin = low(x)
+        flips = int((raw != want).sum())
+        assert flips >= 3, "the planted near-ties must flip in raw bf16"
+        calib = torch.from_numpy(np.random.default_rng(2).integers(0, 256, (64, size, size, 3), dtype=np.uint8))
+        c_low, c_margin = low(calib)
+        chosen = choose_tau(c_low.numpy(), c_margin.numpy(), ref(calib).numpy(), safety=2.0)
+        assert chosen["disagreements"] >= 1 and chosen["tau"] >= 2 * chosen["largest_disagreeing_margin"]
+        guard = Guard(ref, chosen["tau"], batch=4)
+        fixed = guard.apply(x, raw, margin)
+    assert torch.equal(fixed, want)
+    s = guard.stats
+    assert s.images == 32 and s.rechecked >= flips and s.changed == flips and s.calls == -(-s.rechecked // 4)
+    assert guard.apply(x, raw, margin, valid=0) is raw                      # padding rows are never re-checked
+
+
+def test_choose_tau_curve_and_floor():
+    low = np.array([1, 2, 3, 4, 5])
+    ref = np.array([1, 9, 3, 9, 5])
+    margins = np.array([0.5, 0.1, 2.0, 0.3, 0.05], np.float32)
+    c = choose_tau(low, margins, ref, safety=2.0)
+    assert c["largest_disagreeing_margin"] == pytest.approx(0.3) and c["tau"] == pytest.approx(0.6)
+    assert c["disagreements"] == 2 and c["rechecked_fraction"] == pytest.approx(0.8)
+    at_tau = [p for p in c["curve"] if p["threshold"] == pytest.approx(0.6)][0]
+    assert at_tau["disagreements_left"] == 0
+    clean = choose_tau(low, margins, low, safety=2.0, floor=0.02)
+    assert clean["tau"] == pytest.approx(0.04) and clean["disagreements"] == 0
+    with pytest.raises(ValueError):
+        choose_tau(low, margins, ref, safety=0.5)
+
+
+def test_calibration_images_generated_and_from_a_folder(tmp_path):
+    from PIL import Image
+
+    spec = tiny_spec()
+    px, rec = generated_pixels(spec, 20)
+    assert px.shape == (20, 112, 112, 3) and px.dtype == np.uint8 and "procedural" in rec["origin"]
+    assert generated_pixels(spec, 20)[1]["pixels_sha256"] == rec["pixels_sha256"]       # deterministic
+    good = tmp_path / "photos"
+    good.mkdir()
+    for i in range(18):
+        Image.fromarray(px[i]).save(good / f"img{i:03d}.jpg")
+    (good / "notes.txt").write_text("not an image\n")
+    got, rec2 = folder_pixels(good, spec)
+    assert got.shape == (18, 112, 112, 3) and len(rec2["files_sha256"]) == 64
+    bad = tmp_path / "val"
+    bad.mkdir()
+    for i in range(18):
+        Image.fromarray(px[i]).save(bad / f"ILSVRC2012_val_{i + 1:08d}.JPEG")
+    with pytest.raises(ValueError, match="ImageNet validation"):
+        folder_pixels(bad, spec)
