@@ -85,6 +85,9 @@ def make_corpus(out: Path, templates: int = 40, per_template: int = 8, seed: int
                            "positives": [others[int(rng.integers(len(others)))]]})
     (out / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in reqs))
     (out / "labels.jsonl").write_text("".join(json.dumps(r) + "\n" for r in labels))
+    from evaluator.synthetic.cohort import write_generated_marker
+
+    write_generated_marker(out, "evaluator.synthetic.cir_corpus", seed=seed, images=n, requests=len(reqs))
     return {"images": n, "broken": broken, "requests": len(reqs)}
 
 

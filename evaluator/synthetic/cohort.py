@@ -22,6 +22,15 @@ from engine.renders import Template, render, templates
 TINY_MODEL = "eva02_tiny_patch14_224"
 TINY_KWARGS = {"depth": 4}
 TINY_INPUT = 112  # 8 x 8 patches of 14 px: fast on two CPU cores
+GENERATED_MARKER = "GENERATED.json"  # beside every generated cohort / corpus: evidence campaigns detect it
+
+
+def write_generated_marker(out: Path, generator: str, **facts) -> Path:
+    """Mark `out` as the kit's own generated data (never a real cohort) with a small JSON file."""
+    path = out / GENERATED_MARKER
+    path.write_text(json.dumps({"generator": generator, "made_from": "procedural renders; no real images",
+                                **facts}, indent=1) + "\n")
+    return path
 
 
 def encode(px: np.ndarray, rng: np.random.Generator, kind: str) -> tuple[bytes, str]:
@@ -105,6 +114,7 @@ def make_cohort(out: Path, count: int, seed: int = 0, classes: int = 100, broken
     record = {"seed": seed, "template_seed": template_seed, "count": count, "classes": classes,
               "made_from": "procedural renders; no real images", "items": [items[j] for j in order]}
     (out / "cohort.json").write_text(json.dumps(record, indent=1) + "\n")
+    write_generated_marker(out, "evaluator.synthetic.cohort", seed=seed, count=count)
     return record
 
 
