@@ -73,7 +73,9 @@ def make_prepared(root: Path, rows: int = ROWS) -> Path:
     (root / "artifact").mkdir()
     (root / "artifact" / "weights.bin").write_bytes(b"\x00" * 256)
     (root / "artifact" / "manifest.json").write_text(json.dumps({
-        "spec": {"model": "eva02_tiny_test", "precision": "fp32"}, "checkpoint_sha256": "ab" * 32,
+        "spec": {"model": "eva02_tiny_test", "precision": "fp32"},
+        "checkpoint": {"path": str(root / "absent.safetensors"), "sha256": "ab" * 32, "bytes": 10},
+        "build": {"argv": ["/x/engine/build.py", "--model", "eva02_tiny_test", "--out", "artifact"]},
         "backend": "eager", "batch_size": 8, "device": "cpu"}))
     np.random.default_rng(0).integers(0, 1000, rows).astype("<i4").tofile(root / "reference.i32")
     return root
@@ -103,7 +105,7 @@ def max_args(prepared: Path, source: Path, out: Path, runs: int = 5, *extra: str
             "--manifest", str(prepared / "cohort" / "manifest.tsv"),
             "--image-root", str(prepared / "cohort" / "images"),
             "--reference", str(prepared / "reference.i32"), "--artifact", str(prepared / "artifact"),
-            "--source-dir", str(source), *extra]
+            "--dataset-split", "test-split", "--dataset-version", "v1", "--source-dir", str(source), *extra]
 
 
 @pytest.fixture
@@ -144,9 +146,17 @@ def test_passing_campaign_is_promoted_and_verifies(passing, capsys):
     assert doc["promotion"] == {"status": "promoted", "promoted": True, "reasons": []}
     assert doc["result_role"] == "canonical" and doc["quality"]["shown_as_quality"] is True
     assert (doc["mode"], doc["phase"], doc["scenario"]) == ("inference", "full", "offline")
-    assert "Not an official MLPerf result" in doc["notice"]
+    assert doc["notice"].startswith("independent preview; not an official MLPerf result; not endorsed by MLCommons")
     assert set(doc["role_rules"]) >= {"score-bearing", "performance-bearing", "systems-only", "deferred", "rejected"}
     assert doc["model"]["name"] == "eva02_tiny_test" and doc["model"]["checkpoint_sha256"] == "ab" * 32
+    assert doc["model"]["build_command"] == "/x/engine/build.py --model eva02_tiny_test --out artifact"
+    assert doc["model"]["artifact_manifest_sha256"] == provd.sha256_file(out / "inputs" / "artifact_manifest.json")
+    assert doc["dataset"]["split"] == "test-split" and doc["dataset"]["version"] == "v1"
+    assert doc["dataset"]["coverage"] == {"what": "manifest rows answered by the reference (reference.i32)",
+                                          "answered": ROWS, "rows": ROWS, "complete": True}
+    assert set(doc["scheduling"]) >= {"decoder", "pipeline_depth", "reader_threads", "cuda_graphs", "thread_budget"}
+    assert doc["evidence"]["sha256"] == json.loads((out / provd.MANIFEST_NAME).read_text())["evidence_sha256"]
+    assert doc["bundle"]["bundled"] is True and doc["bundle"]["path"] == "inputs/artifact"
     assert doc["device"] == {"requested": "cpu", "executed": "cpu", "backend": "fake"}
     assert doc["source"]["git_sha"] and doc["source"]["dirty"] is False
     assert len(doc["system"]["fingerprint_sha256"]) == 64
@@ -155,7 +165,8 @@ def test_passing_campaign_is_promoted_and_verifies(passing, capsys):
     assert campaign.main(["verify", str(out / provd.MANIFEST_NAME)]) == 0
     listed = {e["path"] for e in json.loads((out / provd.MANIFEST_NAME).read_text())["files"]}
     assert {"disclosure.json", "report.html", "runs/run-05/predictions.i32", "runs/run-05/timing.json",
-            "inputs/artifact_manifest.json", "inputs/reference.i32", "attachments/01-bench.json"} <= listed
+            "inputs/artifact_manifest.json", "inputs/reference.i32", "attachments/01-bench.json",
+            "inputs/artifact/manifest.json", "inputs/artifact/weights.bin"} <= listed
     assert "signature" not in capsys.readouterr().out.lower()
     for path in out.rglob("*"):  # it is a digest, never called a signature
         if path.is_file() and path.suffix in (".json", ".html"):
@@ -190,6 +201,7 @@ def test_statistics_recomputed_by_hand_match(passing):
     assert pm["range"] == pytest.approx(max(walls) - min(walls))
     q = doc["quality"]
     assert q["matches"] == [ROWS] * 5 and q["aggregate"] == 1.0 and q["gate_passed"] is True
+    assert q["thresholds"] == [ROWS] * 5 and q["label"] == "quality result"  # ceil(0.99 * 24) = 24
 
 
 def test_tampered_byte_in_campaign_folder_fails_verify(passing, tmp_path, capsys):
@@ -209,8 +221,10 @@ def test_failed_run_invalidates_attempt(env, tmp_path):
     assert campaign.main(max_args(prepared, source, tmp_path / "out")) == 1
     doc = json.loads((tmp_path / "out" / "disclosure.json").read_text())
     assert doc["attempt"]["valid"] is False and doc["attempt"]["runs_started"] == 3
+    assert doc["attempt"]["reason"].startswith("run 3 failed: exit status 3")
     assert [r["index"] for r in doc["runs"]] == [1, 2]
     assert len(doc["primary_metric"]["values"]) == 2 and max(doc["primary_metric"]["values"]) < 0.9
+    assert "median" not in doc["primary_metric"] and "cv" not in doc["primary_metric"]
     assert doc["failed_runs"][0]["index"] == 3 and "exit status 3" in doc["failed_runs"][0]["reason"]
     assert "wall_s" not in doc["failed_runs"][0]
     assert not (tmp_path / "out" / "runs" / "run-04").exists()  # stopped: never replaced or retried
@@ -224,8 +238,9 @@ def test_wrong_answers_fail_the_gate(env, tmp_path):
     configure(wrong_at=2)
     assert campaign.main(max_args(prepared, source, tmp_path / "out")) == 1
     doc = json.loads((tmp_path / "out" / "disclosure.json").read_text())
-    assert doc["failed_runs"][0]["reason"].startswith("gate failed: agreement 0/24")
+    assert doc["failed_runs"][0]["reason"].startswith("gate failed: agreement 0/24 < threshold 24")
     assert doc["quality"]["gate_passed"] is False and doc["quality"]["values"] == [1.0]
+    assert "aggregate" not in doc["quality"]  # an invalid attempt has none
 
 
 def test_timed_out_run_invalidates_attempt(env, tmp_path):
@@ -260,10 +275,12 @@ def test_min_profile_is_never_promoted_nor_quality(env, tmp_path):
     assert doc["promotion"]["status"] == "not-promotable: min profile"
     assert doc["promotion"]["promoted"] is False
     assert "not-promotable: min profile" in doc["promotion"]["reasons"]
-    assert doc["quality"]["shown_as_quality"] is False
+    assert doc["quality"]["shown_as_quality"] is False and doc["quality"]["label"] == "functional check"
+    assert doc["workload"]["roles"] == ["functional"]
     assert doc["dataset"]["mode"] == "generated" and doc["source"]["dirty"] is False
+    assert doc["dataset"]["gate_rows"].startswith("the rows the kit's reference path answers")
     html = (out / "report.html").read_text()
-    assert "not shown as quality" in html and "quality result" not in html
+    assert "agreement (functional check)" in html and "quality result" not in html
     assert ">promoted<" not in html
 
 

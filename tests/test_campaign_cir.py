@@ -128,7 +128,7 @@ def max_args(fake: dict[str, Path], out: Path, runs: int = 5, *extra: str) -> li
     return ["run", "--workload", "cir-retrieval", "--profile", "max", "--runs", str(runs), "--out", str(out),
             "--index-dir", str(root / "index"), "--queries", str(root / "requests.jsonl"),
             "--labels", str(root / "labels.jsonl"), "--clip-dir", str(root / "clip"),
-            "--source-dir", str(fake["src"]), *extra]
+            "--dataset-split", "fake-val", "--dataset-version", "v1", "--source-dir", str(fake["src"]), *extra]
 
 
 def load(out: Path) -> dict:
@@ -149,16 +149,17 @@ def min_campaign(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_min_campaign_runs_verifies_and_is_systems_only(min_campaign):
+def test_min_campaign_runs_verifies_and_is_functional_only(min_campaign):
     rc, out = min_campaign
     doc = load(out)
     assert rc == 0, doc["failed_runs"]
-    assert doc["workload"]["id"] == "cir-retrieval" and doc["workload"]["roles"] == ["systems-only"]
+    assert doc["workload"]["id"] == "cir-retrieval" and doc["workload"]["roles"] == ["functional"]
     assert doc["result_role"] == "functional" and doc["promotion"]["status"] == "not-promotable: min profile"
     assert doc["attempt"]["valid"] is True and doc["primary_metric"]["n"] == 5
     assert doc["dataset"]["rows"] == 20 and doc["dataset"]["gallery_images"] == 60
     assert doc["dataset"]["split"] == "generated:seed=0,images=60,requests=20"
     assert doc["dataset"]["preparation"]["index_build_s"] > 0
+    assert doc["dataset"]["generated_markers"] and doc["dataset"]["generated_markers"][0].endswith("GENERATED.json")
     assert doc["digests"]["before"] == doc["digests"]["after"]
     assert doc["model"]["layout"] == "open_clip" and len(doc["model"]["model_digest"]) == 64
     assert campaign.main(["verify", str(out / provd.MANIFEST_NAME)]) == 0
@@ -174,15 +175,19 @@ def test_min_quality_is_reported_per_run_never_as_quality(min_campaign):
     doc = load(out)
     q = doc["quality"]
     assert q["metric"] == "raw" and q["shown_as_quality"] is False and q["gate_passed"] is True
+    assert q["label"] == "functional check" and q["reward_rule"]["name"] == "piecewise-linear"
     assert len(q["values"]) == 5 and len(set(q["values"])) == 1  # deterministic on CPU
     assert q["identical_across_runs"] is True and q["note"] is None
     # The campaign's number is the scorer's, on the run's own output and the copied labels.
     labels = load_label_files([out / "inputs" / "labels-01.jsonl"])
     for run in doc["runs"]:
         report = score(load_results(out / run["files"]["results"]), labels)
-        assert (run["raw"], run["reward"]) == (report["raw"], report["reward"])
+        assert (run["quality"]["raw"], run["quality"]["reward"]) == (report["raw"], report["reward"])
+        assert run["quality"]["label"] == "functional check"
+        assert json.loads((out / run["files"]["score"]).read_text())["label"].startswith("functional check")
     html = (out / "report.html").read_text()
-    assert "raw: functional check (not shown as quality)" in html and "quality result" not in html
+    assert "raw (functional check)" in html and "reward (functional check)" in html
+    assert "quality result" not in html
     assert ">promoted<" not in html
 
 
@@ -248,8 +253,10 @@ def test_max_campaign_is_score_and_performance_bearing(fake_inputs, configure, t
     assert set(doc["digests"]["before"]) == {"queries", "labels_01", "index_meta", "index_tree", "clip"}
     assert doc["dataset"]["mode"] == "real" and doc["dataset"]["rows"] == 10
     assert 0 < doc["quality"]["aggregate"] < 1 and doc["quality"]["identical_across_runs"] is True
+    assert doc["dataset"]["coverage"]["complete"] is True and doc["dataset"]["split"] == "fake-val"
+    assert doc["model"]["build_command"].startswith("scripts/build.sh --corpus ")
     html = (out / "report.html").read_text()
-    assert "raw: quality result" in html and ">promoted<" in html
+    assert "raw (quality result)" in html and ">promoted<" in html
     assert campaign.main(["verify", str(out / provd.MANIFEST_NAME)]) == 0
 
 

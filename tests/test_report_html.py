@@ -25,6 +25,14 @@ def timing(total: float) -> dict:
             "decoder": "pil", "precision": "fp32", "batch_size": 8, "device": "cpu"}
 
 
+CONDITIONS = {"power_supplies": [{"name": "AC", "type": "Mains", "online": "1", "status": None}],
+              "power_source": "mains", "power_policy": {"cpufreq_governors": {"performance": 2},
+                                                       "platform_profile": "not measured"},
+              "suspend_count": 3, "thermal_zones": [{"zone": "thermal_zone0", "type": "x86_pkg_temp",
+                                                      "celsius": 41.0}],
+              "throttle_events": 0, "gpu": None, "loadavg": [0.1, 0.2, 0.3], "usable_cores": 2}
+
+
 def facts(profile: str = "max", walls=(3.71, 3.74, 3.69, 3.80, 3.72), fail_last: bool = False) -> disclosure.CampaignFacts:
     runs = [RunRecord(i + 1, True, None, w, 0, False, 64, 64,
                       {"predictions": f"runs/run-{i + 1:02d}/predictions.i32"}, timing(w - 0.05))
@@ -36,13 +44,18 @@ def facts(profile: str = "max", walls=(3.71, 3.74, 3.69, 3.80, 3.72), fail_last:
                "artifact_manifest": "4" * 64, "artifact_tree": "5" * 64}
     return disclosure.CampaignFacts(
         workload=WORKLOADS["eva02-imagenet1k"], profile=PROFILES[profile], runs_requested=5 + fail_last,
-        runs=runs, dataset={"mode": "real", "split": "val", "rows": 64, "files": {}},
+        runs=runs, dataset={"mode": "real", "split": "val", "version": "ILSVRC2012", "rows": 64, "files": {},
+                            "coverage": {"what": "manifest rows answered", "answered": 64, "rows": 64,
+                                         "complete": True}},
         digests_before=digests, digests_after=dict(digests),
         artifact_manifest={"spec": {"model": "eva02_large_patch14_448"}, "device": "cpu", "backend": "eager"},
         fingerprint_before=fp, fingerprint_after=fp, git_before={"sha": "f" * 40, "dirty": False},
         git_after={"sha": "f" * 40, "dirty": False}, runner=["scripts/run"], runner_is_abi=True, timeout_s=1800,
-        load_before=[0.1, 0.2, 0.3], load_after=[0.4, 0.5, 0.6], started_utc="2025-01-01T00:00:00+00:00",
-        finished_utc="2025-01-01T00:01:00+00:00")
+        conditions_before=CONDITIONS, conditions_after=CONDITIONS | {"loadavg": [0.4, 0.5, 0.6]},
+        started_utc="2025-01-01T00:00:00+00:00", finished_utc="2025-01-01T00:01:00+00:00",
+        evidence={"sha256": "e" * 64, "covers": "every listed file except disclosure.json and report.html"},
+        scheduling={"decoder": "pil", "pipeline_depth": 2, "reader_threads": 8, "cuda_graphs": True,
+                    "thread_budget": {"usable_cores": 2, "OMP_NUM_THREADS": "unset"}})
 
 
 def test_render_is_self_contained_and_deterministic():
@@ -53,21 +66,45 @@ def test_render_is_self_contained_and_deterministic():
     assert not re.search(r"(src|href)\s*=\s*[\"']?(https?:)?//", html)  # nothing fetched
     assert "@import" not in html and "url(" not in html
     assert html.count("<svg") == 2 + 5  # run times, stage bars, one timeline per run
-    assert "3.800" in html and "promoted" in html and "Not an official MLPerf result" in html
+    assert "3.800" in html and "promoted" in html
+    assert "independent preview; not an official MLPerf result; not endorsed by MLCommons" in html
+    assert "agreement (quality result)" in html and "median / min / max (s)" in html
 
 
-def test_failed_run_shown_apart_from_the_metric():
+def test_failed_run_shown_apart_from_the_metric_and_no_aggregate():
     doc = disclosure.build(facts(fail_last=True))
     assert 99.0 not in doc["primary_metric"]["values"]
+    assert doc["attempt"]["valid"] is False
     html = report_html.render(doc)
     assert "exit status 3: boom" in html and "99.000" not in html
+    # an invalid attempt: the raw values, labelled, and no statistic of them anywhere
+    assert "raw values of the runs that completed (invalid attempt)" in html and "3.800" in html
+    for statistic in ("median / min / max", "range / sample stdev", "CV (stdev / mean)", "median 3.",
+                      "agreement aggregate"):
+        assert statistic not in html, statistic
+    assert "Invalid attempt</b>: run 6 failed: exit status 3: boom" in html
+    for key in ("median", "mean", "min", "max", "range", "stdev", "cv"):
+        assert key not in doc["primary_metric"], key
+    assert "aggregate" not in doc["quality"] and doc["primary_metric"]["status"].startswith("invalid attempt")
 
 
-def test_min_profile_html_never_says_promoted_or_quality():
+def test_min_profile_html_labels_every_quality_figure_a_functional_check():
     doc = disclosure.build(facts("min"))
     html = report_html.render(doc)
     assert doc["promotion"]["status"] == "not-promotable: min profile"
-    assert "functional check (not shown as quality)" in html and "quality result" not in html
+    assert doc["workload"]["roles"] == ["functional"] and doc["quality"]["label"] == "functional check"
+    assert all(r["quality"]["label"] == "functional check" for r in doc["runs"])
+    assert "agreement (functional check)" in html and "agreement aggregate (functional check)" in html
+    assert "quality result" not in html and ">promoted<" not in html
+
+
+def test_evidence_digest_conditions_and_scheduling_are_shown():
+    html = report_html.render(disclosure.build(facts()))
+    assert "e" * 64 in html and "evidence sha256" in html
+    assert "power source (measured)" in html and ">mains<" in html and "not stated (set --power)" in html
+    assert "quiet (1-minute load 0.1 on 2 cores" in html
+    assert "scheduling reader_threads" in html and "scheduling cuda_graphs" in html
+    assert "scheduling thread_budget" in html
 
 
 def test_stage_parts_adds_other_when_total_exceeds_stages():

@@ -126,7 +126,7 @@ def test_recall_cases():
     (B, 0.2),                                    # b -> a / 100
     (0.3, 0.2 + 0.8 * (0.3 - B) / (1 - B)),      # just above b: the upper line
     (1.0, 1.0),                                  # 1 -> 1
-    (0.42, 0.2 + 0.8 * (0.42 - B) / (1 - B)),    # the rule's 0.366 (a logistic gave 0.954)
+    (0.42, 0.2 + 0.8 * (0.42 - B) / (1 - B)),    # 0.366
     (0.1, 0.2 * 0.1 / B),                        # below b: the lower line
 ])
 def test_reward_is_the_piecewise_linear_map(q, expected):

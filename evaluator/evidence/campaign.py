@@ -7,27 +7,44 @@
     python -m evaluator.campaign render DIR/disclosure.json
 
 `run` writes DIR/disclosure.json (authoritative), DIR/report.html (rendered from it),
-copies of every input it can name, each run's outputs, and DIR/campaign.provd.json.
+copies of every input it can name, the artifact's (or index's) files or their digests,
+each run's outputs, and DIR/campaign.provd.json. An attempt stopped by SIGINT or SIGTERM,
+or by a crash of the campaign itself, still writes all of them, marked invalid, with the
+reason and the runs completed so far.
 Exit status of `run`: 0 when the attempt is valid (every run passed its gate), 1 when
-it was invalidated (or not promoted under --require-promotion), 2 on a usage error.
+it was invalidated or crashed (or not promoted under --require-promotion), 2 on a usage
+error, 128 + the signal number when a signal stopped it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
-import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import traceback
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.io import sha256_file
-from evaluator.evidence import disclosure, fingerprint, provd, report_html
-from evaluator.evidence.runs import PROFILES, REPO_ROOT, RunArgs, UsageError, default_runner
+from evaluator.evidence import conditions, disclosure, fingerprint, provd, report_html
+from evaluator.evidence.runs import (
+    PROFILES,
+    REPO_ROOT,
+    Interrupted,
+    Prepared,
+    RunArgs,
+    RunRecord,
+    UsageError,
+    default_runner,
+)
 from evaluator.evidence.workloads import MODULES, WORKLOADS, cir
 
 
@@ -62,8 +79,22 @@ def summarise_benchmark(path: Path) -> dict:
     }
 
 
-def _loadavg() -> list[float] | None:
-    return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+def scheduling_environment() -> dict:
+    """Scheduling settings the runs inherit from this environment (read through engine.settings),
+    and the thread budget: the CPUs this process may use and the OpenMP thread count."""
+    from engine import settings
+
+    out = {}
+    for name, read in (("decoder", settings.decoder), ("pipeline_depth", settings.pipeline_depth),
+                       ("reader_threads", settings.readers), ("cuda_graphs", settings.cuda_graphs)):
+        try:
+            out[name] = read()
+        except ValueError as exc:  # engine.settings.SettingsError: the runs refuse it too
+            out[name] = f"invalid: {exc}"
+    out["decoder"] = out["decoder"] or "the artifact's default"
+    out["thread_budget"] = {"usable_cores": conditions.usable_cores(),
+                            "OMP_NUM_THREADS": fingerprint.perf_env().get("OMP_NUM_THREADS", "unset")}
+    return out
 
 
 def _now() -> str:
@@ -90,6 +121,8 @@ def check_args(a: RunArgs) -> None:
         raise UsageError(f"{', '.join(foreign)}: not an input of workload {a.workload}")
     if a.runs < 1:
         raise UsageError("--runs must be >= 1")
+    if a.bundle_limit_mb < 0:
+        raise UsageError("--bundle-limit-mb must be >= 0")
     if a.out.exists() and any(a.out.iterdir()):
         raise UsageError(f"--out {a.out}: not empty (an evidence folder is written once)")
     if a.runner is None and not (a.source_dir / workload.entry).is_file():
@@ -101,7 +134,7 @@ def check_args(a: RunArgs) -> None:
 def copy_evidence(copies: dict[str, tuple[Path, str]], attach: tuple[Path, ...],
                   out: Path) -> tuple[dict, list[dict], dict]:
     """Copy the inputs and attachments into OUT; return (input files, attachment records, provd roles)."""
-    (out / "inputs").mkdir()
+    (out / "inputs").mkdir(exist_ok=True)
     files, roles = {}, {}
     for name, (src, rel) in copies.items():
         if src.is_file():
@@ -118,72 +151,191 @@ def copy_evidence(copies: dict[str, tuple[Path, str]], attach: tuple[Path, ...],
     return files, records, roles
 
 
-def run_campaign(a: RunArgs) -> dict:
-    """Run the campaign, write OUT, and return the disclosure dict."""
-    check_args(a)
-    workload = WORKLOADS[a.workload]
-    a.source_dir = a.source_dir.resolve()
-    out = a.out.resolve()
-    abi = default_runner(a.source_dir, workload.entry)
-    runner = shlex.split(a.runner) if a.runner else abi
-    with tempfile.TemporaryDirectory(prefix="campaign-") as tmp:
-        prep = MODULES[a.workload].prepare(a, Path(tmp))
-        inputs, dataset, judge, artifact_manifest = prep.inputs, prep.dataset, prep.judge, prep.artifact_manifest
-        digests, copies, run = prep.digests, prep.copies, prep.run
-        out.mkdir(parents=True, exist_ok=True)  # only once the inputs exist
-        started, git_before, load_before = _now(), git_state(a.source_dir, out), _loadavg()
-        fp_before, digests_before = fingerprint.collect(), digests(inputs)
-        runs = []
-        for i in range(1, a.runs + 1):
-            record = run(i, runner, inputs, judge, out, a.source_dir, a.timeout_s)
-            runs.append(record)
-            judged = f"raw {record.quality['raw']:.4f}" if record.quality else f"{record.matches}/{record.total}"
-            status = f"{record.wall_s:.3f} s, {judged}" if record.ok else record.reason
-            print(f"campaign: run {i}/{a.runs}: {'ok' if record.ok else 'FAILED'} ({status})", file=sys.stderr)
-            if not record.ok:
-                break  # one failed process invalidates the attempt; runs are never retried
-        digests_after, fp_after = digests(inputs), fingerprint.collect()
-        git_after, load_after = git_state(a.source_dir, out), _loadavg()
-        files, attachments, roles = copy_evidence(copies, a.attach, out)
+@dataclass
+class Attempt:
+    """What one attempt has observed so far: filled in as it goes, recorded however it ends."""
+
+    args: RunArgs
+    out: Path
+    runner: list[str]
+    runner_is_abi: bool
+    prep: Prepared | None = None  # once the inputs are ready
+    runs: list[RunRecord] = field(default_factory=list)
+    started: str = ""
+    git_before: dict = field(default_factory=dict)
+    fp_before: dict | None = None
+    digests_before: dict = field(default_factory=dict)
+    conditions_before: dict = field(default_factory=dict)
+    scheduling: dict = field(default_factory=dict)
+    interrupted: str | None = None  # why it stopped early
+    signal: int | None = None  # the signal that stopped it, if one did
+
+
+@contextlib.contextmanager
+def _signals(handler):
+    """SIGINT and SIGTERM handled by `handler` (a function or SIG_IGN) inside the block (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+
+
+def _raise_interrupted(signum, frame):
+    raise Interrupted(signum)  # a BaseException: unwinds the run (its process group is killed) to the record
+
+
+def _stop_reason(exc: BaseException) -> tuple[str, int | None]:
+    """(why the attempt stopped, the signal number or None) for what stopped it."""
+    if isinstance(exc, Interrupted):
+        return f"stopped by {signal.Signals(exc.args[0]).name}", int(exc.args[0])
+    if isinstance(exc, KeyboardInterrupt):
+        return "stopped by SIGINT (Ctrl-C)", int(signal.SIGINT)
+    where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+    at = f" (at {Path(where.filename).name}:{where.lineno})" if where else ""
+    return f"the campaign crashed: {type(exc).__name__}: {exc}{at}", None
+
+
+def _run_attempt(att: Attempt, tmp: Path) -> None:
+    """Prepare the inputs and run the processes, filling att as it goes (raises when stopped)."""
+    a = att.args
+    att.prep = MODULES[a.workload].prepare(a, tmp)
+    att.out.mkdir(parents=True, exist_ok=True)  # only once the inputs exist
+    att.started, att.git_before = _now(), git_state(a.source_dir, att.out)
+    att.conditions_before, att.scheduling = conditions.snapshot(), scheduling_environment()
+    att.fp_before, att.digests_before = fingerprint.collect(), att.prep.digests(att.prep.inputs)
+    for i in range(1, a.runs + 1):
+        record = att.prep.run(i, att.runner, att.prep.inputs, att.prep.judge, att.out, a.source_dir, a.timeout_s)
+        att.runs.append(record)
+        judged = (f"raw {record.quality['raw']:.4f}" if record.quality else
+                  f"{record.matches}/{record.total}" if record.total is not None else "not judged")
+        status = f"{record.wall_s:.3f} s, {judged}" if record.ok else record.reason
+        print(f"campaign: run {i}/{a.runs}: {'ok' if record.ok else 'FAILED'} ({status})", file=sys.stderr)
+        if not record.ok:
+            break  # one failed process invalidates the attempt; runs are never retried
+
+
+def _bundle(att: Attempt) -> tuple[dict | None, list[dict], dict]:
+    """Bundle the artifact / index into OUT, or list its digests: (record, external entries, provd roles)."""
+    if att.prep is None or att.prep.bundle is None or not att.prep.bundle[0].is_dir():
+        return None, [], {}
+    src, rel, rebuild = att.prep.bundle
+    record = provd.bundle(src, att.out, rel, att.args.bundle_limit_mb * 2**20, rebuild)
+    external = record.pop("external")
+    roles = {f"{rel}/{p}": "bundled" for p in provd.list_files(att.out / rel)} if record["bundled"] else {}
+    return record, external, roles
+
+
+def _record(att: Attempt) -> dict:
+    """Take the after-state, copy the evidence, and write disclosure, report and manifest."""
+    a, prep, out = att.args, att.prep, att.out
+    out.mkdir(parents=True, exist_ok=True)
+    digests_after = {}
+    if prep is not None:
+        try:
+            digests_after = prep.digests(prep.inputs)
+        except (OSError, ValueError) as exc:  # a stopped attempt may have lost its inputs
+            print(f"campaign: digests after the runs not taken: {exc}", file=sys.stderr)
+    fp_after = None if att.interrupted else fingerprint.collect()
+    git_after, conditions_after = git_state(a.source_dir, out), conditions.snapshot()
+    files, attachments, roles = copy_evidence(prep.copies if prep else {}, a.attach, out)
+    bundle, external, bundled_roles = _bundle(att)
+    roles |= bundled_roles
+    for r in att.runs:
+        roles |= {rel: role for role, rel in r.files.items()}
     facts = disclosure.CampaignFacts(
-        workload=workload, profile=PROFILES[a.profile], runs_requested=a.runs, runs=runs,
-        dataset=dataset | {"files": files}, digests_before=digests_before, digests_after=digests_after,
-        artifact_manifest=artifact_manifest, fingerprint_before=fp_before, fingerprint_after=fp_after,
-        git_before=git_before, git_after=git_after, runner=runner, runner_is_abi=runner == abi,
-        timeout_s=a.timeout_s, load_before=load_before, load_after=load_after, started_utc=started,
-        finished_utc=_now(), config_note=a.config_note, attachments=attachments,
+        workload=WORKLOADS[a.workload], profile=PROFILES[a.profile], runs_requested=a.runs, runs=att.runs,
+        dataset=(prep.dataset if prep else {}) | {"files": files}, digests_before=att.digests_before,
+        digests_after=digests_after, artifact_manifest=prep.artifact_manifest if prep else {},
+        fingerprint_before=att.fp_before, fingerprint_after=fp_after, git_before=att.git_before or git_after,
+        git_after=git_after, runner=att.runner, runner_is_abi=att.runner_is_abi, timeout_s=a.timeout_s,
+        conditions_before=att.conditions_before or conditions_after, conditions_after=conditions_after,
+        started_utc=att.started or _now(), finished_utc=_now(), config_note=a.config_note,
+        attachments=attachments, interrupted=att.interrupted, scheduling=att.scheduling or scheduling_environment(),
+        operator_power=a.power, evidence={"sha256": provd.evidence_digest(out), "covers": provd.EVIDENCE_COVERS},
+        bundle=bundle,
     )
     doc = disclosure.build(facts)
     disclosure.write(doc, out / "disclosure.json")
     (out / "report.html").write_text(report_html.render(doc))
-    for r in runs:
-        roles |= {rel: role for role, rel in r.files.items()}
     roles |= {"disclosure.json": "disclosure", "report.html": "report"}
-    provd.write_manifest(out, git_before, roles)
+    provd.write_manifest(out, att.git_before or git_after, roles, external=external)
     return doc
 
 
+def run_campaign(a: RunArgs) -> tuple[dict, int | None]:
+    """Run the campaign, write OUT; return (the disclosure dict, the signal that stopped it or None).
+
+    A usage error raises UsageError before anything is written; any other stop (SIGINT,
+    SIGTERM, a crash of the campaign) is recorded as an invalid attempt."""
+    check_args(a)
+    workload = WORKLOADS[a.workload]
+    a.source_dir = a.source_dir.resolve()
+    abi = default_runner(a.source_dir, workload.entry)
+    runner = shlex.split(a.runner) if a.runner else abi
+    att = Attempt(a, a.out.resolve(), runner, runner == abi)
+    with tempfile.TemporaryDirectory(prefix="campaign-") as tmp:
+        try:
+            with _signals(_raise_interrupted):
+                _run_attempt(att, Path(tmp))
+        except UsageError:
+            raise
+        except BaseException as exc:  # noqa: B036 - a signal or a crash: the attempt is recorded, then reported
+            att.interrupted, att.signal = _stop_reason(exc)
+            print(f"campaign: attempt stopped: {att.interrupted}; recording it as invalid", file=sys.stderr)
+        with _signals(signal.SIG_IGN):  # the record is written whole
+            doc = _record(att)
+    return doc, att.signal
+
+
+def summary_line(doc: dict) -> str:
+    """The CLI's result line: the median of a valid attempt; only the raw values of an invalid one."""
+    promo, pm, att = doc["promotion"], doc["primary_metric"], doc["attempt"]
+    head = f"campaign: {doc['workload']['id']} {doc['profile']}: {promo['status']}; "
+    if att["valid"]:
+        return head + f"median {pm['median']} s over {pm['n']} valid runs"
+    values = ", ".join(f"{v:.3f}" for v in pm["values"]) or "none"
+    return head + f"attempt INVALID ({att['reason']}): no aggregate; wall s of the runs that completed: {values}"
+
+
 def cmd_run(a: RunArgs) -> int:
-    doc = run_campaign(a)
+    doc, signum = run_campaign(a)
     promo = doc["promotion"]
-    print(f"campaign: {doc['workload']['id']} {doc['profile']}: {promo['status']}; "
-          f"median {doc['primary_metric']['median']} s over {doc['primary_metric']['n']} valid runs")
+    print(summary_line(doc))
     for reason in promo["reasons"]:
         print(f"  - {reason}")
-    print(f"campaign: wrote {a.out / 'disclosure.json'}, report.html, {provd.MANIFEST_NAME}")
+    print(f"campaign: wrote {a.out / 'disclosure.json'}, report.html, {provd.MANIFEST_NAME} "
+          f"(evidence sha256 {doc['evidence']['sha256']})")
+    if signum is not None:
+        return 128 + signum
     if not doc["attempt"]["valid"]:
         return 1
     return 1 if a.require_promotion and not promo["promoted"] else 0
 
 
-def cmd_verify(path: Path) -> int:
-    result = provd.verify(path)
+def cmd_verify(path: Path, external: Path | None = None) -> int:
+    try:
+        result = provd.verify(path, external)
+    except (OSError, ValueError) as exc:
+        print(f"verify: error: {path}: {exc}", file=sys.stderr)
+        return 2
     for problem in result.problems:
         print(f"verify: {problem}", file=sys.stderr)
     if not result.ok:
         print(f"verify: FAILED: {len(result.problems)} problem(s) in {path.parent}", file=sys.stderr)
         return 1
-    print(f"verify: OK: {result.checked} files match their SHA-256 digests ({provd.INTEGRITY})")
+    extra = ""
+    if result.external_checked:
+        extra += f"; {result.external_checked} external files match under {external}"
+    if result.external_unchecked:
+        extra += (f"; {result.external_unchecked} external files listed by digest only (not bundled: "
+                  "re-check them with --external DIR)")
+    print(f"verify: OK: {result.checked} files match their SHA-256 digests ({provd.INTEGRITY}); "
+          f"evidence sha256 {result.evidence_sha256}{extra}")
     return 0
 
 
@@ -230,7 +382,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cir max/pro: labels (JSONL or CIRCO/CIRR annotation JSON; repeatable)")
     r.add_argument("--clip-dir", type=Path, help="cir max/pro: the CLIP the index was built with (CLIP_MODEL_DIR)")
     r.add_argument("--config-note", help="pro: the research configuration, declared")
-    r.add_argument("--split", help="max/pro: dataset split label (eva02 default imagenet-1k-val)")
+    r.add_argument("--dataset-split", "--split", dest="dataset_split",
+                   help="max/pro (required): the dataset split the inputs are, as you declare it")
+    r.add_argument("--dataset-version", help="max/pro (required): the dataset version / release, declared")
+    r.add_argument("--power", help="power source and policy, stated by the operator (recorded beside what Linux "
+                                   "exposes; the only power record where it exposes nothing)")
+    r.add_argument("--bundle-limit-mb", type=float, default=256.0,
+                   help="bundle the artifact's (index's) files up to this size; above it, keep their digests "
+                        "and the command that rebuilds them")
     r.add_argument("--count", type=int, default=64,
                    help=f"min: generated images (cir: gallery, rounded up to groups of {cir.PER_TEMPLATE})")
     r.add_argument("--requests", type=int, default=60, help="cir min: generated requests")
@@ -243,6 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--require-promotion", action="store_true", help="exit 1 unless promoted")
     v = sub.add_parser("verify", help="check every file of an evidence folder against its .provd.json")
     v.add_argument("manifest", type=Path)
+    v.add_argument("--external", type=Path, help="a copy of the unbundled artifact / index: re-check its digests")
     k = sub.add_parser("package", help="verify, then pack an evidence folder as tar.gz")
     k.add_argument("folder", type=Path)
     k.add_argument("--out", type=Path, required=True)
@@ -256,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     try:
         if ns.command == "verify":
-            return cmd_verify(ns.manifest)
+            return cmd_verify(ns.manifest, ns.external)
         if ns.command == "package":
             return cmd_package(ns.folder, ns.out)
         if ns.command == "render":

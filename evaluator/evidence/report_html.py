@@ -181,20 +181,26 @@ def timeline_svg(run: dict) -> str:
 
 
 def quality_rows(q: dict) -> list[tuple[str, object]]:
-    """Result-table rows of the quality block: agreement (eva02) or raw retrieval quality (cir)."""
-    label = "quality result" if q["shown_as_quality"] else "functional check (not shown as quality)"
+    """Result-table rows of the quality block: agreement (eva02) or raw retrieval quality (cir), every
+    figure carrying the block's label (functional check / quality result / not a result)."""
+    label = q.get("label") or ("quality result" if q["shown_as_quality"] else "not shown as quality")
     passed = "passed" if q["gate_passed"] else "failed"
+    aggregate = _fmt(q.get("aggregate"))
     if q["metric"] == "agreement":
-        return [(f"agreement: {label}", q["values"]),
-                ("agreement aggregate / gate", f"{_fmt(q['aggregate'])} / {q['gate']:.0%} ({passed})")]
-    return [(f"{q['metric']}: {label}", q["values"]), ("reward", q.get("rewards")),
-            (f"{q['metric']} median / identical across runs",
-             f"{_fmt(q['aggregate'])} / {_fmt(q.get('identical_across_runs'))}"),
-            ("quality note", q.get("note") or q.get("raw_note")), ("gate", f"{passed}: {q['gate']}")]
+        gate = ((f"agreement aggregate ({label}) / gate", f"{aggregate} / {q['gate']:.0%} ({passed})")
+                if "aggregate" in q else ("gate", f"{q['gate']:.0%} of the rows: {passed}; invalid attempt, "
+                                                  "no aggregate"))
+        return [(f"agreement ({label})", q["values"]), gate, ("gate counts", q.get("gate_rows"))]
+    rows = [(f"{q['metric']} ({label})", q["values"]), (f"reward ({label})", q.get("rewards")),
+            ("reward map", q.get("reward_mapping"))]
+    if "aggregate" in q:
+        rows.append((f"{q['metric']} median ({label}) / identical across runs",
+                     f"{aggregate} / {_fmt(q.get('identical_across_runs'))}"))
+    return rows + [("quality note", q.get("note") or q.get("raw_note")), ("gate", f"{passed}: {q['gate']}")]
 
 
 def runs_grid(doc: dict) -> str:
-    """One table row per valid run: outside wall, the process's own total, throughput, quality."""
+    """One table row per valid run: outside wall, the process's own total, throughput, quality (labelled)."""
     def total(r: dict):
         t = (r["timing_report"].get("stages") or {}).get("total")
         return t if isinstance(t, (int, float)) else None
@@ -203,20 +209,58 @@ def runs_grid(doc: dict) -> str:
     walls = [[r["index"], r["wall_s"], total(r), r["wall_s"] - total(r) if total(r) is not None else None]
              for r in doc["runs"]]
     head = ["run", "wall s (outside)", "process total s", "outside - total s"]
+    label = doc["quality"].get("label", "")
     if doc["quality"]["metric"] == "agreement":
-        return _grid(head + ["images/s", "matches", "rows", "agreement", "device", "backend"],
-                     [w + [r["timing_report"].get("images_per_s"), r["matches"], r["total"], r["agreement"],
-                           r["timing_report"].get("device"), r["timing_report"].get("backend")]
+        return _grid(head + ["images/s", "matches", "rows", f"agreement ({label})", "device", "backend"],
+                     [w + [r["timing_report"].get("images_per_s"), r["quality"]["matches"], r["quality"]["rows"],
+                           r["quality"]["agreement"], r["timing_report"].get("device"),
+                           r["timing_report"].get("backend")]
                       for w, r in zip(walls, doc["runs"])])
-    return _grid(head + ["queries/s", "rows", doc["quality"]["metric"], "reward", "device", "precision"],
-                 [w + [r["timing_report"].get("queries_per_s"), r["rows"], r["raw"], r["reward"],
-                       r["timing_report"].get("device"), r["timing_report"].get("precision")]
+    metric = doc["quality"]["metric"]
+    return _grid(head + ["queries/s", "rows", f"{metric} ({label})", f"reward ({label})", "device", "precision"],
+                 [w + [r["timing_report"].get("queries_per_s"), r["quality"]["rows"], r["quality"]["raw"],
+                       r["quality"]["reward"], r["timing_report"].get("device"), r["timing_report"].get("precision")]
                   for w, r in zip(walls, doc["runs"])])
+
+
+def timing_rows(doc: dict) -> list[tuple[str, object]]:
+    """The wall-time rows: the statistics of a valid attempt; an invalid one shows its raw values only."""
+    pm, att = doc["primary_metric"], doc["attempt"]
+    if not att["valid"]:
+        return [("attempt valid", f"no: {att.get('reason')}"),
+                ("runs (completed / requested)", f"{pm['n']} / {att['runs_requested']}"),
+                ("wall seconds: raw values of the runs that completed (invalid attempt)", pm["values"]),
+                ("aggregate", "none: an invalid attempt has no aggregate")]
+    return [("attempt valid", True),
+            ("runs (valid / requested)", f"{pm['n']} / {att['runs_requested']}"),
+            ("wall seconds (valid runs)", pm["values"]),
+            ("median / min / max (s)", f"{_fmt(pm['median'])} / {_fmt(pm['min'])} / {_fmt(pm['max'])}"),
+            ("range / sample stdev (s)", f"{_fmt(pm['range'])} / {_fmt(pm['stdev'])}"),
+            ("CV (stdev / mean)", pm["cv"])]
+
+
+def _json_cell(v) -> object:
+    return json.dumps(v, sort_keys=True) if isinstance(v, (dict, list)) else v
+
+
+def conditions_rows(c: dict) -> list[tuple[str, object]]:
+    """Power, sleep, thermal and background load, as measured (or 'not measured')."""
+    power, thermal = c["power"], c["thermal"]
+    return [("power source (measured)", power["source"]), ("power policy (measured)", _json_cell(power["policy"])),
+            ("power (operator, --power)", power["operator"]), ("sleep", c["sleep"]),
+            ("CPU thermal throttling", thermal["cpu_throttling"]),
+            ("thermal zones before / after", f"{_json_cell(thermal['zones_before'])} / "
+                                             f"{_json_cell(thermal['zones_after'])}"),
+            ("GPU before / after", f"{_json_cell(thermal['gpu_before'])} / {_json_cell(thermal['gpu_after'])}"),
+            ("background load", c["background_load"].get("judgement")),
+            ("load average before / after", f"{_fmt(c['background_load'].get('loadavg_before'), 3)} / "
+                                            f"{_fmt(c['background_load'].get('loadavg_after'), 3)}")]
 
 
 def render(doc: dict) -> str:
     """The full HTML page of a disclosure dict."""
     promo, pm = doc["promotion"], doc["primary_metric"]
+    valid = doc["attempt"]["valid"]
     badge = "promoted" if promo["promoted"] else promo["status"].split(":")[0]
     reasons = "".join(f"<li>{escape(r)}</li>" for r in promo["reasons"]) or "<li>none</li>"
     runs = doc["runs"]
@@ -228,6 +272,14 @@ def render(doc: dict) -> str:
         for a in doc["attachments"])
     fp = json.dumps(doc["system"]["fingerprint"], indent=2, sort_keys=True)
     rules = _grid(["role", "rule"], [[k, v] for k, v in doc["role_rules"].items()])
+    invalid = ('<p class="notice"><b>Invalid attempt</b>: ' + escape(str(doc["attempt"].get("reason"))) +
+               ". No aggregate is shown: only the raw values of the runs that completed, labelled.</p>"
+               if not valid else "")
+    bundle = doc.get("bundle") or {}
+    bundle_rows = ([("bundled files", f"{bundle['files']} files, {bundle['bytes']} bytes in {bundle['path']}"
+                     if bundle["bundled"] else f"not bundled ({bundle['files']} files, {bundle['bytes']} bytes): "
+                                               f"digests in {'campaign.provd.json'}, rebuild with: {bundle['rebuild']}")]
+                   if bundle else [("bundled files", "none")])
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>Campaign {escape(doc['workload']['id'])} ({escape(doc['profile'])})</title>
 <style>{CSS}</style></head><body>
@@ -235,21 +287,17 @@ def render(doc: dict) -> str:
 <p><span class="badge {escape(badge)}">{escape(promo['status'])}</span>
 &nbsp;result role: <b>{escape(doc['result_role'])}</b> <span class="muted">({escape(doc['result_role_rule'])})</span></p>
 <p class="notice">{escape(doc['notice'])}</p>
+{invalid}
 <h2>Promotion</h2><p>Reasons promotion failed:</p><ul>{reasons}</ul>
 <h2>Result</h2>
 {_table([
     ("workload / roles", f"{doc['workload']['id']} / {', '.join(doc['workload']['roles'])}"),
     ("mode / phase / scenario", f"{doc['mode']} / {doc['phase']} / {doc['scenario']}"),
     ("config note", doc.get("config_note")),
-    ("attempt valid", doc["attempt"]["valid"]),
-    ("runs (valid / requested)", f"{pm['n']} / {doc['attempt']['runs_requested']}"),
-    ("wall seconds (valid runs)", pm["values"]),
-    ("median / min / max (s)", f"{_fmt(pm['median'])} / {_fmt(pm['min'])} / {_fmt(pm['max'])}"),
-    ("range / sample stdev (s)", f"{_fmt(pm['range'])} / {_fmt(pm['stdev'])}"),
-    ("CV (stdev / mean)", pm["cv"]),
+    *timing_rows(doc),
     *quality_rows(doc["quality"]),
 ])}
-<h2>Wall seconds per run</h2>{runs_svg(runs, pm['median'])}
+<h2>Wall seconds per run{'' if valid else ' (invalid attempt: raw values)'}</h2>{runs_svg(runs, pm.get('median'))}
 <h2>Stage breakdown (process's own timing report)</h2>{stages_svg(runs)}
 {('<h2>Timeline: decode vs inference (seconds since process start)</h2>' + timelines) if timelines else ''}
 <h2>Runs</h2>{runs_grid(doc)}
@@ -257,21 +305,25 @@ def render(doc: dict) -> str:
 {_grid(["run", "reason", "exit", "timed out"], [[f["index"], f["reason"], f["exit_code"], f["timed_out"]]
                                                for f in failed]) if failed else '<p>none</p>'}
 <h2>Dataset and model</h2>
-{_table([("dataset mode / split", f"{doc['dataset']['mode']} / {doc['dataset']['split']}"),
-         ("rows", doc["dataset"]["rows"])]
-        + [(f"dataset {k}", json.dumps(v) if isinstance(v, dict) else v) for k, v in doc["dataset"].items()
-           if k in ("gallery_images", "clip", "preparation")]
+{_table([("dataset mode / split / version",
+          f"{doc['dataset'].get('mode')} / {doc['dataset'].get('split')} / {doc['dataset'].get('version')}"),
+         ("dataset mode basis", doc["dataset"].get("mode_basis")),
+         ("rows", doc["dataset"].get("rows"))]
+        + [(f"dataset {k}", _json_cell(v)) for k, v in doc["dataset"].items()
+           if k in ("gallery_images", "clip", "preparation", "coverage", "generated_markers", "generated_model")]
         + [(f"sha256 {k}", v) for k, v in doc["digests"]["before"].items()]
         + [(f"model {k}", v) for k, v in doc["model"].items()]
         + [(f"device {k}", v) for k, v in doc["device"].items()]
-        + [(f"configuration {k}", v) for k, v in doc["configuration"].items()])}
+        + [(f"configuration {k}", v) for k, v in doc["configuration"].items()]
+        + [(f"scheduling {k}", _json_cell(v)) for k, v in doc["scheduling"].items()])}
+<h2>Evidence</h2>
+{_table([("evidence sha256", doc["evidence"].get("sha256")), ("it covers", doc["evidence"].get("covers")),
+         *bundle_rows])}
+<h2>Conditions</h2>{_table(conditions_rows(doc["conditions"]))}
 <h2>System and source</h2>
 {_table([("fingerprint sha256 (before / after)",
           f"{doc['system']['fingerprint_sha256']} / {doc['system']['fingerprint_after_sha256']}"),
          ("git SHA / dirty", f"{doc['source']['git_sha']} / {_fmt(doc['source']['dirty'])}"),
-         ("load average before / after", f"{_fmt(doc['load_notes']['loadavg_before'], 3)} / "
-                                         f"{_fmt(doc['load_notes']['loadavg_after'], 3)}"),
-         ("power", doc["load_notes"]["power"]),
          ("started / finished (UTC)", f"{doc['time']['started_utc']} / {doc['time']['finished_utc']}")])}
 <details><summary>Comparison fingerprint</summary><pre>{escape(fp)}</pre></details>
 {('<h2>Attached benchmarks</h2>' + attachments) if attachments else ''}

@@ -26,6 +26,8 @@ ROLE_RULES = {
                            "five fresh processes, every gate passed, CV <= 5 %, one fingerprint, "
                            "clean tree at one git SHA, artifact digests preserved",
     "systems-only": "timed for engineering insight only; never ranked, never carries a quality claim",
+    "functional": "a functional check on the kit's own generated data: shows the code paths run and the "
+                  "checks hold; its timings and quality-like figures are never results",
     "deferred": "registered but not runnable yet; running it fails and says when it joins",
     "rejected": "not admissible as evidence; running it fails",
 }
@@ -53,11 +55,12 @@ class Workload:
     runnable: bool = True
     entry: str = "scripts/run"  # the ABI entry point of the source tree; any other runner is not promotable
     real_inputs: tuple[str, ...] = ()  # RunArgs fields the max/pro profiles require
-    min_roles: tuple[str, ...] | None = None  # roles on the min profile, where they differ
 
-    def roles_for(self, profile: str) -> tuple[str, ...]:
-        """The roles this workload's numbers have on a profile."""
-        return self.min_roles if profile == "min" and self.min_roles else self.roles
+    def roles_for(self, profile: str, generated: bool = False) -> tuple[str, ...]:
+        """The roles this workload's numbers have on a profile: functional only on min or on
+        generated data, whatever the profile."""
+        fixed = PROFILES[profile].roles if profile in PROFILES else None
+        return ("functional",) if generated else fixed or self.roles
 
 
 @dataclass(frozen=True)
@@ -67,12 +70,14 @@ class Profile:
     result_role: str
     promotable: bool
     required: tuple[str, ...] = ()  # RunArgs fields required beyond the workload's inputs
+    roles: tuple[str, ...] | None = None  # the roles of every workload on this profile, where fixed
 
 
+DECLARED = ("dataset_split", "dataset_version")  # a real profile's dataset is declared, never defaulted
 PROFILES = {
-    "min": Profile("min", "generated", "functional", promotable=False),
-    "max": Profile("max", "real", "canonical", promotable=True),
-    "pro": Profile("pro", "real", "research", promotable=True, required=("config_note",)),
+    "min": Profile("min", "generated", "functional", promotable=False, roles=("functional",)),
+    "max": Profile("max", "real", "canonical", promotable=True, required=DECLARED),
+    "pro": Profile("pro", "real", "research", promotable=True, required=("config_note", *DECLARED)),
 }
 
 
@@ -94,7 +99,10 @@ class RunArgs:
     labels: tuple[Path, ...] = ()
     clip_dir: Path | None = None
     config_note: str | None = None
-    split: str | None = None
+    dataset_split: str | None = None
+    dataset_version: str | None = None
+    power: str | None = None  # the operator's statement of power source / policy where Linux exposes none
+    bundle_limit_mb: float = 256.0  # artifact / index files bundled up to this size, else digests + rebuild command
     count: int = 64
     requests: int = 60
     seed: int = 0
@@ -117,7 +125,7 @@ class RunRecord:
     exit_code: int | None
     timed_out: bool
     matches: int | None
-    total: int | None
+    total: int | None  # the gate's denominator (eva02: manifest rows, or answered rows on generated data)
     files: dict[str, str] = field(default_factory=dict)  # role -> path relative to OUT
     timing: dict | None = None
     quality: dict | None = None  # workloads scored per run (cir-retrieval): raw, reward, ...
@@ -134,6 +142,28 @@ class Prepared:
     digests: Callable[[object], dict[str, str]]     # inputs -> {name: sha256}, before and after the runs
     copies: dict[str, tuple[Path, str]]             # name -> (source file, path in OUT)
     run: Callable[..., RunRecord]                   # (index, runner, inputs, judge, out, source_dir, timeout_s)
+    bundle: tuple[Path, str, str] | None = None     # (dir, path in OUT, rebuild command): the artifact / index
+    scheduling: dict = field(default_factory=dict)  # what the runs' environment sets (readers, graphs, threads)
+
+
+class Interrupted(BaseException):
+    """SIGTERM (or SIGINT) stopped the campaign; like KeyboardInterrupt, not an Exception."""
+
+
+def generated_markers(*dirs: Path | None) -> list[str]:
+    """The generated-data markers (evaluator.synthetic writes one beside every cohort / corpus it
+    makes) found in dirs, each checked once; None is skipped."""
+    from evaluator.synthetic.cohort import GENERATED_MARKER
+
+    seen, found = set(), []
+    for d in dirs:
+        if d is None:
+            continue
+        marker = Path(d) / GENERATED_MARKER
+        if marker not in seen and marker.is_file():
+            found.append(str(marker))
+        seen.add(marker)
+    return found
 
 
 def default_runner(source_dir: Path, entry: str = "scripts/run") -> list[str]:

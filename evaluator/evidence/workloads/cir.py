@@ -33,6 +33,7 @@ from evaluator.evidence.runs import (
     UsageError,
     Workload,
     default_runner,
+    generated_markers,
     process_failure,
     timed_run,
 )
@@ -136,11 +137,13 @@ def resolve_inputs(a: RunArgs, tmp: Path) -> tuple[CirInputs, dict]:
         split = f"generated:seed={a.seed},images={prep['images']},requests={a.requests}"
         inputs = CirInputs(prepared / "index", corpus / "requests.jsonl", (corpus / "labels.jsonl",),
                            prepared / "clip" / MIN_LAYOUT, judge, "generated", split, prepared)
-        dataset = {"mode": "generated", "split": split, "rows": len(judge.requests),
+        dataset = {"mode": "generated", "mode_basis": "min profile: the kit's generated corpus", "split": split,
+                   "version": "evaluator.synthetic.cir_corpus (this source tree)", "rows": len(judge.requests),
                    "gallery_images": len(judge.index_ids), "seed": a.seed, "canonical_seed": a.seed == 0,
                    "clip": f"tiny random CLIP ({MIN_LAYOUT} layout, seed {a.seed}): its quality is meaningless",
                    "preparation": {"corpus_s": prep["corpus_s"], "index_build_s": prep["index_build_s"],
-                                   "note": "untimed preparation: part of no metric"}}
+                                   "note": "untimed preparation: part of no metric"},
+                   "generated_markers": generated_markers(corpus)}
     else:
         for flag, path in [("--queries", a.queries), *(("--labels", p) for p in a.labels)]:
             if not path.is_file():
@@ -154,13 +157,31 @@ def resolve_inputs(a: RunArgs, tmp: Path) -> tuple[CirInputs, dict]:
             judge = load_judge(a.index_dir.resolve(), a.queries.resolve(), labels)
         except ValueError as exc:
             raise UsageError(str(exc)) from exc
-        split = a.split or f"real (labels: {', '.join(p.name for p in labels)})"
         inputs = CirInputs(a.index_dir.resolve(), a.queries.resolve(), labels, a.clip_dir.resolve(), judge,
-                           "real", split)
-        dataset = {"mode": "real", "split": split, "rows": len(judge.requests),
-                   "gallery_images": len(judge.index_ids)}
+                           "real", a.dataset_split)
+        corpus = _corpus_dir(inputs.index_dir)
+        markers = generated_markers(inputs.queries.parent, *(p.parent for p in labels), corpus)
+        if markers:
+            inputs.dataset_mode = "generated"
+        basis = (f"generated: the kit's marker {markers[0]}" if markers else
+                 "user-supplied inputs without a generated-data marker; split and version as declared")
+        dataset = {"mode": inputs.dataset_mode, "mode_basis": basis, "split": a.dataset_split,
+                   "version": a.dataset_version, "rows": len(judge.requests),
+                   "gallery_images": len(judge.index_ids), "generated_markers": markers}
+    labelled = sum(1 for qid, _ in judge.requests if qid in judge.labels)
+    dataset["coverage"] = {"what": "requests with a label", "answered": labelled, "rows": len(judge.requests),
+                           "complete": labelled == len(judge.requests)}
     dataset["request_warnings"] = judge.request_warnings[:20]  # request lines the run skips too
     return inputs, dataset
+
+
+def _corpus_dir(index_dir: Path) -> Path | None:
+    """The corpus folder the index was built from (meta.json `corpus`), when recorded."""
+    try:
+        corpus = json.loads((index_dir / "meta.json").read_text()).get("corpus")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return Path(corpus) if isinstance(corpus, str) and corpus else None
 
 
 def _path_digest(path: Path) -> str:
@@ -205,31 +226,14 @@ def row_problem(line: str, expected: tuple[str, str | None] | None, index_ids: f
         return f"query {qid!r}: extra row (every request is already answered)"
     if str(qid) != expected[0]:
         return f"query {qid!r} where request order expects {expected[0]!r}"
-    res = row.get("results")
-    if not isinstance(res, list):
-        return f"query {qid!r}: 'results' is not a list"
-    if len(res) > k:
-        return f"query {qid!r}: {len(res)} results (at most {k})"
-    ids, scores = [], []
-    for rank, item in enumerate(res, 1):
-        if not isinstance(item, dict) or not is_id(item.get("image_id")):
-            return f"query {qid!r}: result {rank} has no valid image_id"
-        s = item.get("score")
-        if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s):
-            return f"query {qid!r}: score {s!r} at rank {rank} is not finite"
-        ids.append(str(item["image_id"]))
-        scores.append(s)
-    if len(set(ids)) != len(ids):
-        dup = next(i for n, i in enumerate(ids) if i in ids[:n])
-        return f"query {qid!r}: image id {dup!r} appears more than once"
-    unknown = [i for i in ids if i not in index_ids]
+    from evaluator.cir.score import check_results  # the scorer's row rules: one copy
+
+    problem = check_results(row.get("results"), expected[1], k)
+    if problem:
+        return f"query {qid!r}: {problem[1]}"
+    unknown = [str(i["image_id"]) for i in row["results"] if str(i["image_id"]) not in index_ids]
     if unknown:
         return f"query {qid!r}: image id {unknown[0]!r} is not in the index ({len(unknown)} such)"
-    if expected[1] is not None and expected[1] in ids:
-        return f"query {qid!r}: the reference image {expected[1]!r} is in its results (rank {ids.index(expected[1]) + 1})"
-    for rank in range(1, len(scores)):
-        if scores[rank] > scores[rank - 1]:
-            return f"query {qid!r}: scores increase at rank {rank + 1} ({scores[rank - 1]!r} -> {scores[rank]!r})"
     return None
 
 
@@ -257,7 +261,7 @@ def check_results(path: Path, judge: CirJudge) -> str | None:
 def run_once(index: int, runner: list[str], inputs: CirInputs, judge: CirJudge, out: Path,
              source_dir: Path, timeout_s: float) -> RunRecord:
     """Run one fresh scripts/run.sh process under OUT/runs/run-NN, time it from outside, gate and score it."""
-    from evaluator.cir.score import load_results, score
+    from evaluator.cir.score import read_results, score_file
 
     run_dir = out / "runs" / f"run-{index:02d}"
     run_dir.mkdir(parents=True)  # a new folder: the output never resumes an earlier run's rows
@@ -283,7 +287,10 @@ def run_once(index: int, runner: list[str], inputs: CirInputs, judge: CirJudge, 
         elif record.reason is None and record.timing.get("resumed"):
             record.reason = f"the run resumed {record.timing['resumed']} rows of an earlier output"
     if record.reason is None:
-        report = score(load_results(files["results"]), judge.labels)
+        references = {qid: ref for qid, ref in judge.requests}
+        report = score_file(read_results(files["results"], references), judge.labels)
+        if inputs.dataset_mode == "generated":
+            report["label"] = "functional check on generated data: not a quality result"
         files["score"].write_text(json.dumps(report, indent=2) + "\n")
         record.quality = {"raw": report["raw"], "reward": report["reward"], "rows": len(judge.requests),
                           "sources": {s: v["mean_fraction"] for s, v in report["sources"].items()},
@@ -307,12 +314,14 @@ def _stages(t: dict) -> dict | None:
     return None
 
 
-def run_entry(r: RunRecord) -> dict:
+def run_entry(r: RunRecord, label: str) -> dict:
     t = r.timing or {}
     q = r.quality or {}
     return {
-        "index": r.index, "wall_s": r.wall_s, "exit_code": r.exit_code, "rows": q.get("rows"),
-        "raw": q.get("raw"), "reward": q.get("reward"), "files": r.files,
+        "index": r.index, "wall_s": r.wall_s, "exit_code": r.exit_code,
+        "quality": {"label": label, "metric": "raw", "rows": q.get("rows"), "raw": q.get("raw"),
+                    "reward": q.get("reward")},
+        "files": r.files,
         "timing_report": {
             "stages": _stages(t), "timeline": t.get("timeline"), "queries": t.get("queries"),
             "answered": t.get("answered"), "queries_per_s": t.get("queries_per_s"), "gallery": t.get("gallery"),
@@ -322,9 +331,10 @@ def run_entry(r: RunRecord) -> dict:
     }
 
 
-def quality_block(workload: Workload, runs: list[RunRecord], promoted: bool) -> dict:
-    """Raw quality and reward per valid run; they should be identical across runs, and a note says if not."""
-    from evaluator.cir.score import reward_formula
+def quality_block(workload: Workload, runs: list[RunRecord], promoted: bool, label: str, valid: bool) -> dict:
+    """Raw quality and reward per valid run; they should be identical across runs, and a note says if not.
+    An invalid attempt carries the per-run values only, no aggregate."""
+    from evaluator.cir.score import reward_formula, reward_rule
 
     ok = [r for r in runs if r.ok]
     values, rewards = [r.quality["raw"] for r in ok], [r.quality["reward"] for r in ok]
@@ -332,40 +342,48 @@ def quality_block(workload: Workload, runs: list[RunRecord], promoted: bool) -> 
     first = ok[0].quality if ok else {}
     note = None if identical else (
         f"raw quality differs across runs ({min(values)!r} .. {max(values)!r}): the outputs are not "
-        "deterministic; aggregate is the median")
-    return {
-        "metric": "raw", "definition": workload.quality_metric, "gate": workload.gate,
-        "values": values, "rewards": rewards, "reward_mapping": reward_formula(),
-        "aggregate": statistics.median(values) if values else None,
+        "deterministic" + ("; aggregate is the median" if valid else ""))
+    block = {
+        "metric": "raw", "label": label, "definition": workload.quality_metric, "gate": workload.gate,
+        "values": values, "rewards": rewards, "reward_mapping": reward_formula(), "reward_rule": reward_rule(),
         "identical_across_runs": identical if values else None, "note": note,
         "sources": first.get("sources"), "raw_note": first.get("raw_note"),
         "missing": first.get("missing"), "unlabeled": first.get("unlabeled"),
-        "gate_passed": bool(ok) and len(ok) == len(runs),
+        "gate_passed": bool(ok) and valid,
         "shown_as_quality": promoted,
     }
+    if valid:
+        block["aggregate"] = statistics.median(values) if values else None
+    return block
 
 
-def describe(meta: dict, digests: dict, first_timing: dict, runner: list[str]) -> dict:
-    """The model, device and configuration blocks of the disclosure, from the index's meta.json."""
+def rebuild_command(meta: dict) -> str:
+    """The command that rebuilds the index, from its meta.json (the corpus path it records)."""
+    corpus = meta.get("corpus") or "CORPUS"
+    return f"scripts/build.sh --corpus {shlex.quote(str(corpus))} --index-dir INDEX"
+
+
+def describe(meta: dict, digests: dict, first_timing: dict, runner: list[str], scheduling: dict) -> dict:
+    """The model, device, configuration and scheduling blocks of the disclosure, from the index's meta.json."""
     model = meta.get("model") or {}
     t = first_timing or {}
     return {
         "model": {"name": model.get("arch"), "layout": model.get("layout"), "model_digest": model.get("digest"),
                   "clip_sha256": digests.get("clip"), "index_meta_sha256": digests.get("index_meta"),
                   "index_tree_sha256": digests.get("index_tree"), "gallery_images": meta.get("count"),
-                  "embed_dim": meta.get("dim")},
+                  "embed_dim": meta.get("dim"), "build_command": rebuild_command(meta) if meta else None},
         "device": {"index_built_on": meta.get("device"), "executed": t.get("device"),
                    "backend": t.get("backend")},
         "configuration": {"precision": t.get("precision"), "method": t.get("method") or meta.get("method"),
                           "index_decoder": meta.get("decoder"), "index_precision": meta.get("precision"),
                           "runner": runner},
+        "scheduling": {**scheduling, "source": "the environment the runs inherit, read through engine.settings"},
     }
 
 
 WORKLOAD = Workload(
     workload_id="cir-retrieval",
     roles=("score-bearing", "performance-bearing"),
-    min_roles=("systems-only",),
     abi="scripts/run.sh --index-dir INDEX --queries QUERIES.jsonl --output OUT.jsonl --report REPORT.json "
         "(retrieval ABI; INDEX built beforehand by scripts/build.sh --corpus DIR --index-dir INDEX)",
     gate="run validity: exit status 0; one row per request, in request order; each row at most 50 "
@@ -377,8 +395,8 @@ WORKLOAD = Workload(
          "preparation, part of no metric). One run = one fresh scripts/run.sh process answering every "
          "request into a fresh output file (never resumed from an earlier run's output), timed from "
          "process start to reaped exit outside the process; every run must pass the gate. min profile "
-         "(generated corpus, tiny random CLIP): systems-only, its wall times are engineering insight and "
-         "its quality number is a functional check, never shown as quality. max/pro profiles (a real "
+         "(generated corpus, tiny random CLIP): functional only, its wall times and its quality numbers "
+         "are a functional check, never results. max/pro profiles (a real "
          "index, its requests, labels and CLIP): score-bearing and performance-bearing, the raw quality "
          "and the wall time are results only from a promoted campaign.",
     entry="scripts/run.sh",
@@ -389,8 +407,9 @@ WORKLOAD = Workload(
 def prepare(a: RunArgs, tmp: Path) -> Prepared:
     """The campaign's inputs (min: a generated corpus, index and CLIP in tmp), and how to digest, copy and run them."""
     inputs, dataset = resolve_inputs(a, tmp)
-    return Prepared(inputs, dataset, inputs.judge, index_meta(inputs), input_digests, input_copies(inputs),
-                    run_once)
+    meta = index_meta(inputs)
+    return Prepared(inputs, dataset, inputs.judge, meta, input_digests, input_copies(inputs), run_once,
+                    bundle=(inputs.index_dir, "inputs/index", rebuild_command(meta)))
 
 
 def aggregate_reasons(ok: list[RunRecord]) -> list[str]:
@@ -403,10 +422,10 @@ def requested_device(artifact_manifest: dict) -> str | None:
     return None
 
 
-def disclosure_parts(f, promoted: bool) -> dict:
-    """quality, model, device, configuration and runs of a cir-retrieval disclosure."""
+def disclosure_parts(f, promoted: bool, label: str, valid: bool) -> dict:
+    """quality, model, device, configuration, scheduling and runs of a cir-retrieval disclosure."""
     ok = [r for r in f.runs if r.ok]
     first = (ok[0].timing if ok else None) or {}
-    return {"quality": quality_block(f.workload, f.runs, promoted),
-            **describe(f.artifact_manifest, f.digests_before, first, f.runner),
-            "runs": [run_entry(r) for r in ok]}
+    return {"quality": quality_block(f.workload, f.runs, promoted, label, valid),
+            **describe(f.artifact_manifest, f.digests_before, first, f.runner, f.scheduling),
+            "runs": [run_entry(r, label) for r in ok]}
