@@ -1,32 +1,53 @@
 #!/bin/sh
 # The submission's build step (untimed, but charged if it fails): the read-only checkpoint
 # -> an artifact for the machine this runs on -> a one-image check through scripts/run.
-#
-# Knobs (environment):
-#   ENGINE_CHECKPOINT   the checkpoint file            (default /checkpoint/model.safetensors)
-#   ENGINE_MODEL        timm name                      (default eva02_large_patch14_448.mim_m38m_ft_in22k_in1k)
-#   ENGINE_PRECISION    fp32 | fp16 | bf16             (default fp32: the reference precision)
-#   ENGINE_BATCH_SIZE   static batch of the compiled model (default: the spec's)
-#   ENGINE_BACKEND      a runtime backend of engine/backends (default: the registry's default;
-#                       python -m engine.build --help lists them)
-#   ENGINE_DEVICE       auto | cuda | cpu              (default auto: cuda when torch sees a GPU)
-#   ENGINE_ARTIFACT     artifact dir, relative to this folder or absolute (default artifacts/default;
-#                       scripts/run reads the same variable with the same default)
-#   ENGINE_INPUT_SIZE, ENGINE_CROP_MODE, ENGINE_CROP_PCT, ENGINE_MODEL_KWARGS (JSON): spec overrides
-#   FORCE=1             rebuild even when the artifact is current
-#   PYTHON              interpreter (default python3)
+# Its knobs are environment variables: ./build.sh --help lists them with their defaults.
 #
 # Idempotent: an artifact whose files are intact and whose manifest records the same
 # checkpoint sha256, spec, backend and device is reused. Everything it needs is already in
 # the image: this script never fetches anything.
+# Exit status: 0 ready, 1 the build or the check failed, 2 a bad knob or a missing input.
 set -eu
+
+usage() {
+    cat <<'EOF'
+usage: ./build.sh            (no arguments: every knob is an environment variable)
+
+The submission's build step: builds the artifact from the read-only checkpoint with
+python -m engine.build for the machine it runs on, then runs one generated image through
+scripts/run and checks the output. An intact, current artifact is reused.
+
+environment (default):
+  ENGINE_CHECKPOINT   the checkpoint file                  (/checkpoint/model.safetensors)
+  ENGINE_MODEL        timm name, decides the spec          (eva02_large_patch14_448.mim_m38m_ft_in22k_in1k)
+  ENGINE_PRECISION    fp32 | fp16 | bf16                   (fp32: the reference precision)
+  ENGINE_BATCH_SIZE   static batch of the compiled model   (the spec's)
+  ENGINE_BACKEND      a runtime backend of engine/backends (the registry's first; python -m engine.build --help)
+  ENGINE_DEVICE       auto | cuda | cpu                    (auto: cuda when torch sees a GPU)
+  ENGINE_ARTIFACT     artifact dir, relative to this folder or absolute (artifacts/default; scripts/run reads it too)
+  ENGINE_INPUT_SIZE, ENGINE_CROP_MODE, ENGINE_CROP_PCT, ENGINE_MODEL_KWARGS (JSON)
+                      spec overrides                       (the model's pretrained config)
+  FORCE=1             rebuild even when the artifact is current
+  PYTHON              interpreter                          (python3)
+
+exit status: 0 ready, 1 the build or the check failed, 2 a bad knob or a missing input
+EOF
+}
+
+case "${1:-}" in
+    -h|--help) usage; exit 0 ;;
+    "") ;;
+    *) echo "build.sh: error: unknown argument '$1' (build.sh takes none: its knobs are environment variables; see ./build.sh --help)" >&2
+       exit 2 ;;
+esac
 
 here=$(CDPATH= cd -- "$(dirname -- "$0")" && pwd)
 cd "$here"
 PY=${PYTHON:-python3}
 
 log() { echo "build.sh: $*" >&2; }
-die() { echo "build.sh: FAILED: $*" >&2; exit 1; }
+usage_error() { echo "build.sh: error: $*" >&2; exit 2; }   # a knob or an input is wrong
+failed() { echo "build.sh: error: $*" >&2; exit 1; }        # the build or the check failed
 
 MODEL=${ENGINE_MODEL:-eva02_large_patch14_448.mim_m38m_ft_in22k_in1k}
 CHECKPOINT=${ENGINE_CHECKPOINT:-/checkpoint/model.safetensors}
@@ -44,9 +65,9 @@ export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$TMPDIR/build-inducto
        HF_HOME="${HF_HOME:-$TMPDIR/build-hf}" TORCH_HOME="${TORCH_HOME:-$TMPDIR/build-torch}"
 export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
 
-command -v "$PY" >/dev/null 2>&1 || die "no Python interpreter '$PY' (set PYTHON)"
-[ -e "$CHECKPOINT" ] || die "checkpoint not found: $CHECKPOINT (mount it there or set ENGINE_CHECKPOINT)"
-[ -f "$CHECKPOINT" ] && [ -r "$CHECKPOINT" ] || die "checkpoint is not a readable file: $CHECKPOINT"
+command -v "$PY" >/dev/null 2>&1 || usage_error "no Python interpreter '$PY' (set PYTHON)"
+[ -e "$CHECKPOINT" ] || usage_error "checkpoint not found: $CHECKPOINT (mount it there or set ENGINE_CHECKPOINT)"
+[ -f "$CHECKPOINT" ] && [ -r "$CHECKPOINT" ] || usage_error "checkpoint is not a readable file: $CHECKPOINT"
 
 # The artifact must be built for the device the run uses: a CPU artifact on the GPU
 # machine would pass every check and then be scored at CPU speed.
@@ -54,12 +75,12 @@ if [ "$DEVICE" = auto ]; then
     if "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
         DEVICE=cuda
     elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
-        die "nvidia-smi lists a GPU but torch.cuda cannot use it (driver/container mismatch?); set ENGINE_DEVICE=cpu to build for the CPU anyway"
+        usage_error "nvidia-smi lists a GPU but torch.cuda cannot use it (driver/container mismatch?); set ENGINE_DEVICE=cpu to build for the CPU anyway"
     else
         DEVICE=cpu
     fi
 fi
-case "$DEVICE" in cuda|cpu) ;; *) die "ENGINE_DEVICE must be auto, cuda or cpu, got '$DEVICE'" ;; esac
+case "$DEVICE" in cuda|cpu) ;; *) usage_error "ENGINE_DEVICE must be auto, cuda or cpu, got '$DEVICE'" ;; esac
 
 # The engine.build flags, one per knob (positional parameters: safe for JSON with spaces).
 set -- --model "$MODEL" --checkpoint "$CHECKPOINT" --out "$ARTIFACT" --device "$DEVICE" \
@@ -80,7 +101,7 @@ if [ "${FORCE:-0}" != 1 ]; then
     case $rc in
         0) reuse=yes ;;
         1) ;;
-        *) die "cannot check the existing artifact against the build flags (see above)" ;;
+        *) usage_error "cannot check the existing artifact against the build flags (see above)" ;;
     esac
 fi
 if [ "$reuse" = yes ]; then
@@ -88,11 +109,17 @@ if [ "$reuse" = yes ]; then
 else
     log "building $ARTIFACT (untimed preparation)"
     t0=$(date +%s)
-    "$PY" -m engine.build "$@" >&2 || die "python -m engine.build failed (see above)"
+    rc=0
+    "$PY" -m engine.build "$@" >&2 || rc=$?
+    case $rc in
+        0) ;;
+        2) usage_error "python -m engine.build refused the knobs (see above)" ;;
+        *) failed "python -m engine.build failed with exit $rc (see above)" ;;
+    esac
     log "built in $(( $(date +%s) - t0 )) s"
 fi
 
 # Load the artifact and run one generated image through the contest entry point.
 "$PY" -m evaluator.contest.selfcheck run --artifact "$ARTIFACT" >&2 \
-    || die "the artifact at $ARTIFACT does not run through scripts/run (see above)"
+    || failed "the artifact at $ARTIFACT does not run through scripts/run (see above)"
 log "OK: $ARTIFACT is ready for scripts/run (ENGINE_ARTIFACT=$ARTIFACT)"

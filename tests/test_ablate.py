@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from cir_helpers import REPO, clip_dirs, corpus
+from cir_helpers import REPO, built_index, clip_dirs, corpus
 from cir_quality_helpers import p2w_index
 
 from evaluator.cir.score import load_label_files, load_results, score
@@ -48,3 +48,59 @@ def test_ablate_runs_scores_and_tabulates_every_method(tmp_path):
     assert rows["slerp"]["circo mean"] == report["methods"][0]["score"]["sources"]["circo"]["mean_percent"]
     assert rows["pic2word+reinspect:n=20"]["status"] == "ok"
     assert report["methods"][-1]["score"] is None and rows["no-such-method"]["raw"] is None
+
+
+def _ablate(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    env = {**os.environ, "CLIP_MODEL_DIR": str(clip_dirs()["open_clip"]), "CLIP_DEVICE": "cpu"}
+    return subprocess.run([sys.executable, "-m", "evaluator.ablate", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_default_set_runs_what_an_index_without_extras_supports(tmp_path):
+    from evaluator.cir.ablate import DEFAULT_METHODS
+
+    out_json, out_dir = tmp_path / "ablate.json", tmp_path / "runs"
+    r = _ablate("--index-dir", str(built_index()), "--queries", str(corpus() / "requests.jsonl"),
+                "--labels", str(corpus() / "labels.jsonl"), "--json", str(out_json), "--out-dir", str(out_dir),
+                "--warmup", "8")
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(out_json.read_text())
+    ran = [m["method"] for m in report["methods"]]
+    needs_extras = {"pic2word", "pic2word+qbnorm", "slerp+qbnorm:bank=gallery"}   # a mapping / a text bank
+    assert ran == [m for m in DEFAULT_METHODS if m not in needs_extras]
+    assert "slerp+reinspect:n=20" in ran                              # the corpus is recorded in the index
+    assert all(m["run"]["answered"] == 40 and m["score"] is not None for m in report["methods"])
+    left_out = next(line for line in r.stderr.splitlines() if "default set" in line)
+    for m in needs_extras:
+        assert m in left_out
+    assert "no Pic2Word mapping" in left_out and "no gallery text bank" in left_out
+    # the untimed warm-up ran the first method on the first 8 requests, before any timed method
+    assert len((out_dir / ".warmup.jsonl").read_text().splitlines()) == 8
+    assert r.stderr.index("warm-up") < r.stderr.index("method 1 of")
+    assert report["warmup"] == 8
+
+
+def test_a_named_method_the_index_cannot_run_is_skipped_with_its_reason(tmp_path):
+    r = _ablate("--index-dir", str(built_index()), "--queries", str(corpus() / "requests.jsonl"),
+                "--labels", str(corpus() / "labels.jsonl"), "--methods", "pic2word,text-only",
+                "--out-dir", str(tmp_path), "--json", str(tmp_path / "a.json"), "--warmup", "0")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = {row["method"]: row for row in json.loads((tmp_path / "a.json").read_text())["table"]}
+    assert rows["pic2word"]["status"].startswith("skipped: the index has no Pic2Word mapping")
+    assert rows["pic2word"]["raw"] is None and rows["text-only"]["status"] == "ok"
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("pic2word"))
+    assert "(skipped: the index has no Pic2Word mapping" in line
+    assert not (tmp_path / ".warmup.jsonl").exists()                   # --warmup 0: none
+
+
+def test_bad_inputs_are_one_line_and_exit_2(tmp_path):
+    base = ["--queries", str(corpus() / "requests.jsonl"), "--labels", str(corpus() / "labels.jsonl")]
+    for args, words in [(["--index-dir", str(tmp_path / "nowhere"), *base], "no finished index"),
+                        (["--index-dir", str(built_index()), "--queries", str(tmp_path / "q.jsonl"),
+                          "--labels", str(corpus() / "labels.jsonl")], "queries file not found"),
+                        (["--index-dir", str(built_index()), "--queries", str(corpus() / "requests.jsonl"),
+                          "--labels", str(tmp_path / "l.jsonl")], "l.jsonl")]:
+        r = _ablate(*args, timeout=60)
+        assert r.returncode == 2, (args, r.stderr[-2000:])
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("python -m evaluator.ablate: error: ") and words in lines[0]

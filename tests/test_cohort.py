@@ -192,3 +192,101 @@ def test_checkpoint_metadata_says_generated(tiny_checkpoint):
     assert json.loads(meta["model_kwargs"]) == {"depth": 4}
     recipe = json.loads(tiny_checkpoint.with_suffix(".json").read_text())
     assert recipe["made_from"] == json.loads(meta["made_from"])
+
+
+# ---- determinism, the command line, progress ------------------------------------------------------
+
+
+def test_cohort_record_is_byte_identical_for_the_same_seed(tmp_path):
+    make_cohort(tmp_path / "a", 12, seed=3, broken=2)
+    make_cohort(tmp_path / "b", 12, seed=3, broken=2)
+    make_cohort(tmp_path / "c", 12, seed=4, broken=2)
+    files = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*") if p.is_file())
+    assert len(files) >= 14
+    for rel in files:
+        assert (tmp_path / "a" / rel).read_bytes() == (tmp_path / "b" / rel).read_bytes(), rel
+    assert (tmp_path / "a" / "cohort.json").read_bytes() != (tmp_path / "c" / "cohort.json").read_bytes()
+
+
+def test_safetensors_bytes_sorts_the_metadata_and_round_trips():
+    from safetensors.torch import load
+
+    from evaluator.synthetic.cohort import safetensors_bytes
+
+    tensors = {"b.weight": torch.randn(3, 5), "a.bias": torch.arange(7, dtype=torch.int64), "c": torch.ones(1)}
+    meta = {k: f"value {i} é" for i, k in enumerate("zyxwvutsrqponm")}
+    blob = safetensors_bytes(tensors, meta)
+    n = int.from_bytes(blob[:8], "little")
+    assert n % 8 == 0
+    header = json.loads(blob[8:8 + n])
+    assert list(header["__metadata__"]) == sorted(meta)
+    back = load(blob)
+    assert set(back) == set(tensors) and all(torch.equal(back[k], tensors[k]) for k in tensors)
+    assert safetensors_bytes(tensors, dict(reversed(list(meta.items())))) == blob   # insertion order is irrelevant
+
+
+def test_safetensors_bytes_reads_back_with_safe_open(tmp_path):
+    from safetensors import safe_open
+
+    from evaluator.synthetic.cohort import safetensors_bytes
+
+    p = tmp_path / "m.safetensors"
+    p.write_bytes(safetensors_bytes({"w": torch.zeros(2, 2)}, {"made_from": '"generated"', "seed": "0"}))
+    with safe_open(str(p), "pt") as f:
+        assert f.metadata() == {"made_from": '"generated"', "seed": "0"}
+        assert torch.equal(f.get_tensor("w"), torch.zeros(2, 2))
+
+
+def test_tiny_checkpoint_is_byte_identical_for_the_same_seed(tmp_path):
+    """Two processes (safetensors' hash-map order differs between processes), a small recipe."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    code = ("import sys; from pathlib import Path; from evaluator.synthetic.cohort import make_tiny_checkpoint; "
+            "make_tiny_checkpoint(Path(sys.argv[1]), seed=int(sys.argv[2]), classes=6, renders=2, steps=5)")
+    for name, seed in (("a", 1), ("b", 1), ("c", 2)):
+        r = subprocess.run([sys.executable, "-c", code, str(tmp_path / f"{name}.safetensors"), str(seed)],
+                           cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+    a, b, c = ((tmp_path / f"{n}.safetensors").read_bytes() for n in "abc")
+    assert a == b
+    assert a != c
+    assert (tmp_path / "a.json").read_bytes() == (tmp_path / "b.json").read_bytes()
+
+
+def _cohort_cli(*args: str, env: dict | None = None):
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    return subprocess.run([sys.executable, "-m", "evaluator.cohort", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, **(env or {})})
+
+
+def test_cli_bad_input_is_one_line_and_exit_2(tmp_path):
+    (tmp_path / "file").write_text("x")
+    for args, words in [(["--out", str(tmp_path / "o"), "--count", "0"], "--count must be >= 1"),
+                        (["--out", str(tmp_path / "o"), "--count", "5", "--broken", "5"], "--broken must be in 0..4"),
+                        (["--out", str(tmp_path / "file" / "sub"), "--count", "3"], "file")]:
+        r = _cohort_cli(*args)
+        assert r.returncode == 2, (args, r.stderr)
+        assert "Traceback" not in r.stderr
+        last = r.stderr.strip().splitlines()[-1]
+        assert last.startswith("python -m evaluator.cohort: error: ") and words in last, last
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_reports_progress_on_stderr_only(tmp_path):
+    r = _cohort_cli("--out", str(tmp_path / "o"), "--count", "4", "--broken", "1", env={"ENGINE_PROGRESS": "lines"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == ""
+    assert re.search(r"cohort: rendering: 4/4 images, in \d+ s, [\d.]+ images/s", r.stderr), r.stderr
+    r = _cohort_cli("--out", str(tmp_path / "p"), "--count", "4", env={"ENGINE_PROGRESS": "off"})
+    assert r.returncode == 0 and "rendering" not in r.stderr
+    r = _cohort_cli("--out", str(tmp_path / "q"), "--count", "4", env={"ENGINE_PROGRESS": "sometimes"})
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("python -m evaluator.cohort: error: "
+                                                                              "ENGINE_PROGRESS must be one of")

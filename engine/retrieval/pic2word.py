@@ -119,12 +119,19 @@ class TrainResult:
     state: dict                     # the mapping's state dict (float32, CPU)
     steps: int
     total_steps: int
-    final_loss: float               # mean loss of the last (up to) 20 steps
-    first_loss: float               # mean loss of the first (up to) 20 steps
+    final_loss: float               # mean loss of the run's last `loss_window` steps
+    first_loss: float               # mean loss of the run's first `loss_window` steps (resumed ones included)
     curve: list = field(default_factory=list)   # [step, mean loss] every ~1/20 of the run
     resumed_from: int = 0
     stopped: str = ""               # "" or why training stopped before total_steps
     seconds: float = 0.0
+    loss_window: int = 0            # steps averaged into first_loss / final_loss
+
+
+def loss_window(n: int) -> int:
+    """Steps averaged at each end of an n-step loss log: a tenth of the run, 1..20 (never
+    the whole run, so a short run's first and last losses differ when the loss moves)."""
+    return max(1, min(20, n // 10))
 
 
 @functools.lru_cache(maxsize=2)
@@ -185,6 +192,9 @@ def train(towers, emb: np.ndarray, cfg: Pic2WordConfig, ckpt_dir: Path, key: dic
     stopped = ""
     mapping.train()
     step = start
+    from engine.progress import Progress
+
+    bar = Progress(total - start, "pic2word: training", unit="steps")
     while step < total:
         rows = _batch_rows(step, n, cfg).to(dev)
         img = x_all[rows]                                              # [b, D] unit image rows
@@ -200,6 +210,7 @@ def train(towers, emb: np.ndarray, cfg: Pic2WordConfig, ckpt_dir: Path, key: dic
         opt.step()
         losses.append(float(loss.detach()))
         step += 1
+        bar.update()
         if step % cfg.ckpt_every == 0 and step < total:
             blob = {"key": full_key, "step": step, "mapping": mapping.state_dict(), "opt": opt.state_dict(),
                     "rng": torch.get_rng_state(), "losses": losses}
@@ -207,19 +218,22 @@ def train(towers, emb: np.ndarray, cfg: Pic2WordConfig, ckpt_dir: Path, key: dic
                 blob["rng_cuda"] = torch.cuda.get_rng_state(dev)
             _save(path, blob)
         if stop_after and step - start >= stop_after:
+            bar.close()
             raise Stopped(f"stopped after {step - start} steps (test hook)")
         if time.perf_counter() - t0 > cfg.time_budget_s:
             stopped = f"time budget of {cfg.time_budget_s:g} s reached at step {step} of {total}"
             log(f"pic2word: {stopped}")
             break
+    bar.close()
     mapping.eval()
     every = max(1, math.ceil(len(losses) / 20))
     curve = [[min(i + every, len(losses)), round(float(np.mean(losses[i:i + every])), 5)]
              for i in range(0, len(losses), every)]
     state = {k: v.detach().float().cpu().contiguous() for k, v in mapping.state_dict().items()}
-    return TrainResult(state, step, total, float(np.mean(losses[-20:])) if losses else float("nan"),
-                       float(np.mean(losses[:20])) if losses else float("nan"), curve, start, stopped,
-                       round(time.perf_counter() - t0, 3))
+    w = loss_window(len(losses))
+    return TrainResult(state, step, total, float(np.mean(losses[-w:])) if losses else float("nan"),
+                       float(np.mean(losses[:w])) if losses else float("nan"), curve, start, stopped,
+                       round(time.perf_counter() - t0, 3), w)
 
 
 def load_mapping(state: dict, meta: dict) -> Im2Token:

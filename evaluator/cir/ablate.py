@@ -1,18 +1,25 @@
 """Ablations in one command: run several methods on one index and score each.
 
-    python -m evaluator.ablate --index-dir DIR --queries FILE --labels FILE --methods slerp,slerp+gap,... \
-        [--json OUT.json] [--out-dir DIR] [--model-dir DIR] [--device cpu] [--corpus DIR]
+    python -m evaluator.ablate --index-dir DIR --queries FILE --labels FILE [--methods slerp,slerp+gap,...] \
+        [--json OUT.json] [--out-dir DIR] [--model-dir DIR] [--device cpu] [--corpus DIR] [--warmup N]
 
+Without --methods it runs the default set, every entry the index supports: the three
+training-free compositions, Slerp with each gallery-aware option alone, Pic2Word when
+the index has a mapping, the gallery text bank when it has one, re-inspection when the
+corpus images are reachable; the others are named on stderr and left out. A method named
+with --methods that the index cannot run is skipped with the reason in its row.
+Before the first timed method, an untimed warm-up runs the first method on the first N
+requests (torch and the tokenizer initialise there, not inside the first timing).
 Each method runs through evaluator.cir.run.main (the code scripts/run.sh execs), in this
 process, into OUT_DIR/<method>.jsonl (a fresh output: no resume), and is scored with
 evaluator.cir.score (CIRCO mAP@5/10/25/50, CIRR R@1/5/10/50, per-source means, raw
 quality, reward). Prints one table (percent) and, with --json, writes every report.
+Exit 0 when every method ran, 1 when one failed, 2 for bad input.
 Pick methods on your own labelled validation split: the generated test corpus and a
 random CLIP say nothing about quality (docs/retrieval_quality.md).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -22,38 +29,78 @@ from pathlib import Path
 
 from evaluator.cir.score import CIRCO_KS, CIRR_KS
 
+PROG = "python -m evaluator.ablate"
+# the default set, in table order; entries the index cannot run are left out (said on stderr)
+DEFAULT_METHODS = ("text-only", "sum", "slerp", "slerp+gap", "slerp+isoftmax", "slerp+qbnorm",
+                   "slerp+dual-softmax", "slerp+csls", "slerp+aqe", "slerp+dba", "slerp+qbnorm:bank=gallery",
+                   "slerp+reinspect:n=20", "pic2word", "pic2word+qbnorm")
+WARMUP = 32   # requests of the untimed warm-up
+
 
 @dataclass
 class AblateConfig:
     index_dir: Path
     queries: Path
     labels: list[Path]
-    methods: list[str]
+    methods: list[str] | None = None    # None: DEFAULT_METHODS the index supports
     json: Path | None = None
     out_dir: Path | None = None
     model_dir: Path | None = None
     device: str | None = None
     corpus: Path | None = None
     batch_size: int = 256
+    warmup: int = WARMUP
+    debug: bool = False
 
 
 def parse_args(argv: list[str] | None) -> AblateConfig:
-    p = argparse.ArgumentParser(prog="python -m evaluator.ablate", description=__doc__.split("\n\n")[0])
-    p.add_argument("--index-dir", type=Path, required=True)
-    p.add_argument("--queries", type=Path, required=True)
+    from engine.cli import parser
+
+    p = parser(PROG, __doc__.split("\n\n")[0], {
+        "CLIP_MODEL_DIR": "the CLIP folder (as --model-dir)", "CLIP_DEVICE": "cpu or cuda (as --device)",
+        "ENGINE_DEBUG": "1: tracebacks instead of one-line errors"})
+    p.add_argument("--index-dir", type=Path, required=True, help="a finished index (scripts/build.sh)")
+    p.add_argument("--queries", type=Path, required=True, help="requests JSONL")
     p.add_argument("--labels", type=Path, required=True, action="append", help="labels file (repeatable)")
-    p.add_argument("--methods", required=True, help="comma-separated method names (see scripts/run.sh --help)")
+    p.add_argument("--methods", default=None,
+                   help="comma-separated method names (scripts/run.sh --help); default: every entry of "
+                        f"{', '.join(DEFAULT_METHODS)} the index supports")
     p.add_argument("--json", type=Path, default=None, help="also write every method's report here")
     p.add_argument("--out-dir", type=Path, default=None, help="run outputs (default: a folder under TMPDIR)")
-    p.add_argument("--model-dir", type=Path, default=None)
-    p.add_argument("--device", default=None)
-    p.add_argument("--corpus", type=Path, default=None, help="corpus for re-inspecting methods")
-    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--model-dir", type=Path, default=None, help="CLIP folder (default: env CLIP_MODEL_DIR)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: env CLIP_DEVICE, else cuda if present)")
+    p.add_argument("--corpus", type=Path, default=None, help="corpus for re-inspecting methods (default: the index's)")
+    p.add_argument("--batch-size", type=int, default=256, help="requests per batch")
+    p.add_argument("--warmup", type=int, default=WARMUP, help="requests of the untimed warm-up (0: none)")
     a = p.parse_args(argv)
-    a.methods = [m.strip() for m in a.methods.split(",") if m.strip()]
-    if not a.methods:
-        p.error("--methods names no method")
+    if a.methods is not None:
+        a.methods = [m.strip() for m in a.methods.split(",") if m.strip()]
+        if not a.methods:
+            p.error("--methods names no method")
+    if a.batch_size < 1 or a.warmup < 0:
+        p.error("--batch-size must be >= 1 and --warmup >= 0")
     return AblateConfig(**vars(a))
+
+
+def unsupported(name: str, meta: dict, corpus: Path | None) -> str | None:
+    """Why the index (its meta.json) cannot run method `name`, or None. A name that does not
+    parse is left to the run, which reports it."""
+    from engine.retrieval.compose import parse_options
+
+    try:
+        fields = parse_options(name)
+    except ValueError:
+        return None
+    if fields["name"] == "pic2word" and not meta.get("pic2word"):
+        return "the index has no Pic2Word mapping (build with --mapping pic2word)"
+    if (fields.get("bank") in ("gallery", "both") or fields.get("gap") in ("bank", "both")) \
+            and not meta.get("text_bank"):
+        return "the index has no gallery text bank (build with --mapping pic2word)"
+    if fields.get("reinspect"):
+        root = corpus or (Path(meta["corpus"]) if meta.get("corpus") else None)
+        if root is None or not (root / "records.jsonl").is_file():
+            return f"no corpus records for re-inspection at {root} (pass --corpus DIR)"
+    return None
 
 
 def _row(name: str, report: dict | None, run: dict) -> dict:
@@ -90,42 +137,95 @@ def _fmt(col: str, v) -> str:
     return str(v)
 
 
-def main(argv: list[str] | None = None) -> int:
-    cfg = parse_args(argv)
+def _run_args(cfg: AblateConfig, name: str, queries: Path, out: Path, rep: Path) -> list[str]:
+    args = ["--index-dir", str(cfg.index_dir), "--queries", str(queries), "--output", str(out),
+            "--method", name, "--no-resume", "--report", str(rep), "--batch-size", str(cfg.batch_size)]
+    for flag, value in (("--model-dir", cfg.model_dir), ("--device", cfg.device), ("--corpus", cfg.corpus)):
+        if value is not None:
+            args += [flag, str(value)]
+    return args
+
+
+def _say(msg: str) -> None:
+    print(f"ablate: {msg}", file=sys.stderr, flush=True)
+
+
+def _warm_up(cfg: AblateConfig, name: str, out_dir: Path) -> float:
+    """Run `name` untimed on the first cfg.warmup requests; returns its wall seconds."""
     from evaluator.cir import run as cir_run
+
+    lines = cfg.queries.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)[:cfg.warmup]
+    q = out_dir / ".warmup-requests.jsonl"
+    q.write_text("".join(lines), encoding="utf-8")
+    t0 = time.perf_counter()
+    cir_run.main(_run_args(cfg, name, q, out_dir / ".warmup.jsonl", out_dir / ".warmup.run.json"))
+    return round(time.perf_counter() - t0, 3)
+
+
+def ablate(cfg: AblateConfig) -> int:
+    """Run, score and tabulate every method; 0 when all ran, 1 when one failed."""
+    from engine.cli import UsageError
+    from evaluator.cir import run as cir_run
+    from evaluator.cir.index import read_meta
     from evaluator.cir.score import InputError, load_label_files, load_results, score
 
+    meta = read_meta(cfg.index_dir)
+    if meta is None:
+        raise UsageError(f"no finished index in {cfg.index_dir} (meta.json missing or unreadable; "
+                         "build one with scripts/build.sh)")
+    if not cfg.queries.is_file():
+        raise UsageError(f"queries file not found: {cfg.queries}")
     try:
         labels = load_label_files(cfg.labels)
-    except (InputError, OSError) as e:
-        print(f"[ablate] error: {e}", file=sys.stderr)
-        return 2
+    except InputError as e:
+        raise UsageError(str(e)) from e
+    if cfg.methods is None:
+        methods, left_out = [], []
+        for name in DEFAULT_METHODS:
+            why = unsupported(name, meta, cfg.corpus)
+            (left_out.append(f"{name} ({why})") if why else methods.append(name))
+        _say(f"default set: {len(methods)} methods the index supports" +
+             (f"; left out: {'; '.join(left_out)}" if left_out else ""))
+    else:
+        methods = cfg.methods
     out_dir = cfg.out_dir or Path(tempfile.mkdtemp(prefix="cir-ablate-"))
     out_dir.mkdir(parents=True, exist_ok=True)
+    runnable = [m for m in methods if unsupported(m, meta, cfg.corpus) is None]
+    if cfg.warmup and runnable:
+        _say(f"warm-up: {runnable[0]} on the first {cfg.warmup} requests (untimed)")
+        _say(f"warm-up took {_warm_up(cfg, runnable[0], out_dir):.1f} s")
     rows, reports = [], []
-    for name in cfg.methods:
-        safe = "".join(c if c.isalnum() or c in "-_.=" else "_" for c in name)
-        out, rep = out_dir / f"{safe}.jsonl", out_dir / f"{safe}.run.json"
-        args = ["--index-dir", str(cfg.index_dir), "--queries", str(cfg.queries), "--output", str(out),
-                "--method", name, "--no-resume", "--report", str(rep), "--batch-size", str(cfg.batch_size)]
-        for flag, value in (("--model-dir", cfg.model_dir), ("--device", cfg.device), ("--corpus", cfg.corpus)):
-            if value is not None:
-                args += [flag, str(value)]
-        print(f"[ablate] {name}", file=sys.stderr, flush=True)
-        t0 = time.perf_counter()
-        rc = cir_run.main(args)
-        run = json.loads(rep.read_text()) if rc == 0 and rep.is_file() else {"status": f"run failed ({rc})"}
-        run["wall_s"] = round(time.perf_counter() - t0, 3)
-        report = score(load_results(out), labels) if rc == 0 else None
+    for i, name in enumerate(methods, 1):
+        why = unsupported(name, meta, cfg.corpus)
+        if why:
+            _say(f"method {i} of {len(methods)}: {name}: skipped: {why}")
+            run, report, output = {"status": f"skipped: {why}"}, None, None
+        else:
+            safe = "".join(c if c.isalnum() or c in "-_.=" else "_" for c in name)
+            out, rep = out_dir / f"{safe}.jsonl", out_dir / f"{safe}.run.json"
+            _say(f"method {i} of {len(methods)}: {name}")
+            t0 = time.perf_counter()
+            rc = cir_run.main(_run_args(cfg, name, cfg.queries, out, rep))
+            run = json.loads(rep.read_text()) if rc == 0 and rep.is_file() else {"status": f"run failed ({rc})"}
+            run["wall_s"] = round(time.perf_counter() - t0, 3)
+            report = score(load_results(out), labels) if rc == 0 else None
+            output = str(out)
         rows.append(_row(name, report, run))
-        reports.append({"method": name, "output": str(out), "run": run, "score": report})
+        reports.append({"method": name, "output": output, "run": run, "score": report})
     print(format_table(rows))
     print("(CIRCO / CIRR metrics in percent; raw and reward as fractions: evaluator.cir.score)")
     if cfg.json is not None:
         cfg.json.write_text(json.dumps({"index_dir": str(cfg.index_dir), "queries": str(cfg.queries),
-                                        "labels": [str(p) for p in cfg.labels], "table": rows,
-                                        "methods": reports}, indent=2) + "\n")
-    return 0 if all(r["status"] == "ok" for r in rows) else 1
+                                        "labels": [str(p) for p in cfg.labels], "warmup": cfg.warmup,
+                                        "table": rows, "methods": reports}, indent=2) + "\n")
+    return 0 if all(r["status"] == "ok" or r["status"].startswith("skipped") for r in rows) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    from engine.cli import guard
+
+    cfg = parse_args(argv)
+    return guard(PROG, lambda: ablate(cfg), debug=cfg.debug)
 
 
 if __name__ == "__main__":

@@ -85,13 +85,15 @@ def build_extras(cfg: ExtrasConfig, emb: np.ndarray, towers, model_digest: str, 
         _log(f"pic2word: training the mapping on {len(x)} gallery embeddings "
              f"({cfg.p2w.total_steps(len(x))} steps, batch {min(cfg.p2w.batch_size, len(x))}, seed {cfg.p2w.seed})")
         res = pic2word.train(towers, emb, cfg.p2w, work_dir / P2W_DIR, key, stop, log=_log)
-        _log(f"pic2word: {res.steps} steps in {res.seconds:.1f} s, loss {res.first_loss:.4f} -> {res.final_loss:.4f}")
+        _log(f"pic2word: {res.steps} steps in {res.seconds:.1f} s, loss {res.first_loss:.3f} -> {res.final_loss:.3f} "
+             f"(means of the first and last {res.loss_window} of the run's {res.steps} steps)")
         files["pic2word"] = (".safetensors", save_safetensors(res.state))
         mapping = pic2word.load_mapping(res.state, {"mapping": _mapping_shape(towers, cfg.p2w)})
         meta["pic2word"] = {"mapping": _mapping_shape(towers, cfg.p2w), "config": asdict(cfg.p2w),
                             "train_prompt": pic2word.TRAIN_PROMPT, "steps": res.steps,
                             "total_steps": res.total_steps, "final_loss": res.final_loss,
-                            "first_loss": res.first_loss, "loss_curve": res.curve, "seed": cfg.p2w.seed,
+                            "first_loss": res.first_loss, "loss_window": res.loss_window,
+                            "loss_curve": res.curve, "seed": cfg.p2w.seed,
                             "resumed_from_step": res.resumed_from, "stopped_early": res.stopped,
                             "train_s": res.seconds, "data": "gallery image embeddings only"}
         n_bank = min(cfg.bank_size(), len(x))

@@ -9,7 +9,6 @@ OUTPUT holds one int32 per row; -1 marks an image the reference cannot read.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -23,51 +22,96 @@ from engine.decoders.pil import reference_tensor
 from engine.spec import Spec, resolve_spec
 from evaluator.contest.manifest import read_manifest, resolve_image
 
+PROG = "python -m evaluator.reference"
+
 
 @torch.inference_mode()
 def reference_top1(spec: Spec, checkpoint: Path, paths: list[Path | None], device: str = "cpu") -> np.ndarray:
     """int32 [N] top-1 of the FP32 eager model, one image at a time; -1 where PIL cannot read."""
+    from engine.progress import Progress
+
     model = load_model(spec, checkpoint).to(device)
     out = np.full(len(paths), -1, np.int32)
-    for i, p in enumerate(paths):
-        if p is None:
-            continue
-        try:
-            x = reference_tensor(p.read_bytes(), spec)   # [3, S, S] float32
-        except Exception:  # noqa: BLE001 - unreadable for the reference: no answer
-            continue
-        out[i] = int(model(x[None].to(device)).argmax(-1))
+    with Progress(len(paths), "reference", unit="images") as bar:
+        for i, p in enumerate(paths):
+            bar.update()
+            if p is None:
+                continue
+            try:
+                x = reference_tensor(p.read_bytes(), spec)   # [3, S, S] float32
+            except Exception:  # noqa: BLE001 - unreadable for the reference: no answer
+                continue
+            out[i] = int(model(x[None].to(device)).argmax(-1))
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m evaluator.reference", description=__doc__.split("\n\n")[0])
-    p.add_argument("manifest", type=Path)
-    p.add_argument("image_root", type=Path)
-    p.add_argument("output", type=Path)
-    p.add_argument("--model", required=True)
-    p.add_argument("--checkpoint", required=True, type=Path)
-    p.add_argument("--input-size", type=int)
-    p.add_argument("--crop-mode")
-    p.add_argument("--crop-pct", type=float)
-    p.add_argument("--model-kwargs", type=json.loads)
+def parse_args(argv: list[str] | None):
+    from engine.cli import parser
+
+    p = parser(PROG, __doc__.split("\n\n")[0], {"ENGINE_PROGRESS": "auto, bar, lines or off",
+                                                "ENGINE_DEBUG": "1: tracebacks instead of one-line errors"})
+    p.add_argument("manifest", type=Path, help="request_id<TAB>relative/path per row")
+    p.add_argument("image_root", type=Path, help="folder the manifest paths are relative to")
+    p.add_argument("output", type=Path, help="one little-endian int32 per row (-1: unreadable)")
+    p.add_argument("--model", required=True, help="timm name (decides the spec)")
+    p.add_argument("--checkpoint", required=True, type=Path, help="safetensors or torch state dict")
+    p.add_argument("--input-size", type=int, help="spec override")
+    p.add_argument("--crop-mode", choices=("center", "squash"), help="spec override")
+    p.add_argument("--crop-pct", type=float, help="spec override")
+    p.add_argument("--model-kwargs", type=_json_object, help="timm create_model kwargs as a JSON object")
     p.add_argument("--device", default="cpu", help="cpu or cuda (FP32 either way; TF32 left at torch's defaults)")
-    a = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def _json_object(text: str) -> dict:
+    import argparse
+
+    try:
+        v = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(v, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return v
+
+
+def run(a) -> int:
+    """Check every input before the model loads, then write the reference answers."""
+    from engine.checkpoint import CheckpointError
+    from engine.cli import UsageError
+
     t0 = time.perf_counter()
+    rows = read_manifest(a.manifest)          # ManifestError names the file and line
+    if not a.image_root.is_dir():
+        raise UsageError(f"IMAGE_ROOT is not a directory: {a.image_root}")
+    if not a.output.parent.is_dir():
+        raise UsageError(f"OUTPUT folder does not exist: {a.output.parent}")
+    if not a.checkpoint.is_file():
+        raise UsageError(f"checkpoint not found: {a.checkpoint}")
     spec = resolve_spec(a.model, input_size=a.input_size, crop_mode=a.crop_mode, crop_pct=a.crop_pct,
                         model_kwargs=a.model_kwargs)
-    rows = read_manifest(a.manifest)
     paths: list[Path | None] = []
     for r in rows:
         try:
             paths.append(resolve_image(a.image_root, r.path))
         except ValueError:
             paths.append(None)
-    top1 = reference_top1(spec, a.checkpoint, paths, a.device)
+    try:
+        top1 = reference_top1(spec, a.checkpoint, paths, a.device)
+    except CheckpointError as e:
+        raise UsageError(str(e)) from e
     top1.astype("<i4").tofile(a.output)
     print(json.dumps({"images": len(rows), "unreadable": int((top1 < 0).sum()),
                       "seconds": round(time.perf_counter() - t0, 3)}), file=sys.stderr)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from engine.cli import guard
+
+    a = parse_args(argv)
+    # ValueError: a malformed manifest (ManifestError) or a spec field timm's model cannot take
+    return guard(PROG, lambda: run(a), errors=(ValueError,), debug=a.debug)
 
 
 if __name__ == "__main__":

@@ -27,8 +27,11 @@ REPO = Path(__file__).resolve().parents[2]
 COMPILE_CACHES = ("inductor", "triton", "cupy")
 
 
+PROG = "python -m evaluator.contest.selfcheck"
+
+
 def _err(msg: str) -> None:
-    print(f"selfcheck: {msg}", file=sys.stderr)
+    print(f"{PROG}: {msg}", file=sys.stderr)
 
 
 def stale_reasons(build_argv: list[str]) -> list[str]:
@@ -66,11 +69,12 @@ def stale_reasons(build_argv: list[str]) -> list[str]:
 
 
 def current(build_argv: list[str]) -> int:
+    from engine.cli import error, one_line
+
     try:
         reasons = stale_reasons(build_argv)
     except (OSError, ValueError, RuntimeError) as e:
-        _err(f"cannot compare the artifact with the build flags: {type(e).__name__}: {e}")
-        return 2
+        return error(PROG, f"cannot compare the artifact with the build flags: {one_line(e)}")
     print(json.dumps({"reusable": not reasons, "reasons": reasons}))
     for r in reasons:
         _err(f"stale: {r}")
@@ -137,18 +141,23 @@ def run_check(artifact: Path, timeout: float) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m evaluator.contest.selfcheck", description=__doc__.split("\n\n")[0])
+    from engine.cli import HelpFormatter, guard, parser
+
+    p = parser(PROG, __doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("current", help="exit 0 when the artifact at --out is intact and matches the flags")
+    c = sub.add_parser("current", help="exit 0 when the artifact at --out is intact and matches the flags",
+                       formatter_class=HelpFormatter)
     c.add_argument("build_argv", nargs=argparse.REMAINDER, help="the flags for python -m engine.build")
-    r = sub.add_parser("run", help="one generated image through scripts/run")
-    r.add_argument("--artifact", type=Path, required=True)
-    r.add_argument("--timeout", type=float, default=900.0)
+    r = sub.add_parser("run", help="one generated image through scripts/run", formatter_class=HelpFormatter)
+    r.add_argument("--artifact", type=Path, required=True, help="the artifact to check")
+    r.add_argument("--timeout", type=float, default=900.0, help="seconds scripts/run may take on one image")
     a = p.parse_args(argv)
     if a.command == "current":
         argv_ = a.build_argv[1:] if a.build_argv[:1] == ["--"] else a.build_argv
-        return current(argv_)
-    return run_check(a.artifact, a.timeout)
+        return guard(PROG, lambda: current(argv_), debug=a.debug)
+    if not (a.artifact / "manifest.json").is_file():
+        p.error(f"--artifact {a.artifact}: no manifest.json there (not an artifact)")
+    return guard(PROG, lambda: run_check(a.artifact, a.timeout), debug=a.debug)
 
 
 if __name__ == "__main__":

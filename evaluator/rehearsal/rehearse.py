@@ -52,6 +52,7 @@ from evaluator.rehearsal.sandbox import interpreter_mounts, run_as_user, travers
 from evaluator.rehearsal.write_scan import diff, snapshot, writable_places, writes_outside  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[2]
+PROG = "scripts/rehearse"
 HOME = "/nonexistent"
 COMPILE_CACHES = ("inductor", "triton", "cupy")  # the names scripts/run gives them under TMPDIR
 COMPILED = {".so", ".o", ".a", ".c", ".cc", ".cpp", ".cu", ".h", ".hpp", ".cubin", ".ptx", ".fatbin",
@@ -174,7 +175,7 @@ def prepare_inputs(a: argparse.Namespace, work: Path) -> tuple[Path, Path, Path,
     src = a.prepared
     if src is None:
         src = work / "prepared"
-        print(f"[rehearse] preparing a generated cohort in {src} (evaluator.contest.demo prepare)", file=sys.stderr)
+        print(f"{PROG}: preparing a generated cohort in {src} (evaluator.contest.demo prepare)", file=sys.stderr)
         r = subprocess.run([sys.executable, "-m", "evaluator.demo", "prepare", "--out", str(src), "--count",
                             str(a.count), "--backend", a.backend], cwd=REPO, stdout=subprocess.DEVNULL)
         if r.returncode:
@@ -314,7 +315,7 @@ def rehearse(a: argparse.Namespace) -> dict:
         return summary
     finally:
         if a.keep:
-            print(f"[rehearse] kept {work}", file=sys.stderr)
+            print(f"{PROG}: kept {work}", file=sys.stderr)
         else:
             shutil.rmtree(work, ignore_errors=True)
 
@@ -322,8 +323,11 @@ def rehearse(a: argparse.Namespace) -> dict:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     from engine.backends import BACKENDS
     from engine.backends import DEFAULT as DEFAULT_BACKEND
+    from engine.cli import parser
 
-    p = argparse.ArgumentParser(prog="scripts/rehearse", description=__doc__.split("\n\n")[0])
+    p = parser(PROG, __doc__.split("\n\n")[0], {
+        "REHEARSE_RUN_CMD": "sh command run instead of scripts/run (as --run-cmd)",
+        "ENGINE_DEBUG": "1: tracebacks instead of one-line errors"})
     p.add_argument("--prepared", type=Path, help="a dir made by `python -m evaluator.demo prepare` (used as is)")
     p.add_argument("--count", type=int, default=120, help="cohort size when preparing (no --prepared)")
     p.add_argument("--backend", choices=tuple(BACKENDS), default=DEFAULT_BACKEND,
@@ -334,7 +338,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--memory", default="auto", help="address-space bound: auto (16G on CPU, none on CUDA), none, 8G")
     p.add_argument("--nproc", type=int, default=4096, help="process+thread bound for the user (RLIMIT_NPROC)")
     p.add_argument("--gate", type=float, default=0.99, help="agreement with the reference needed to pass")
-    p.add_argument("--timeout", type=float, default=1800.0)
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds the run may take")
     p.add_argument("--run-cmd", default=evaluator_settings.rehearse_run_cmd(),
                    help="sh command run instead of scripts/run, with MANIFEST IMAGE_ROOT OUTPUT as $1..$3 "
                         "($REHEARSE_REPO is the code copy); env REHEARSE_RUN_CMD")
@@ -344,23 +348,35 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--keep", action="store_true", help="keep the rehearsal folder")
     a = p.parse_args(argv)
     if a.memory != "auto":
-        a.memory = parse_size(a.memory)
+        try:
+            a.memory = parse_size(a.memory)
+        except argparse.ArgumentTypeError as e:
+            p.error(f"--memory: {e}")
     if any("=" not in kv for kv in a.env):
         p.error("--env takes K=V")
+    if a.prepared is None and not 2 <= a.count <= 100_000:
+        p.error(f"--count must be in 2..100000, got {a.count}")
+    if not 0.0 < a.gate <= 1.0 or a.timeout <= 0:
+        p.error("--gate must lie in (0, 1] and --timeout be > 0")
     return a
 
 
 def main(argv: list[str] | None = None) -> int:
+    from engine.cli import error, guard
+
     a = parse_args(argv)
-    try:
-        summary = rehearse(a)
-    except Setup as e:
-        print(f"rehearse: cannot rehearse: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(summary, indent=1))
-    for f in summary["failures"]:
-        print(f"rehearse: FAIL: {f}", file=sys.stderr)
-    return 0 if summary["verdict"] == "PASS" else 1
+
+    def body() -> int:
+        try:
+            summary = rehearse(a)
+        except Setup as e:
+            return error(PROG, f"cannot rehearse: {e}")
+        print(json.dumps(summary, indent=1))
+        for f in summary["failures"]:
+            print(f"{PROG}: FAIL: {f}", file=sys.stderr)
+        return 0 if summary["verdict"] == "PASS" else 1
+
+    return guard(PROG, body, debug=a.debug)
 
 
 if __name__ == "__main__":

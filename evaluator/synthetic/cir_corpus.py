@@ -11,12 +11,13 @@ written in the three layouts engine.clip.load accepts.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 import numpy as np
+
+from engine.progress import Progress
 
 TINY_CLIP = {"embed_dim": 64, "quick_gelu": True,
              "vision_cfg": {"image_size": 64, "layers": 2, "width": 64, "patch_size": 16},
@@ -43,7 +44,9 @@ def make_corpus(out: Path, templates: int = 40, per_template: int = 8, seed: int
     tpl = make_templates(templates, seed)
     out.mkdir(parents=True, exist_ok=True)
     records, by_template = [], {}
+    bar = Progress(templates * per_template, "cir corpus: rendering", unit="images")
     for i in range(templates * per_template):
+        bar.update()
         t = i % templates
         rel = f"images/{t:03d}/{i:05d}.jpg"
         (out / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -55,6 +58,7 @@ def make_corpus(out: Path, templates: int = 40, per_template: int = 8, seed: int
             rec = {"id": image_id(i), "file": rel}            # synonyms the reader accepts
         records.append(rec)
         by_template.setdefault(t, []).append(image_id(i))
+    bar.close()
     n = len(records)
     for b in range(broken):                                    # unreadable: listed, left out
         iid, rel = f"broken-{b}", f"images/broken-{b}.jpg"
@@ -131,22 +135,31 @@ def write_tiny_clip(out: Path, seed: int = 0) -> dict[str, Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m evaluator.cir_corpus", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--templates", type=int, default=40)
-    p.add_argument("--per-template", type=int, default=8)
-    p.add_argument("--requests", type=int, default=60)
-    p.add_argument("--broken", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
+    from engine.cli import guard, parser
+
+    prog = "python -m evaluator.cir_corpus"
+    p = parser(prog, __doc__.split("\n\n")[0], {"ENGINE_PROGRESS": "auto, bar, lines or off"})
+    p.add_argument("--out", type=Path, required=True, help="folder for images/, records, requests and labels")
+    p.add_argument("--templates", type=int, default=40, help="concepts (one procedural template each)")
+    p.add_argument("--per-template", type=int, default=8, help="gallery images per concept")
+    p.add_argument("--requests", type=int, default=60, help="requests (half CIRCO-style, half CIRR-style)")
+    p.add_argument("--broken", type=int, default=3, help="unreadable records planted in records.jsonl")
+    p.add_argument("--seed", type=int, default=0, help="the same seed gives the same bytes")
     p.add_argument("--clip", type=Path, default=None, help="also write the tiny CLIP's three layouts here")
     a = p.parse_args(argv)
     if a.templates < 1 or a.per_template < 2:
         p.error("--templates must be >= 1 and --per-template >= 2 (requests need a positive)")
-    info = make_corpus(a.out, a.templates, a.per_template, a.seed, a.broken, a.requests)
-    if a.clip is not None:
-        info["clip"] = {k: str(v) for k, v in write_tiny_clip(a.clip, a.seed).items()}
-    print(json.dumps(info), file=sys.stderr)
-    return 0
+    if a.requests < 0 or a.broken < 0:
+        p.error("--requests and --broken must be >= 0")
+
+    def body() -> int:
+        info = make_corpus(a.out, a.templates, a.per_template, a.seed, a.broken, a.requests)
+        if a.clip is not None:
+            info["clip"] = {k: str(v) for k, v in write_tiny_clip(a.clip, a.seed).items()}
+        print(json.dumps(info), file=sys.stderr)
+        return 0
+
+    return guard(prog, body, debug=a.debug)
 
 
 if __name__ == "__main__":

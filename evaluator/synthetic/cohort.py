@@ -9,7 +9,6 @@ distinct top-1 classes and real margins (a random head gives near-ties everywher
 """
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import sys
@@ -17,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.io import write_atomic
+from engine.progress import Progress
 from engine.renders import Template, render, templates
 
 TINY_MODEL = "eva02_tiny_patch14_224"
@@ -94,13 +95,19 @@ def make_cohort(out: Path, count: int, seed: int = 0, classes: int = 100, broken
     broken = max(1, count // 100) if broken is None else broken
     (out / "images").mkdir(parents=True, exist_ok=True)
     jobs = [(seed, i, count, broken, classes, template_seed) for i in range(count)]
-    if workers > 1:
-        from concurrent.futures import ProcessPoolExecutor
+    made = []
+    with Progress(count, "cohort: rendering", unit="images") as bar:
+        if workers > 1:
+            from concurrent.futures import ProcessPoolExecutor
 
-        with ProcessPoolExecutor(workers) as pool:
-            made = list(pool.map(_make_image, jobs, chunksize=16))
-    else:
-        made = [_make_image(j) for j in jobs]
+            with ProcessPoolExecutor(workers) as pool:
+                for m in pool.map(_make_image, jobs, chunksize=16):
+                    made.append(m)
+                    bar.update()
+        else:
+            for j in jobs:
+                made.append(_make_image(j))
+                bar.update()
     rows, items = [], []
     for i, (data, c, desc) in enumerate(made):
         rid = f"{rng.integers(1 << 62):016x}"  # randomized request ids: order is by row, never by id
@@ -116,6 +123,11 @@ def make_cohort(out: Path, count: int, seed: int = 0, classes: int = 100, broken
     (out / "cohort.json").write_text(json.dumps(record, indent=1) + "\n")
     write_generated_marker(out, "evaluator.synthetic.cohort", seed=seed, count=count)
     return record
+
+
+def broken_items(record: dict) -> list[dict]:
+    """The cohort record's planted broken files (empty, truncated, not an image), in manifest order."""
+    return [it for it in record["items"] if it["encoding"].startswith("broken:")]
 
 
 def _broken(kind: str, t: Template, rng: np.random.Generator) -> bytes:
@@ -140,7 +152,6 @@ def make_tiny_checkpoint(path: Path, seed: int = 0, classes: int = 100, renders:
     """
     import torch
     from PIL import Image
-    from safetensors.torch import save_file
 
     from engine.checkpoint import create_model
     from engine.decoders.pil import _timm_transform
@@ -153,11 +164,13 @@ def make_tiny_checkpoint(path: Path, seed: int = 0, classes: int = 100, renders:
     tf = _timm_transform(spec.to_json(), True)
     rng = np.random.default_rng(seed + 2)
     xs, ys = [], []
-    for c, t in enumerate(templates(classes, template_seed)):
-        for _ in range(renders):
-            w, h = (int(v) for v in rng.integers(150, 500, 2))
-            xs.append(tf(Image.fromarray(render(t, w, h, rng))))
-            ys.append(c)
+    with Progress(classes * renders, "tiny EVA-02: rendering the head's training images", unit="images") as bar:
+        for c, t in enumerate(templates(classes, template_seed)):
+            for _ in range(renders):
+                w, h = (int(v) for v in rng.integers(150, 500, 2))
+                xs.append(tf(Image.fromarray(render(t, w, h, rng))))
+                ys.append(c)
+                bar.update()
     with torch.inference_mode():
         feats = torch.cat([net.forward_head(net.forward_features(torch.stack(xs[i:i + 64]).to(device)),
                                             pre_logits=True).float().cpu()
@@ -186,28 +199,54 @@ def make_tiny_checkpoint(path: Path, seed: int = 0, classes: int = 100, renders:
               "template_seed": template_seed,
               "classes": classes, "fit_loss": round(loss.item(), 4),
               "made_from": "generated images (procedural renders); no ImageNet data"}
-    save_file({k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()}, str(path),
-              metadata={k: json.dumps(v) for k, v in recipe.items()})
+    write_atomic(path, safetensors_bytes({k: v.detach().cpu().contiguous() for k, v in net.state_dict().items()},
+                                         {k: json.dumps(v, sort_keys=True) for k, v in recipe.items()}))
     path.with_suffix(".json").write_text(json.dumps(recipe, indent=2) + "\n")
     return recipe
 
 
+def safetensors_bytes(tensors: dict, metadata: dict[str, str]) -> bytes:
+    """A safetensors file with its metadata keys sorted, so equal inputs give equal bytes.
+
+    safetensors writes `__metadata__` in hash-map order, which changes from process to
+    process; the header is JSON (8-byte little-endian length, then the JSON padded with
+    spaces to 8 bytes) and tensor offsets count from its end, so it can be rewritten.
+    """
+    from safetensors.torch import save
+
+    blob = save(tensors, metadata=metadata)
+    n = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8:8 + n])                      # dict: keeps the tensors' order
+    header["__metadata__"] = dict(sorted(header.get("__metadata__", {}).items()))
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text + blob[8 + n:]
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m evaluator.cohort", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--count", type=int, default=200)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--classes", type=int, default=100)
-    p.add_argument("--broken", type=int, help="broken files among --count (default 1 %%, at least 1)")
+    from engine.cli import guard, parser
+
+    p = parser("python -m evaluator.cohort", __doc__.split("\n\n")[0], {"ENGINE_PROGRESS": "auto, bar, lines or off"})
+    p.add_argument("--out", type=Path, required=True, help="folder for images/, manifest.tsv and cohort.json")
+    p.add_argument("--count", type=int, default=200, help="images, broken ones included")
+    p.add_argument("--seed", type=int, default=0, help="draws the images; the same seed gives the same bytes")
+    p.add_argument("--classes", type=int, default=100, help="class templates (1..1000)")
+    p.add_argument("--broken", type=int, help="planted broken files among --count (default 1 %%, at least 1)")
     p.add_argument("--checkpoint", action="store_true", help="also write OUT/tiny_eva02.safetensors")
     a = p.parse_args(argv)
     if a.count < 1 or not 1 <= a.classes <= 1000:
         p.error("--count must be >= 1 and --classes in 1..1000")
-    make_cohort(a.out, a.count, a.seed, a.classes, a.broken)
-    if a.checkpoint:
-        make_tiny_checkpoint(a.out / "tiny_eva02.safetensors", a.seed, a.classes)
-    print(json.dumps({"out": str(a.out), "count": a.count}), file=sys.stderr)
-    return 0
+    if a.broken is not None and not 0 <= a.broken < a.count:
+        p.error(f"--broken must be in 0..{a.count - 1} (at least one readable image)")
+
+    def body() -> int:
+        make_cohort(a.out, a.count, a.seed, a.classes, a.broken)
+        if a.checkpoint:
+            make_tiny_checkpoint(a.out / "tiny_eva02.safetensors", a.seed, a.classes)
+        print(json.dumps({"out": str(a.out), "count": a.count}), file=sys.stderr)
+        return 0
+
+    return guard("python -m evaluator.cohort", body, debug=a.debug)
 
 
 if __name__ == "__main__":

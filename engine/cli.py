@@ -1,0 +1,81 @@
+"""One error style for every command (argparse's): `PROG: error: MESSAGE` on one line.
+
+Exit 2 for a user mistake (a flag, a path, a file, an environment value), 1 for a check
+that ran and failed (a gate, a verify), 0 otherwise. A user mistake never shows a
+traceback unless `--debug` is given or ENGINE_DEBUG=1 (engine.settings); a bug still
+does. `parser()` makes an ArgumentParser whose help shows every default and lists the
+environment variables the command reads.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+EXIT_FAILED = 1   # a check ran and failed
+EXIT_USAGE = 2    # the user's input cannot be used (argparse's exit status)
+
+
+class UsageError(Exception):
+    """A mistake in a flag, a path, a file or an environment value: one line, exit 2."""
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults after each flag's help (not for required flags, switches or None); the
+    description and epilog keep their line breaks."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.required or action.default in (None, False) or action.default is argparse.SUPPRESS:
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+def parser(prog: str, description: str, env: dict[str, str] | None = None) -> argparse.ArgumentParser:
+    """An ArgumentParser with defaults shown, an `environment:` epilog for `env` (name -> what)
+    and a `--debug` flag."""
+    epilog = None
+    if env:
+        width = max(len(k) for k in env)
+        epilog = "environment:\n" + "\n".join(f"  {k.ljust(width)}  {v}" for k, v in env.items())
+    p = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog, formatter_class=HelpFormatter)
+    p.add_argument("--debug", action="store_true", help="show the Python traceback of an error (also ENGINE_DEBUG=1)")
+    return p
+
+
+def one_line(e: BaseException) -> str:
+    """The message of `e` on one line; an OSError names its file."""
+    if isinstance(e, OSError) and e.strerror and e.filename is not None:
+        msg = f"{e.strerror}: {e.filename}"
+    else:
+        msg = str(e).strip() or type(e).__name__
+    return " | ".join(line.strip() for line in msg.splitlines() if line.strip())
+
+
+def error(prog: str, message: str) -> int:
+    """Print `PROG: error: MESSAGE` on stderr; returns EXIT_USAGE for `return error(...)`."""
+    print(f"{prog}: error: {' '.join(message.split())}", file=sys.stderr, flush=True)
+    return EXIT_USAGE
+
+
+def debugging(argv_debug: bool = False) -> bool:
+    """True when tracebacks are wanted (`--debug`, or ENGINE_DEBUG=1; a bad ENGINE_DEBUG counts as 0)."""
+    from engine import settings
+
+    try:
+        return argv_debug or settings.debug()
+    except settings.SettingsError:
+        return False
+
+
+def guard(prog: str, body: Callable[[], int], errors: tuple[type[BaseException], ...] = (),
+          debug: bool = False) -> int:
+    """`body()`, with UsageError, engine.settings.SettingsError, OSError and `errors` turned
+    into one `PROG: error:` line and EXIT_USAGE (re-raised when debugging)."""
+    from engine.settings import SettingsError
+
+    try:
+        return body()
+    except (UsageError, SettingsError, OSError, *errors) as e:
+        if debugging(debug):
+            raise
+        return error(prog, one_line(e))

@@ -1,0 +1,186 @@
+"""One error style and progress on stderr: engine.cli, engine.progress, and the commands that use them.
+
+A user mistake is one `PROG: error: MESSAGE` line and exit 2, never a traceback (unless --debug
+or ENGINE_DEBUG=1); --help shows defaults and the environment variables read; progress goes to
+stderr, a bar on a terminal, plain lines otherwise."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, TINY_MODEL
+
+from engine import cli
+from engine.progress import Progress
+
+
+def _one_error_line(r: subprocess.CompletedProcess, prog: str) -> str:
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr, r.stderr[-2000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"{prog}: error: "), lines[0]
+    return lines[0]
+
+
+def _py(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+# ---- engine.cli ------------------------------------------------------------------------------------
+
+
+def test_guard_turns_user_errors_into_one_line_and_exit_2(capsys):
+    from engine.settings import SettingsError
+
+    def missing() -> int:
+        open("/nonexistent/dir/file.txt")
+        return 0
+
+    for body, words in [(missing, "No such file or directory: /nonexistent/dir/file.txt"),
+                        (lambda: (_ for _ in ()).throw(cli.UsageError("bad\nvalue  here")), "bad | value here"),
+                        (lambda: (_ for _ in ()).throw(SettingsError("ENGINE_X must be 0 or 1")), "ENGINE_X")]:
+        assert cli.guard("prog", body) == cli.EXIT_USAGE
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("prog: error: ") and words in err, err
+    assert cli.guard("prog", lambda: 0) == 0
+    with pytest.raises(ZeroDivisionError):       # a bug is not a user error: its traceback stays
+        cli.guard("prog", lambda: 1 // 0)
+    assert cli.guard("prog", lambda: (_ for _ in ()).throw(KeyError("k")), errors=(KeyError,)) == 2
+
+
+def test_debug_flag_and_engine_debug_show_the_traceback(monkeypatch, capsys):
+    def body() -> int:
+        raise cli.UsageError("nope")
+
+    with pytest.raises(cli.UsageError):
+        cli.guard("prog", body, debug=True)
+    monkeypatch.setenv("ENGINE_DEBUG", "1")
+    with pytest.raises(cli.UsageError):
+        cli.guard("prog", body)
+    monkeypatch.setenv("ENGINE_DEBUG", "maybe")  # a bad value of the switch itself does not hide the error
+    assert cli.guard("prog", body) == 2
+    assert "prog: error: nope" in capsys.readouterr().err
+
+
+def test_parser_help_shows_defaults_and_environment():
+    p = cli.parser("prog", "Does things.", {"ENGINE_THING": "what it sets"})
+    p.add_argument("--size", type=int, default=7, help="how many")
+    p.add_argument("--name", required=True, help="who")
+    p.add_argument("--flag", action="store_true", help="a switch")
+    text = p.format_help()
+    assert "how many (default: 7)" in text
+    assert "who (default" not in text and "a switch (default" not in text
+    assert "environment:" in text and "ENGINE_THING  what it sets" in text
+    assert "--debug" in text
+
+
+# ---- engine.progress -------------------------------------------------------------------------------
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_lines_off_the_terminal():
+    s = io.StringIO()
+    with Progress(4, "step", unit="images", every_s=0.0, stream=s) as bar:
+        for _ in range(4):
+            bar.update()
+    lines = s.getvalue().splitlines()
+    assert lines[0].startswith("step: 1/4 images (25 %), ") and "left" in lines[0]
+    assert lines[-1].startswith("step: 4/4 images, in ") and lines[-1].endswith("images/s")
+    quiet = io.StringIO()
+    with Progress(4, "step", every_s=3600, stream=quiet) as bar:   # under every_s: only the closing line
+        bar.update(4)
+    assert len(quiet.getvalue().splitlines()) == 1
+
+
+def test_progress_bar_on_a_terminal_and_the_off_switch(monkeypatch):
+    tty = _Tty()
+    with Progress(3, "step", unit="steps", stream=tty) as bar:
+        assert bar.mode == "bar"
+        bar.update(3)
+    assert "3/3" in tty.getvalue() and "step" in tty.getvalue()
+    monkeypatch.setenv("ENGINE_PROGRESS", "off")
+    s = _Tty()
+    with Progress(3, "step", every_s=0.0, stream=s) as bar:
+        bar.update(3)
+    assert s.getvalue() == ""
+    monkeypatch.setenv("ENGINE_PROGRESS", "lines")
+    s = _Tty()
+    with Progress(2, "step", every_s=0.0, stream=s) as bar:
+        bar.update(2)
+    assert s.getvalue().startswith("step: 2/2 it")
+
+
+# ---- the commands ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def manifest(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ref_inputs")
+    (d / "images").mkdir()
+    (d / "manifest.tsv").write_text("a\timages/x.JPEG\n")
+    return d
+
+
+def test_reference_bad_inputs(manifest, tmp_path):
+    prog = "python -m evaluator.reference"
+    m, root, out = str(manifest / "manifest.tsv"), str(manifest), str(tmp_path / "r.i32")
+    line = _one_error_line(_py("-m", "evaluator.reference", m, root, out, "--model", TINY_MODEL,
+                               "--checkpoint", str(tmp_path / "absent.safetensors")), prog)
+    assert "checkpoint not found" in line and "absent.safetensors" in line
+    line = _one_error_line(_py("-m", "evaluator.reference", str(tmp_path / "none.tsv"), root, out,
+                               "--model", TINY_MODEL, "--checkpoint", m), prog)
+    assert "cannot read manifest" in line and "none.tsv" in line
+    (tmp_path / "bad.tsv").write_text("no tab here\n")
+    line = _one_error_line(_py("-m", "evaluator.reference", str(tmp_path / "bad.tsv"), root, out,
+                               "--model", TINY_MODEL, "--checkpoint", m), prog)
+    assert "bad.tsv:1" in line
+    line = _one_error_line(_py("-m", "evaluator.reference", m, str(tmp_path / "nowhere"), out,
+                               "--model", TINY_MODEL, "--checkpoint", m), prog)
+    assert "IMAGE_ROOT is not a directory" in line
+    (tmp_path / "junk.safetensors").write_bytes(b"\x00" * 64)
+    line = _one_error_line(_py("-m", "evaluator.reference", m, root, out, "--model", TINY_MODEL,
+                               "--input-size", "112", "--checkpoint", str(tmp_path / "junk.safetensors")), prog)
+    assert "cannot read checkpoint" in line
+    r = _py("-m", "evaluator.reference", m, root, out, "--model", TINY_MODEL, "--checkpoint", m,
+            "--model-kwargs", "[1")
+    assert r.returncode == 2 and "--model-kwargs: not JSON" in r.stderr and "Traceback" not in r.stderr
+    r = _py("-m", "evaluator.reference", m, root, out, "--model", TINY_MODEL, "--debug",
+            "--checkpoint", str(tmp_path / "absent.safetensors"))
+    assert r.returncode == 1 and "Traceback" in r.stderr and "UsageError" in r.stderr
+
+
+def test_help_of_every_owned_command_exits_0_with_defaults():
+    for module, words in [("evaluator.demo", ["(default: 200)", "OMP_WAIT_POLICY"]),
+                          ("evaluator.reference", ["ENGINE_PROGRESS", "(default: cpu)"]),
+                          ("evaluator.cohort", ["(default: 200)", "ENGINE_PROGRESS"]),
+                          ("evaluator.cir_corpus", ["(default: 40)"]),
+                          ("evaluator.ablate", ["CLIP_MODEL_DIR", "(default: 32)"]),
+                          ("evaluator.rehearse", ["REHEARSE_RUN_CMD", "(default: 120)"])]:
+        r = _py("-m", module, "--help")
+        assert r.returncode == 0, (module, r.stderr[-1000:])
+        text = " ".join(r.stdout.split())          # argparse wraps long help lines
+        for w in words:
+            assert w in text, (module, w)
+
+
+def test_selfcheck_run_without_an_artifact_is_a_usage_error(tmp_path):
+    r = _py("-m", "evaluator.contest.selfcheck", "run", "--artifact", str(tmp_path))
+    assert r.returncode == 2 and "no manifest.json" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_selfcheck_current_with_unreadable_inputs_is_one_line(tmp_path):
+    r = _py("-m", "evaluator.contest.selfcheck", "current", "--", "--model", TINY_MODEL, "--input-size", "112",
+            "--checkpoint", str(tmp_path / "absent.safetensors"), "--out", str(tmp_path / "art"))
+    # no artifact there yet: stale (exit 1) with a JSON line, not a traceback
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert json.loads(r.stdout)["reusable"] is False and "Traceback" not in r.stderr
