@@ -106,13 +106,35 @@ def test_flags_that_change_the_artifact_make_it_stale(first_build, read_only_che
     assert any("spec differs" in s for s in stale_reasons(base + ["--batch-size", "8"]))
 
 
-def test_missing_checkpoint_fails_loudly(tmp_path):
+def test_missing_checkpoint_is_a_usage_error(tmp_path):
     r = _build(_env(tmp_path / "absent.safetensors", tmp_path / "art"))
-    assert r.returncode != 0
-    assert "FAILED" in r.stderr and "checkpoint not found" in r.stderr and "absent.safetensors" in r.stderr
+    assert r.returncode == 2
+    line = r.stderr.strip().splitlines()[-1]
+    assert line.startswith("build.sh: error: checkpoint not found") and "absent.safetensors" in line
     assert not (tmp_path / "art").exists()
 
 
-def test_bad_device_fails_loudly(tmp_path, read_only_checkpoint):
+def test_bad_device_is_a_usage_error(tmp_path, read_only_checkpoint):
     r = _build(_env(read_only_checkpoint, tmp_path / "art", ENGINE_DEVICE="tpu"))
-    assert r.returncode != 0 and "ENGINE_DEVICE must be" in r.stderr
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("build.sh: error: ENGINE_DEVICE must be")
+
+
+def test_a_failed_check_exits_1(first_build):
+    art, env, r = first_build
+    assert r.returncode == 0, r.stderr[-3000:]
+    r2 = _build({**env, "ENGINE_DECODER": "bogus"})   # the artifact is reused; scripts/run refuses the value
+    assert r2.returncode == 1, r2.stderr[-3000:]
+    assert "reusing artifact" in r2.stderr
+    assert r2.stderr.strip().splitlines()[-1].startswith("build.sh: error: the artifact at")
+
+
+def test_help_lists_every_knob_and_exits_0():
+    r = subprocess.run(["sh", str(BUILD), "--help"], capture_output=True, text=True, timeout=30, cwd="/")
+    assert r.returncode == 0 and r.stderr == ""
+    read = set(re.findall(r"\$\{((?:ENGINE_[A-Z_]+|FORCE|PYTHON))\b", BUILD.read_text()))
+    assert {"ENGINE_CHECKPOINT", "ENGINE_DEVICE", "FORCE", "PYTHON"} <= read
+    for name in read:
+        assert name in r.stdout, f"--help does not list {name}"
+    assert "exit status" in r.stdout
+    bad = subprocess.run(["sh", str(BUILD), "--frobnicate"], capture_output=True, text=True, timeout=30, cwd="/")
+    assert bad.returncode == 2 and bad.stderr.startswith("build.sh: error: unknown argument '--frobnicate'")
