@@ -3,6 +3,7 @@ inversion beats a random token, seeded, resumable), the build option and the run
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -87,6 +88,18 @@ def test_training_loss_falls_and_the_inverted_token_reconstructs_its_image(tower
             assert learned > baseline + 0.1, (float(learned), float(baseline))
 
 
+def test_first_and_last_loss_are_means_over_a_window_of_the_whole_run(towers, gallery, tmp_path):
+    from engine.retrieval.pic2word import loss_window
+
+    assert [loss_window(n) for n in (1, 9, 20, 120, 1000)] == [1, 1, 2, 12, 20]
+    short = train(towers, gallery, Pic2WordConfig(hidden=128, steps=20, batch_size=64, lr=1e-3, ckpt_every=100),
+                  tmp_path, KEY, log=lambda m: None)
+    assert short.loss_window == 2 and len(short.curve) == 20          # 20 steps: the curve holds each step
+    assert short.first_loss == pytest.approx(np.mean([c[1] for c in short.curve[:2]]), abs=1e-4)
+    assert short.final_loss == pytest.approx(np.mean([c[1] for c in short.curve[-2:]]), abs=1e-4)
+    assert abs(short.first_loss - short.final_loss) > 1e-3          # a short run's ends differ
+
+
 def test_training_is_seeded_and_resumes_from_its_last_checkpoint(towers, gallery, trained, tmp_path):
     again = train(towers, gallery, CFG, tmp_path / "a", KEY, log=lambda m: None)
     assert all(torch.equal(again.state[k], trained.state[k]) for k in trained.state)   # same seed, same weights
@@ -100,6 +113,7 @@ def test_training_is_seeded_and_resumes_from_its_last_checkpoint(towers, gallery
     assert resumed.resumed_from == 40 and "resuming from the checkpoint at step 40 of 120" in logs[-1]
     assert all(torch.equal(resumed.state[k], trained.state[k]) for k in trained.state)
     assert resumed.final_loss == pytest.approx(trained.final_loss)
+    assert resumed.first_loss == pytest.approx(trained.first_loss)   # the whole run's, resumed steps included
     with pytest.raises(Stopped):                                   # another key: starts over, said
         train(towers, gallery, CFG, tmp_path / "k", {"gallery": "other"}, stop_after=1, log=logs.append)
     assert "training starts over" in logs[-1]
@@ -114,10 +128,13 @@ def test_build_option_is_resumable_and_recorded(tmp_path, monkeypatch, capsys):
     assert cir_build.main(args) == 0
     err = capsys.readouterr().err
     assert "resuming: 6 of 6 chunks already built" in err and "resuming from the checkpoint at step 40" in err
+    m = re.search(r"loss (\d+\.\d{3}) -> (\d+\.\d{3}) \(means of the first and last 12 of the run's 120 steps\)", err)
+    assert m and float(m.group(1)) > float(m.group(2)), err[-2000:]
     meta = load_index(d).meta
     p = meta["pic2word"]
     assert p["steps"] == 120 and p["resumed_from_step"] == 40 and p["seed"] == 0 and p["config"]["lr"] == 1e-3
     assert p["final_loss"] < p["first_loss"] and p["data"] == "gallery image embeddings only"
+    assert p["loss_window"] == 12 and round(p["first_loss"], 3) == float(m.group(1))
     assert meta["text_bank"]["count"] == 320 and meta["dba"] == {"n": 3, "alpha": 3.0}
     assert len(meta["gallery_mean"]) == 64 and meta["corpus"] == str(corpus().resolve())
     ref = load_index(p2w_index())                                  # the uninterrupted build (scripts/build.sh)
