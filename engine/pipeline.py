@@ -8,7 +8,9 @@ still gets a prediction.
 """
 from __future__ import annotations
 
+import os
 import queue
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -16,6 +18,50 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def read_regular(path: str | os.PathLike, max_bytes: int, limit: str = "ENGINE_MAX_FILE_BYTES") -> bytes:
+    """The bytes of a regular file of at most `max_bytes` (`limit` names that bound): one open,
+    one fstat, one read.
+
+    Opened non-blocking (a FIFO cannot hang the reader) and without following a final
+    symlink; directories, FIFOs, sockets and devices are refused after the fstat, and an
+    oversized file before a byte is read. Errors are OSError or ValueError naming why.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = next((what for test, what in _KINDS if test(st.st_mode)), "not a regular file")
+            raise ValueError(f"{path} is {kind}, not a regular file")
+        if st.st_size > max_bytes:
+            raise ValueError(f"{path} has {st.st_size} bytes, above the limit of {max_bytes} ({limit})")
+        data = os.read(fd, st.st_size)
+        while len(data) < st.st_size:  # a short read (rare for regular files): read the rest
+            more = os.read(fd, st.st_size - len(data))
+            if not more:
+                break
+            data += more
+        return data
+    finally:
+        os.close(fd)
+
+
+def resolve_inside(root: str | os.PathLike, rel: str, what: str = "the root", real_root: str | None = None) -> str:
+    """Real path of `rel` inside `root`; ValueError (nothing opened) for an absolute path, a NUL
+    byte or an escape, also through a symlink. `real_root`: os.path.realpath(root), if known."""
+    if os.path.isabs(rel) or rel.startswith(("/", "\\")):
+        raise ValueError(f"absolute path refused: {rel!r}")
+    if "\x00" in rel:
+        raise ValueError("NUL byte in path")
+    real_root = real_root or os.path.realpath(root)
+    real = os.path.realpath(os.path.join(real_root, rel))  # follows symlinks: a link out of the root is refused
+    if os.path.commonpath([real_root, real]) != real_root:
+        raise ValueError(f"path escapes {what}: {rel!r}")
+    return real
 
 
 @dataclass
@@ -106,6 +152,7 @@ def classify(read: Callable[[int], bytes], n: int, decoder, runtime, readers: in
     bsz = runtime.batch_size
     res = Result(np.zeros(n, np.int32))
     run = getattr(runtime, "run_async", runtime.run)
+    guarded = getattr(runtime, "guard", None) is not None  # the guard skips the padding rows of the last batch
     gathered = []  # per batch: (lo, hi, int32 [B] on the device); copied to the host once, at the end
     busy = {"read": 0.0, "decode": 0.0, "inference": 0.0}
     batches = decoded_batches(read, n, bsz, decoder, readers, max(depth, 1), clock, busy, res.timeline)
@@ -116,7 +163,7 @@ def classify(read: Callable[[int], bytes], n: int, decoder, runtime, readers: in
             if hi - lo < bsz:
                 arr = _pad(arr, bsz)  # pad the last batch: the compiled graph has a static shape
             t = clock()
-            pred = run(arr)                                   # [B] int32, on the run's device
+            pred = run(arr, hi - lo) if guarded else run(arr)  # [B] int32, on the run's device
             t2 = clock()
             busy["inference"] += t2 - t
             res.timeline.append({"stage": "inference", "batch": b, "start": t, "end": t2})

@@ -4,9 +4,13 @@
 
 Defaults come from CONTEST_MANIFEST / CONTEST_IMAGE_ROOT / CONTEST_OUTPUT, the artifact
 from ENGINE_ARTIFACT (default artifacts/default), the timing report path from
-CONTEST_REPORT (evaluator.settings, engine.settings). Nothing is printed on stdout; problems go to stderr. The output is
-written to a temporary file and renamed into place, so a crash never leaves a file
-that looks complete.
+CONTEST_REPORT (evaluator.settings, engine.settings). Nothing is printed on stdout; problems go to stderr.
+
+Order: every check that can fail a run happens before the first image is read (manifest,
+IMAGE_ROOT, OUTPUT's folder writable and a temp file opened there, a stale OUTPUT removed,
+TMPDIR, the address-space limit, the artifact with its self-checks). The output is written
+to that temp file and renamed into place at the end, so a crash never leaves a file that
+looks complete. Diagnostics are best effort: a stderr that cannot be written changes nothing.
 """
 from __future__ import annotations
 
@@ -17,8 +21,19 @@ _T_IMPORT = time.perf_counter()
 import argparse  # noqa: E402 - the clock above times every import below
 import json  # noqa: E402
 import os  # noqa: E402
+import shutil  # noqa: E402
+import signal  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
+
+PROG = "run"
+RUN_DIR_PREFIX = "eva-engine-run-"          # TMPDIR/eva-engine-run-<pid>: this run's scratch folder
+BASE_ADDRESS_SPACE = 6 << 30                # virtual memory a CPU run maps besides its artifact (measured ~4 GiB)
+MANIFEST_MAX_BYTES = 1 << 30
+
+
+class RunError(Exception):
+    """A user mistake or an unusable environment: one `run: error:` line, exit 2."""
 
 
 def _process_start() -> float:
@@ -50,6 +65,172 @@ def write_predictions(path: Path, top1) -> None:
     write_atomic(path, np.ascontiguousarray(top1, dtype="<i4").tobytes())
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True          # someone else's process: leave its files alone
+    return True
+
+
+def _stale(name: str, prefix: str) -> bool:
+    """`name` is PREFIX<pid> of a process that no longer runs."""
+    tail = name[len(prefix):]
+    return name.startswith(prefix) and tail.isdigit() and int(tail) != os.getpid() and not _alive(int(tail))
+
+
+class Output:
+    """OUTPUT, reserved before any image is read.
+
+    Checked (not a directory, its folder exists), any earlier OUTPUT removed (a stale file
+    must never pass for this run's), and a temp file `.tmp-NAME-<pid>` opened beside it;
+    `commit` writes, syncs and renames it into place. When the folder is not writable but
+    OUTPUT itself is, OUTPUT is emptied now and written in place at the end.
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        folder = path.parent
+        if path.is_dir():
+            raise RunError(f"OUTPUT is a directory: {path}")
+        if not folder.is_dir():
+            raise RunError(f"OUTPUT folder does not exist: {folder}")
+        prefix = f".tmp-{path.name}-"
+        try:
+            for p in folder.iterdir():  # temp files of killed runs
+                if _stale(p.name, prefix):
+                    p.unlink(missing_ok=True)
+        except OSError:
+            pass
+        self.tmp = folder / f"{prefix}{os.getpid()}"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+        try:
+            if os.path.lexists(path):
+                os.unlink(path)
+            self.fd = os.open(self.tmp, flags | os.O_EXCL, 0o644)
+        except FileExistsError:
+            os.unlink(self.tmp)
+            self.fd = os.open(self.tmp, flags | os.O_EXCL, 0o644)
+        except OSError as e:
+            if not (os.path.isfile(path) and os.access(path, os.W_OK)):
+                raise RunError(f"cannot write OUTPUT in {folder}: {e.strerror or e}") from None
+            try:
+                self.fd, self.tmp = os.open(path, flags), None   # in place: emptied now, written at the end
+            except OSError as e2:
+                raise RunError(f"cannot write OUTPUT {path}: {e2.strerror or e2}") from None
+        self.done = False
+
+    def commit(self, data: bytes) -> None:
+        """Write `data`, fsync, and rename the temp file onto OUTPUT."""
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self.fd, view):]
+        os.fsync(self.fd)
+        os.close(self.fd)
+        self.fd = None
+        if self.tmp is not None:
+            os.replace(self.tmp, self.path)
+        self.done = True
+
+    def discard(self) -> None:
+        """Close and remove the temp file (every exit path that did not commit)."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        if not self.done and self.tmp is not None:
+            try:
+                os.unlink(self.tmp)
+            except OSError:
+                pass
+
+
+def private_tmpdir() -> Path | None:
+    """TMPDIR/eva-engine-run-<pid>, made the process's TMPDIR (the AOT loader unpacks its package
+    there) and removed on every exit path by the caller; folders of killed runs are removed first.
+    None, said on stderr, when TMPDIR is not writable (an artifact that needs it then fails to load)."""
+    import tempfile
+
+    from engine import settings
+
+    base = settings.tmpdir()
+    try:
+        for p in base.iterdir():
+            if _stale(p.name, RUN_DIR_PREFIX):
+                shutil.rmtree(p, ignore_errors=True)
+    except OSError:
+        pass
+    d = base / f"{RUN_DIR_PREFIX}{os.getpid()}"
+    try:
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(mode=0o700)
+    except OSError as e:
+        print(f"{PROG}: warning: TMPDIR {base} is not writable ({e.strerror or e}); continuing without a "
+              "scratch folder", file=sys.stderr)
+        return None
+    os.environ.update(TMPDIR=str(d))   # C++ loaders and Python's tempfile read it when they need it
+    tempfile.tempdir = None
+    return d
+
+
+def _tree_bytes(root: Path) -> int:
+    total = 0
+    for dirpath, _, names in os.walk(root):
+        for n in names:
+            try:
+                total += os.stat(os.path.join(dirpath, n)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def check_address_space(artifact: Path) -> None:
+    """RunError when RLIMIT_AS is below what the run maps (the artifact plus the runtime's base)."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return
+    need = _tree_bytes(artifact) + BASE_ADDRESS_SPACE
+    if soft < need:
+        raise RunError(f"the address-space limit ({soft >> 20} MiB, ulimit -v) is below the about {need >> 20} MiB "
+                       f"this run maps (artifact {_tree_bytes(artifact) >> 20} MiB + runtime "
+                       f"{BASE_ADDRESS_SPACE >> 20} MiB)")
+
+
+def _is_oom(e: BaseException) -> bool:
+    text = str(e).lower()
+    return isinstance(e, MemoryError) or (isinstance(e, RuntimeError) and (
+        "out of memory" in text or "can't allocate memory" in text or "cannot allocate memory" in text))
+
+
+def _decoder_name(a: argparse.Namespace, meta: dict) -> str:
+    from engine.decoders import default_decoder
+
+    return a.decoder or meta.get("decoder") or default_decoder(meta.get("device", "cpu"))
+
+
+def early_decoder(a: argparse.Namespace, budget):
+    """The decoder started from the artifact's manifest before torch is imported, when it runs in a
+    child process (engine.decoders.runs_isolated); None otherwise or if the manifest is unusable
+    (load_artifact then says why). The caller keeps it only if the checked artifact agrees."""
+    from engine import settings
+    from engine.decoders import make_decoder, runs_isolated
+    from engine.spec import Spec
+
+    try:
+        with open(a.artifact / "manifest.json", "rb") as f:
+            meta = json.loads(f.read(64 << 20))
+        name = _decoder_name(a, meta)
+        if not runs_isolated(name, settings.decoder_isolate()):
+            return None
+        spec = Spec.from_dict(meta["spec"])
+        return make_decoder(name, spec, spec.batch_size, budget.decoder, settings.decoder_isolate())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        return None
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     from engine import settings
     from engine.decoders import DECODERS
@@ -66,68 +247,143 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--artifact", type=Path, default=settings.artifact(), help="env ENGINE_ARTIFACT")
     p.add_argument("--decoder", default=settings.decoder(), choices=tuple(DECODERS),
                    help="env ENGINE_DECODER; default: the artifact's")
-    p.add_argument("--readers", type=int, default=settings.readers(), help="file reader threads (env ENGINE_READERS)")
+    p.add_argument("--readers", type=int, default=settings.readers(),
+                   help="file reader threads (env ENGINE_READERS; default from ENGINE_THREADS)")
     p.add_argument("--depth", type=int, default=settings.pipeline_depth(),
                    help="decoded batches in flight ahead of inference; 0 = decode and infer in turn "
                         "(env ENGINE_PIPELINE_DEPTH)")
     a = p.parse_args(argv)
-    if a.readers < 1 or a.depth < 0:
+    if (a.readers is not None and a.readers < 1) or a.depth < 0:
         p.error("--readers must be >= 1 and --depth >= 0")
     return a
 
 
+class Held:
+    """What a run must release on every exit path: the reserved OUTPUT and the scratch folder."""
+
+    output: Output | None = None
+    scratch: Path | None = None
+
+    def release(self) -> None:
+        if self.output is not None:
+            self.output.discard()
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+            os.environ.update(TMPDIR=str(self.scratch.parent))   # the caller's TMPDIR again
+            import tempfile
+
+            tempfile.tempdir = None
+
+
 def main(argv: list[str] | None = None) -> int:
+    """scripts/run: 0 with OUTPUT written, 2 with one `run: error:` line and no OUTPUT."""
+    from engine.streams import safe_std_streams
+
+    safe_std_streams()
     wall0 = _process_start()
+    held = Held()
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+    for s in previous:  # a terminated run still cleans up (the finally below)
+        signal.signal(s, lambda sig, _: sys.exit(128 + sig))
+    try:
+        return _run(argv, wall0, held)
+    except RunError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    except (MemoryError, RuntimeError) as e:
+        if not _is_oom(e):
+            raise
+        first = (str(e).splitlines() or [""])[0][:200]
+        print(f"{PROG}: error: out of memory ({type(e).__name__}: {first}); raise the memory limit or use a "
+              "smaller batch size", file=sys.stderr)
+        return 2
+    finally:
+        held.release()
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def _run(argv, wall0: float, held: Held) -> int:
     try:
         a = parse_args(argv)
     except ValueError as e:  # engine.settings.SettingsError: a bad environment value
-        print(f"run: error: {e}", file=sys.stderr)
-        return 2
-    from evaluator.contest.manifest import ManifestError, read_manifest, resolve_image
+        raise RunError(str(e)) from None
+    from engine import settings, threads
+
+    try:
+        budget = threads.budget("cpu")
+        cap = settings.max_file_bytes()
+    except ValueError as e:
+        raise RunError(str(e)) from None
+    os.environ.update(threads.library_env(budget))   # before numpy / torch load and size their pools
+    if not a.image_root.is_dir():
+        raise RunError(f"IMAGE_ROOT is not a directory: {a.image_root}")
+    out = held.output = Output(a.output)
+    check_address_space(a.artifact)                  # before anything large is mapped
+    from engine.pipeline import read_regular, resolve_inside
+    from evaluator.contest.manifest import ManifestError, read_manifest
 
     try:
         rows = read_manifest(a.manifest)
     except ManifestError as e:
-        print(f"run: error: {e}", file=sys.stderr)
-        return 2
-    if not a.image_root.is_dir():
-        print(f"run: error: IMAGE_ROOT is not a directory: {a.image_root}", file=sys.stderr)
-        return 2
-    if not a.output.parent.is_dir():
-        print(f"run: error: OUTPUT folder does not exist: {a.output.parent}", file=sys.stderr)
-        return 2
+        raise RunError(str(e)) from None
+    held.scratch = private_tmpdir()
 
-    import torch  # noqa: F401 - heavy import timed as part of "imports"
+    early = early_decoder(a, budget)   # a child decoder process starts while torch imports
 
+    try:
+        import torch  # noqa: F401 - heavy import timed as part of "imports"
+    except (ImportError, OSError) as e:
+        raise RunError(f"cannot import torch ({e}): is the memory limit too low?") from None
     from engine.artifact import ArtifactError, load_artifact
-    from engine.decoders import default_decoder, make_decoder
+    from engine.decoders import make_decoder
     from engine.pipeline import classify
     from engine.runtime import load_runtime
 
     t_imports = time.perf_counter()
     try:
         art = load_artifact(a.artifact)
+    except (ArtifactError, OSError) as e:
+        raise RunError(f"cannot load artifact {a.artifact}: {e}") from None
+    budget = threads.budget(art.device)
+    threads.apply_torch(budget)
+    readers = a.readers or budget.readers
+    decoder_name = _decoder_name(a, art.meta)
+    if early is not None and (early.name, early.spec, early.batch_size) == (decoder_name, art.spec, art.batch_size):
+        decoder = early
+    else:
+        if early is not None:
+            early.close()
+        decoder = make_decoder(decoder_name, art.spec, art.batch_size, budget.decoder, settings.decoder_isolate())
+    try:
         runtime = load_runtime(art)
     except (ArtifactError, RuntimeError, OSError) as e:
-        print(f"run: error: cannot load artifact {a.artifact}: {e}", file=sys.stderr)
-        return 2
-    decoder_name = a.decoder or art.meta.get("decoder") or default_decoder(art.device)
-    decoder = make_decoder(decoder_name, art.spec, art.batch_size)
+        if _is_oom(e):
+            raise
+        hint = "" if held.scratch is not None else f" (TMPDIR {settings.tmpdir()} is not writable)"
+        raise RunError(f"cannot load artifact {a.artifact}: {e}{hint}") from None
     t_loaded = time.perf_counter()
 
-    root = a.image_root
+    root, real_root = a.image_root, os.path.realpath(a.image_root)
 
     def read(i: int) -> bytes:
-        return resolve_image(root, rows[i].path).read_bytes()
+        return read_regular(resolve_inside(root, rows[i].path, "IMAGE_ROOT", real_root), cap)
 
-    res = classify(read, len(rows), decoder, runtime, readers=a.readers, depth=a.depth)
+    res = classify(read, len(rows), decoder, runtime, readers=readers, depth=a.depth)
     t_done = time.perf_counter()
     for i in sorted(res.failed):
         r = rows[i]
-        print(f"run: row {r.line} ({r.request_id}, {r.path}): unreadable, predicted {res.top1[i]}: "
+        print(f"{PROG}: row {r.line} ({r.request_id}, {r.path}): unreadable, predicted {res.top1[i]}: "
               f"{res.failed[i]}", file=sys.stderr)
-    write_predictions(a.output, res.top1)
+    import numpy as np
+
+    try:
+        out.commit(np.ascontiguousarray(res.top1, dtype="<i4").tobytes())
+    except OSError as e:
+        raise RunError(f"cannot write OUTPUT {a.output}: {e.strerror or e}") from None
     t_end = time.perf_counter()
+    if hasattr(decoder, "close"):
+        decoder.close()   # the child decoder process, if any
 
     if a.report:
         # perf_counter -> seconds since process start
@@ -137,10 +393,13 @@ def main(argv: list[str] | None = None) -> int:
             "failed": len(res.failed),
             "backend": art.backend,
             "decoder": decoder.name,
+            "decoder_isolated": bool(getattr(decoder, "isolated", False)),
             "precision": art.precision,
             "batch_size": art.batch_size,
             "device": str(runtime.device),
             "pipeline_depth": a.depth,
+            "threads": {"budget": budget.total, "readers": readers, "decoder": budget.decoder,
+                        "intra_op": budget.intra_op, "inter_op": budget.inter_op},
             "stages": {
                 "imports": round(t_imports + offset, 4),
                 "artifact_load": round(t_loaded - t_imports, 4),
@@ -156,14 +415,22 @@ def main(argv: list[str] | None = None) -> int:
             "timeline": [{**e, "start": round(e["start"] + offset, 4), "end": round(e["end"] + offset, 4)}
                          for e in res.timeline],
         }
-        a.report.write_text(json.dumps(report, indent=1) + "\n")
+        if hasattr(runtime, "report"):
+            report["runtime"] = runtime.report()
+        try:
+            a.report.write_text(json.dumps(report, indent=1) + "\n")
+        except OSError as e:  # the predictions are written: a report that cannot be is only said
+            print(f"{PROG}: warning: cannot write the report {a.report}: {e.strerror or e}", file=sys.stderr)
     return 0
 
 
 def _exit_now(code: int) -> None:
     """Flush and leave without interpreter teardown (torch/DALI finalizers cost seconds on the clock)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
     os._exit(code)
 
 
