@@ -97,6 +97,17 @@ def test_reference_answering_no_row_is_refused_before_any_run(setup, tmp_path, c
     assert not out.exists()
 
 
+@pytest.mark.parametrize("content, words", [("no tab here\n", "manifest.tsv:1: expected"), ("", "no rows")])
+def test_a_bad_manifest_is_a_usage_error_not_a_recorded_crash(setup, tmp_path, capsys, content, words):
+    prepared, source = setup()
+    (prepared / "cohort" / "manifest.tsv").write_text(content)
+    out = tmp_path / "out"
+    assert campaign.main(max_args(prepared, source, out)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("campaign: --manifest") and words in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
+
+
 def test_gate_that_saw_no_row_fails():
     assert eva02.gate_reason(0, 0).startswith("gate failed: agreement 0/0")
     assert eva02.aggregate_reasons([]) == ["aggregate gate failed: agreement 0/0 < threshold 0"]

@@ -52,10 +52,15 @@ class RunInputs:
 
 
 def manifest_rows(manifest: Path) -> list[tuple[str, str]]:
-    """(request_id, relative path) per row, parsed by the contest's own manifest reader."""
+    """(request_id, relative path) per row, parsed by the contest's own manifest reader.
+
+    A manifest it cannot parse is the user's mistake: UsageError naming the line."""
     from evaluator.contest.manifest import read_manifest
 
-    return [(row.request_id, row.path) for row in read_manifest(manifest)]
+    try:
+        return [(row.request_id, row.path) for row in read_manifest(manifest)]
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--manifest: {exc}") from exc
 
 
 def load_reference(reference: Path, manifest: Path) -> np.ndarray:
