@@ -135,7 +135,7 @@ def test_adding_a_backend_is_one_file_and_one_entry(tmp_path, monkeypatch):
     mod = tmp_path / "backend_seven.py"
     mod.write_text(
         "import torch\nNAME = 'seven'\nFILES = ('seven.txt',)\nCOMPILED = ('.seven',)\nNEEDS_WEIGHTS = False\n"
-        "def save(net, spec, device, out_dir):\n    (out_dir / FILES[0]).write_text('7')\n    return {'seven': 1}\n"
+        "def save(net, spec, device, out_dir, margin=False):\n    (out_dir / FILES[0]).write_text('7')\n    return {'seven': 1}\n"
         "def load(artifact, device):\n    k = int(artifact.path(FILES[0]).read_text())\n"
         "    return lambda x: torch.full((x.shape[0],), k, dtype=torch.int32)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -180,4 +180,4 @@ def test_bad_settings_are_one_clear_error(monkeypatch):
     monkeypatch.setenv("ENGINE_READERS", "3")
     assert settings.readers() == 3
     monkeypatch.delenv("ENGINE_READERS")
-    assert settings.readers() == 8
+    assert settings.readers() is None  # unset: engine.threads derives it from ENGINE_THREADS
