@@ -12,6 +12,12 @@ low precision:
     residual stream, layer scales, pos embed        FP32 (a low-precision branch output promotes on add)
     patch embedding (conv), classifier head, pool   FP32
 
+`fp8` (Hopper) takes the GEMMs one step further: every such Linear runs as a rowwise-
+scaled float8 e4m3 GEMM (`torch._scaled_mm`: weights quantized per output row at build
+time, activations per token at run time, accumulation and output in bf16), its K and N
+zero-padded to multiples of 16 inside the layer (exact: zero columns add nothing, padded
+outputs are cut off); attention stays bf16, and everything FP32 above stays FP32.
+
 The same policy serves CPU and GPU builds; `describe` records it in the artifact.
 """
 from __future__ import annotations
@@ -22,7 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-LOW = {"fp16": torch.float16, "bf16": torch.bfloat16}
+LOW = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}  # fp8: attention in bf16
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3fn value
 _NORMS = (nn.LayerNorm, nn.GroupNorm, getattr(nn, "RMSNorm", nn.LayerNorm))
 
 
@@ -38,6 +46,45 @@ class LowPrecisionLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x.to(self.weight.dtype), self.weight, self.bias)
+
+
+def _pad16(n: int) -> int:
+    return -n % 16
+
+
+class Fp8Linear(nn.Module):
+    """y = x W^T + b as a rowwise-scaled float8 GEMM; x any float [..., K] -> y bf16 [..., N]."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        w = weight.detach().float()                                      # [N, K]
+        self.in_features, self.out_features = w.shape[1], w.shape[0]
+        w = F.pad(w, (0, _pad16(w.shape[1]), 0, _pad16(w.shape[0])))     # [N16, K16], zero rows/cols
+        scale = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)  # [N16, 1]
+        self.register_buffer("weight", (w / scale).to(FP8))              # [N16, K16] e4m3
+        self.register_buffer("w_scale", scale.t().contiguous())          # [1, N16]
+        b = None if bias is None else F.pad(bias.detach().float(), (0, w.shape[0] - self.out_features))
+        self.register_buffer("bias", None if b is None else b.to(torch.bfloat16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x = x.reshape(-1, x.shape[-1]).float()                           # [M, K]
+        x = F.pad(x, (0, _pad16(self.in_features)))                      # [M, K16]
+        sx = (x.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)  # [M, 1] per token
+        y = torch._scaled_mm((x / sx).to(FP8), self.weight.t(), scale_a=sx, scale_b=self.w_scale,
+                             bias=self.bias, out_dtype=torch.bfloat16)   # [M, N16]
+        return y[:, : self.out_features].reshape(*lead, self.out_features)
+
+
+def fp8_reference(layer: Fp8Linear, x: torch.Tensor) -> torch.Tensor:
+    """The twin of Fp8Linear.forward in plain FP32 arithmetic on the same quantized values."""
+    lead = x.shape[:-1]
+    x = F.pad(x.reshape(-1, x.shape[-1]).float(), (0, _pad16(layer.in_features)))
+    sx = (x.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+    xq = (x / sx).to(FP8).float() * sx
+    wq = layer.weight.float() * layer.w_scale.t()
+    y = xq @ wq.t() + (0 if layer.bias is None else layer.bias.float())
+    return y[:, : layer.out_features].reshape(*lead, layer.out_features)
 
 
 class Fp32Linear(nn.Linear):
@@ -68,6 +115,11 @@ def describe(precision: str) -> dict:
     """The policy as recorded in an artifact's manifest."""
     if precision == "fp32":
         return {"precision": "fp32", "everything": "fp32"}
+    if precision == "fp8":
+        return {"precision": "fp8", "gemm": "float8 e4m3, rowwise scales (weights per row at build, activations "
+                "per token), bf16 accumulate/output, K and N zero-padded to multiples of 16",
+                "attention": "bf16 (SDPA; softmax accumulates in fp32)", "rope": "fp32", "norms": "fp32",
+                "residual_stream": "fp32", "patch_embed": "fp32", "head": "fp32"}
     return {"precision": precision, "gemm": precision, "attention": f"{precision} (SDPA; softmax accumulates in fp32)",
             "rope": "fp32", "norms": "fp32", "residual_stream": "fp32", "patch_embed": "fp32",
             "head": "fp32", "weights": f"{precision} for every Linear but the head"}
@@ -88,7 +140,8 @@ def apply_policy(net: nn.Module, precision: str) -> nn.Module:
             if child is head and isinstance(child, nn.Linear):
                 setattr(parent, name, Fp32Linear.of(child))
             elif isinstance(child, nn.Linear):
-                setattr(parent, name, LowPrecisionLinear(child.weight, child.bias, dtype))
+                setattr(parent, name, Fp8Linear(child.weight, child.bias) if precision == "fp8"
+                        else LowPrecisionLinear(child.weight, child.bias, dtype))
             elif isinstance(child, _NORMS):
                 setattr(parent, name, Fp32Norm(child))
     return net

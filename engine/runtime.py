@@ -18,6 +18,32 @@ from engine.guard import Guard
 from engine.spec import Spec
 
 
+class UploadRing:
+    """Host -> device uploads through `n` pinned buffers, each rewritten only after the copy
+    out of it has finished (an event recorded after each async copy): a batch is never
+    classified on the pixels of the next one."""
+
+    def __init__(self, shape, device, n: int = 2, make_buffer=None, make_event=None):
+        self.device = device
+        make_buffer = make_buffer or (lambda: torch.empty(shape, dtype=torch.uint8).pin_memory())
+        self._event = make_event or torch.cuda.Event
+        self.buffers = [make_buffer() for _ in range(n)]
+        self.pending: list = [None] * n
+        self.turn = 0
+
+    def upload(self, x: torch.Tensor) -> torch.Tensor:
+        i = self.turn
+        self.turn = (i + 1) % len(self.buffers)
+        if self.pending[i] is not None:
+            self.pending[i].synchronize()  # the last copy out of this buffer is done
+        self.buffers[i].copy_(x)
+        dev = self.buffers[i].to(self.device, non_blocking=True)
+        ev = self._event()
+        ev.record()
+        self.pending[i] = ev
+        return dev
+
+
 class Runtime:
     """Callable batch classifier. `run` takes exactly `batch_size` images (pad the last batch).
 
@@ -31,11 +57,9 @@ class Runtime:
         self.batch_size = artifact.batch_size
         self.name = artifact.backend
         shape = (self.batch_size, artifact.spec.input_size, artifact.spec.input_size, 3)
-        # two pinned host buffers, each reused only after its last upload finished (its event)
-        self._pinned = [torch.empty(shape, dtype=torch.uint8).pin_memory() for _ in range(2)] \
-            if device.type == "cuda" else []
-        self._uploaded = [None, None]
-        self._turn = 0
+        self._ring = UploadRing(shape, device) if device.type == "cuda" else None
+        self.gpu_busy_s = 0.0       # summed CUDA-event time of the graph calls (report mode)
+        self._events: list = []
         if cuda_graphs is None:
             cuda_graphs = settings.cuda_graphs()
         self.cuda_graph_status = "off"
@@ -49,19 +73,6 @@ class Runtime:
     def cuda_graph(self) -> bool:
         return self.cuda_graph_status == "captured"
 
-    def _upload(self, x: torch.Tensor) -> torch.Tensor:
-        """Host batch -> device through a pinned buffer whose previous upload has completed."""
-        i = self._turn
-        self._turn ^= 1
-        if self._uploaded[i] is not None:
-            self._uploaded[i].synchronize()  # the copy out of this buffer (two batches ago) is done
-        self._pinned[i].copy_(x)
-        dev = self._pinned[i].to(self.device, non_blocking=True)
-        ev = torch.cuda.Event()
-        ev.record()
-        self._uploaded[i] = ev
-        return dev
-
     @torch.inference_mode()
     def run_async(self, batch, valid: int | None = None) -> torch.Tensor:
         """batch: [B, S, S, 3] uint8 (numpy or torch, any device) -> int32 [B] on the run's device.
@@ -73,11 +84,18 @@ class Runtime:
         x = torch.as_tensor(batch)
         if x.shape[0] != self.batch_size:
             raise ValueError(f"static batch shape is {self.batch_size}, got {x.shape[0]}: pad the batch")
-        if self._pinned and x.device.type == "cpu":
-            x = self._upload(x)
+        if self._ring is not None and x.device.type == "cpu":
+            x = self._ring.upload(x)
         else:
             x = x.to(self.device, non_blocking=True)
-        out = self._fn(x)
+        if self.device.type == "cuda":  # GPU busy time: events around the graph, read once at the end
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = self._fn(x)
+            end.record()
+            self._events.append((start, end))
+        else:
+            out = self._fn(x)
         top1 = out[0] if isinstance(out, (list, tuple)) else out
         if self.cuda_graph:
             top1 = top1.clone()  # a graph reuses its output buffer
@@ -92,6 +110,10 @@ class Runtime:
     def report(self) -> dict:
         """What the timing report records of the runtime: graphs and the guard's work."""
         out = {"cuda_graph": self.cuda_graph_status}
+        if self._events:
+            torch.cuda.synchronize(self.device)
+            out["gpu_busy_s"] = round(sum(s.elapsed_time(e) for s, e in self._events) / 1000, 4)
+            out["gpu_batches"] = len(self._events)
         if self.guard is not None:
             out["guard"] = self.guard.stats.report(self.guard.tau, self.guard.batch)
         elif self.artifact.meta.get("guard"):

@@ -114,10 +114,12 @@ def test_a_backend_is_named_only_by_its_own_file_and_the_registry():
                 continue
             if path.suffix == ".py":
                 hits = [line for line, s in _string_literals(path) if s == name]
-            else:  # shell scripts and the Dockerfile: the bare word
+            else:  # shell scripts and the Dockerfile: the name as a backend choice or in a list of choices
                 text = path.read_text(errors="replace")
-                hits = [i for i, line in enumerate(text.splitlines(), 1)
-                        if re.search(rf"(?<![\w/.-]){re.escape(name)}(?![\w/.-])", line)]
+                n = re.escape(name)
+                choice = re.compile(rf"backend\w*[\s=:\-\"']+{n}\b|(?<![\w/.-]){n}\s*\|\s*\w|\w\s*\|\s*{n}(?![\w/.-])",
+                                    re.I)
+                hits = [i for i, line in enumerate(text.splitlines(), 1) if choice.search(line)]
             assert not hits, f"{rel}:{hits[0]} names backend {name!r}: ask engine.backends instead"
 
 

@@ -23,6 +23,7 @@ BACKENDS: dict[str, str] = {
     "aot": "engine.backends.aot",
     "eager": "engine.backends.eager",
     "null": "engine.backends.null",
+    "trt": "engine.backends.trt",
 }
 DEFAULT = next(iter(BACKENDS))
 

@@ -1,0 +1,139 @@
+"""CPU-side checks of the GPU path: uploads never race, the AOT loader's CUDA-graph flag,
+graph capture status, FP8 GEMMs against their twin, and the TensorRT backend's guards."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine.precision import Fp8Linear, apply_policy, describe, fp8_reference
+from engine.runtime import UploadRing, _capture
+
+
+class _LazyCopy:
+    """What an async host->device copy is until its stream reaches it: a read of the buffer later."""
+
+    def __init__(self, buf):
+        self.buf, self.value = buf, None
+
+    def land(self):
+        if self.value is None:
+            self.value = self.buf.data.copy()
+
+
+class _Buf:
+    def __init__(self, shape, flights):
+        self.data, self.flights = np.zeros(shape, np.uint8), flights
+
+    def copy_(self, x):
+        self.data[...] = np.asarray(x)
+
+    def to(self, device, non_blocking=False):
+        c = _LazyCopy(self)
+        self.flights.append(c)
+        return c
+
+
+class _Event:
+    """Records the copies issued before it; synchronize() lands them (the copy engine caught up)."""
+
+    def __init__(self, flights):
+        self.flights, self.mine = flights, []
+
+    def record(self):
+        self.mine = list(self.flights)
+
+    def synchronize(self):
+        for c in self.mine:
+            c.land()
+
+
+def test_upload_ring_never_rewrites_a_buffer_before_its_copy_landed():
+    flights: list = []
+    shape = (2, 4, 4, 3)
+    ring = UploadRing(shape, "cuda", n=2, make_buffer=lambda: _Buf(shape, flights),
+                      make_event=lambda: _Event(flights))
+    batches = [np.full(shape, v, np.uint8) for v in (1, 2, 3, 4, 5)]
+    copies = [ring.upload(b) for b in batches]   # the stream lags: nothing lands until an event syncs
+    for c in copies:
+        c.land()
+    assert [int(c.value[0, 0, 0, 0]) for c in copies] == [1, 2, 3, 4, 5]
+    # one buffer without the events would classify batch n on batch n+1's pixels
+    flights2: list = []
+    bad = UploadRing(shape, "cuda", n=1, make_buffer=lambda: _Buf(shape, flights2),
+                     make_event=lambda: type("NoSync", (), {"record": lambda s: None, "synchronize": lambda s: None})())
+    lazy = [bad.upload(b) for b in batches[:2]]
+    for c in lazy:
+        c.land()
+    assert [int(c.value[0, 0, 0, 0]) for c in lazy] == [2, 2]
+
+
+def test_aot_loader_runs_single_threaded_under_cuda_graphs(monkeypatch, tmp_path):
+    from engine.backends import aot
+
+    seen = []
+
+    class Loader:
+        def __init__(self, *args):
+            seen.append(args)
+
+        def boxed_run(self, xs):
+            return xs
+
+    monkeypatch.setattr(torch._C._aoti, "AOTIModelPackageLoader", Loader)
+    art = type("A", (), {"device": "cuda", "path": lambda s, n: tmp_path / n})()
+    aot.load(art, torch.device("cuda"))
+    art.device = "cpu"
+    aot.load(art, torch.device("cpu"))
+    assert [a[2] for a in seen] == [True, False]    # (package, name, run_single_threaded, runners, device)
+
+
+def test_capture_failure_is_reported_not_hidden(capsys):
+    fn, status = _capture(lambda x: x, (2, 4, 4, 3), torch.device("cuda"))
+    if torch.cuda.is_available():
+        pytest.skip("capture works here")
+    assert status.startswith("failed(") and "CUDA graph capture failed" in capsys.readouterr().err
+    assert fn(1) == 1
+
+
+@pytest.mark.parametrize("k,n", [(192, 576), (2730, 1024), (1024, 2730), (64, 17)])
+def test_fp8_linear_matches_its_twin_and_pads_exactly(k, n):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(k, n)
+    layer = Fp8Linear(lin.weight, lin.bias)
+    assert layer.weight.dtype == torch.float8_e4m3fn and layer.weight.shape[0] % 16 == 0
+    x = torch.randn(3, 7, k)
+    y = layer(x)
+    assert y.shape == (3, 7, n) and y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), fp8_reference(layer, x), rtol=2e-2, atol=2e-2)
+    rel = (y.float() - lin(x)).abs().max() / lin(x).abs().max()
+    assert rel < 0.08                                    # e4m3 keeps ~3 significant bits per operand
+
+
+def test_fp8_policy_keeps_head_norms_and_patch_embed(tiny_checkpoint):
+    from conftest import tiny_spec
+
+    from engine.checkpoint import load_model
+    from engine.precision import Fp32Linear, Fp32Norm
+
+    net = load_model(tiny_spec(), tiny_checkpoint)
+    low = apply_policy(net, "fp8")
+    assert any(isinstance(m, Fp8Linear) for m in low.modules())
+    assert isinstance(low.head, Fp32Linear) and any(isinstance(m, Fp32Norm) for m in low.modules())
+    assert low.patch_embed.proj.weight.dtype == torch.float32
+    x = torch.randn(2, 3, 112, 112)
+    with torch.inference_mode():
+        a, b = low(x), net(x)
+    assert a.dtype == torch.float32 and (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.5
+    assert "float8" in describe("fp8")["gemm"]
+
+
+def test_tensorrt_backend_is_one_file_and_refuses_clearly_without_a_gpu(tmp_path):
+    from engine import backends
+
+    trt = backends.get("trt")
+    assert trt.FILES and trt.COMPILED and trt.NEEDS_WEIGHTS
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the device check builds TensorRT engines")
+    with pytest.raises(RuntimeError, match="GPU"):
+        trt.save(torch.nn.Linear(2, 2), None, "cpu", tmp_path)
