@@ -19,14 +19,20 @@ FROM nvcr.io/nvidia/pytorch:25.10-py3
 
 ARG TARGETARCH
 
-# The Python packages the base lacks, pinned to the versions the project tests with.
-# --no-cache-dir: pip's wheel cache would only bloat the layer. pip leaves the base's torch,
-# numpy and pillow alone (timm asks for no particular version of them; NGC also pins them
-# through its pip constraint file).
+# The Python packages the base lacks, pinned to the versions the project tests with: the
+# classification stack (timm, safetensors) and the retrieval stack (open_clip and what it
+# pulls: ftfy, regex; tqdm for progress bars). --no-cache-dir: pip's wheel cache would only
+# bloat the layer. pip leaves the base's torch, torchvision, numpy and pillow alone (none of
+# these asks for a particular version of them; NGC also pins them through its pip
+# constraint file).
 RUN python -m pip install --no-cache-dir \
         timm==1.0.31 \
         safetensors==0.8.0 \
-        huggingface_hub==2.4.0
+        huggingface_hub==2.4.0 \
+        open_clip_torch==3.3.0 \
+        ftfy==6.3.1 \
+        regex==2026.5.9 \
+        tqdm==4.70.1
 
 # DALI is part of the NGC image; should a release lack it on one architecture, install the
 # CUDA 13 wheel (pinned) here rather than ever at run time.
@@ -34,12 +40,13 @@ RUN python -c "import nvidia.dali" 2>/dev/null \
     || python -m pip install --no-cache-dir nvidia-dali-cuda130==2.4.0
 
 # Fail the image build, not the scored run, when a piece is missing on this architecture:
-# /bin/sh (the ABI entry point is a sh script), torch, timm, safetensors, DALI. TensorRT is
-# reported (the current backends do not need it).
+# /bin/sh (the ABI entry point is a sh script), torch, timm, safetensors, DALI, open_clip
+# (the CIR benchmark's CLIP). TensorRT is reported (the current backends do not need it).
 RUN /bin/sh -c 'true' \
-    && python -c "import sys, torch, timm, safetensors, nvidia.dali as dali; \
+    && python -c "import sys, torch, timm, safetensors, open_clip, tqdm, nvidia.dali as dali; \
 print('arch', '${TARGETARCH}', 'python', sys.version.split()[0], 'torch', torch.__version__, \
-'cuda', torch.version.cuda, 'timm', timm.__version__, 'dali', dali.__version__)" \
+'cuda', torch.version.cuda, 'timm', timm.__version__, 'open_clip', open_clip.__version__, \
+'dali', dali.__version__)" \
     && (python -c "import tensorrt; print('tensorrt', tensorrt.__version__)" || echo "tensorrt: not in this image")
 
 # The unprivileged user of the build step and the run (numeric, so any runtime --user

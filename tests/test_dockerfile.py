@@ -136,5 +136,38 @@ def test_no_download_outside_the_dockerfile():
 def test_dockerignore_keeps_data_and_vcs_out():
     lines = {ln.strip() for ln in (REPO / ".dockerignore").read_text().splitlines()
              if ln.strip() and not ln.startswith("#")}
-    for must in (".git", "artifacts", "**/__pycache__", "**/*.safetensors", "**/*.pt2", "**/*.i32", "**/*.JPEG"):
+    for must in (".git", "artifacts", "**/__pycache__", "**/*.safetensors", "**/*.pt2", "**/*.i32", "**/*.JPEG",
+                 "**/*.tsv", "**/*.jsonl"):
         assert must in lines, f".dockerignore should exclude {must}"
+
+
+def _pinned(df) -> dict[str, str]:
+    """{normalised name: version} of every pinned pip install in the Dockerfile."""
+    out = {}
+    for kw, args in df:
+        if kw == "RUN":
+            for cmd in _commands(args):
+                if "install" in cmd and "pip" in " ".join(cmd[:3]):
+                    for p in cmd[cmd.index("install") + 1:]:
+                        if "==" in p:
+                            name, _, version = p.partition("==")
+                            out[re.sub(r"[-_.]+", "-", name.lower())] = version
+    return out
+
+
+# what NGC's PyTorch image ships (and pins through its constraint file): not installed again
+NGC_PROVIDES = {"torch", "torchvision", "numpy", "pillow", "nvidia-dali-cuda130"}
+
+
+def test_every_base_dependency_is_in_the_image(df):
+    """`pip install -e .` and the image hold the same packages: the retrieval stack included."""
+    import tomllib
+
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    names = {re.sub(r"[-_.]+", "-", re.match(r"[A-Za-z0-9_.\-]+", d).group(0).lower()) for d in deps}
+    assert "open-clip-torch" in names, "the retrieval commands need open_clip in the base install"
+    pinned = _pinned(df)
+    missing = sorted(names - NGC_PROVIDES - set(pinned))
+    assert not missing, f"base dependencies the Dockerfile does not install: {missing}"
+    checks = " ".join(args for kw, args in df if kw == "RUN" and "import sys, torch" in args)
+    assert "open_clip" in checks, "the image build should check that open_clip imports"
