@@ -46,6 +46,7 @@ class GuardConfig:
     calibration_count: int = 256
     safety: float = 2.0                   # tau = safety x the largest disagreeing margin
     recheck_batch: int = 8                # static batch of the FP32 re-check graph
+    recheck_backend: str | None = None    # backend of the re-check graph (default: the build's)
 
 
 def build(spec: Spec, checkpoint: Path | None, out: Path, backend: str = backends.DEFAULT,
@@ -94,7 +95,8 @@ def _build_guard(be, backend: str, net, spec: Spec, device: str, tmp: Path, cfg:
     t0 = time.perf_counter()
     rspec = dataclasses.replace(spec, precision="fp32", batch_size=cfg.recheck_batch)
     (tmp / RECHECK_DIR).mkdir()
-    be.save(net, rspec, device, tmp / RECHECK_DIR, margin=False)
+    rbackend = cfg.recheck_backend or backend
+    backends.get(rbackend).save(net, rspec, device, tmp / RECHECK_DIR, margin=False)
     if cfg.calibration_images is not None:
         pixels, origin = calibrate.folder_pixels(cfg.calibration_images, spec, cfg.calibration_count)
     else:
@@ -111,6 +113,7 @@ def _build_guard(be, backend: str, net, spec: Spec, device: str, tmp: Path, cfg:
           f"({chosen['disagreements']} disagreements, {chosen['rechecked_fraction']:.1%} re-checked)",
           file=sys.stderr)
     return {**chosen, "recheck_batch": cfg.recheck_batch, "dir": RECHECK_DIR, "recheck_spec": rspec.to_dict(),
+            "recheck_backend": rbackend,
             "calibration": origin, "floor_rule": "max |margin low - margin fp32| over agreeing images",
             "seconds": round(time.perf_counter() - t0, 3)}
 
@@ -137,6 +140,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--calibration-count", type=int, default=256, help="calibration images used")
     g.add_argument("--guard-safety", type=float, default=2.0, help="tau = this x the largest disagreeing margin")
     g.add_argument("--recheck-batch", type=int, default=8, help="static batch of the FP32 re-check graph")
+    g.add_argument("--recheck-backend", choices=tuple(backends.BACKENDS), default=None,
+                   help="backend of the re-check graph (default: --backend)")
     a = p.parse_args(argv)
     if a.calibration_count < 16 or a.recheck_batch < 1 or a.guard_safety < 1:
         p.error("--calibration-count must be >= 16, --recheck-batch >= 1 and --guard-safety >= 1")
@@ -149,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         spec = resolve_spec(a.model, precision=a.precision, batch_size=a.batch_size, input_size=a.input_size,
                             crop_mode=a.crop_mode, crop_pct=a.crop_pct, interpolation=a.interpolation,
                             num_classes=a.num_classes, model_kwargs=a.model_kwargs)
-        guard = GuardConfig(a.guard, a.calibration_images, a.calibration_count, a.guard_safety, a.recheck_batch)
+        guard = GuardConfig(a.guard, a.calibration_images, a.calibration_count, a.guard_safety, a.recheck_batch,
+                            a.recheck_backend)
         meta = build(spec, a.checkpoint, a.out, backend=a.backend, device=a.device, guard=guard)
     except (OSError, ValueError, RuntimeError) as e:
         print(f"engine.build: error: {e}", file=sys.stderr)

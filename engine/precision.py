@@ -113,21 +113,26 @@ class Fp32Norm(nn.Module):
 
 def describe(precision: str) -> dict:
     """The policy as recorded in an artifact's manifest."""
+    fused = "q|k|v and SwiGLU fc1_g|fc1_x as one GEMM each where the model has them (exact)"
     if precision == "fp32":
-        return {"precision": "fp32", "everything": "fp32"}
+        return {"precision": "fp32", "everything": "fp32", "fused_projections": fused}
     if precision == "fp8":
         return {"precision": "fp8", "gemm": "float8 e4m3, rowwise scales (weights per row at build, activations "
                 "per token), bf16 accumulate/output, K and N zero-padded to multiples of 16",
                 "attention": "bf16 (SDPA; softmax accumulates in fp32)", "rope": "fp32", "norms": "fp32",
-                "residual_stream": "fp32", "patch_embed": "fp32", "head": "fp32"}
+                "residual_stream": "fp32", "patch_embed": "fp32", "head": "fp32", "fused_projections": fused}
     return {"precision": precision, "gemm": precision, "attention": f"{precision} (SDPA; softmax accumulates in fp32)",
             "rope": "fp32", "norms": "fp32", "residual_stream": "fp32", "patch_embed": "fp32",
-            "head": "fp32", "weights": f"{precision} for every Linear but the head"}
+            "head": "fp32", "weights": f"{precision} for every Linear but the head", "fused_projections": fused}
 
 
 def apply_policy(net: nn.Module, precision: str) -> nn.Module:
-    """A copy of `net` (FP32, eval) with the policy for `precision` applied; fp32 returns a copy as is."""
+    """A copy of `net` (FP32, eval) with its projections fused (engine.fuse, exact) and the
+    policy for `precision` applied; fp32 applies only the fusion."""
+    from engine.fuse import fuse_projections
+
     net = copy.deepcopy(net).float().eval()
+    fuse_projections(net)
     if precision == "fp32":
         return net
     if precision not in LOW:

@@ -153,7 +153,8 @@ def recheck_view(artifact: Artifact) -> Artifact:
     g = artifact.meta["guard"]
     spec = Spec.from_dict(g["recheck_spec"])
     return dataclasses.replace(artifact, root=artifact.root / g["dir"], spec=spec, precision=spec.precision,
-                               batch_size=spec.batch_size, files={}, meta={})
+                               batch_size=spec.batch_size, files={}, meta={},
+                               backend=g.get("recheck_backend", artifact.backend))
 
 
 def load_runtime(artifact: Artifact, device: str | None = None, cuda_graphs: bool | None = None,
@@ -168,7 +169,11 @@ def load_runtime(artifact: Artifact, device: str | None = None, cuda_graphs: boo
         raise RuntimeError(str(e)) from None
     g = artifact.meta.get("guard")
     use_guard = bool(g) and (settings.guard() if guard is None else guard)
-    checker = Guard(backend.load(recheck_view(artifact), dev), g["tau"], g["recheck_batch"]) if use_guard else None
+    if use_guard:
+        recheck = backends.get(g.get("recheck_backend", artifact.backend)).load(recheck_view(artifact), dev)
+        checker = Guard(recheck, g["tau"], g["recheck_batch"])
+    else:
+        checker = None
     fn = backend.load(artifact, dev)
     if g and not use_guard:
         inner = fn

@@ -340,3 +340,61 @@ def topk(scores, k: int, exclude=None, backend: str = "auto"):
         _fall_back(reason)
         return topk_reference(t, k, exclude)
     return topk_cupy(t, k, exclude)
+
+
+def _bench(fn, reps: int) -> float:
+    """Median seconds of `fn()` over `reps` calls, synchronised around each on CUDA."""
+    import statistics
+    import time
+
+    times = []
+    for _ in range(reps):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Validate the kernel against the torch twin over a product of shapes and dtypes, then
+    benchmark both at the retrieval task's size (llm.c dev/cuda style). Prints JSON."""
+    import argparse
+    import itertools
+    import json
+
+    p = argparse.ArgumentParser(prog="python -m kernels.topk", description=main.__doc__.split("\n")[0])
+    p.add_argument("--queries", type=int, default=2200)
+    p.add_argument("--gallery", type=int, default=125_000)
+    p.add_argument("--k", type=int, default=50)
+    p.add_argument("--reps", type=int, default=5)
+    a = p.parse_args(argv)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    reason = _cupy_unavailable(torch.zeros(1, 1, device=dev), a.k)
+    out: dict = {"device": dev, "kernel": "unavailable: " + reason if reason else "cupy", "validation": []}
+    g = torch.Generator(device="cpu").manual_seed(0)
+    for (q, n), k, dtype in itertools.product([(3, 7), (17, 1000), (64, 4099)], [1, 5, 50],
+                                              [torch.float16, torch.float32]):
+        s = torch.randn(q, n, generator=g).to(dev, dtype)
+        ex = torch.randint(-1, n, (q,), generator=g).to(dev)
+        ref_v, ref_i = topk_reference(s, k, ex)
+        case = {"shape": [q, n], "k": k, "dtype": str(dtype).split(".")[-1]}
+        if reason is None:
+            v, i = topk_cupy(s, k, ex)
+            case["exact"] = bool(torch.equal(i.cpu(), ref_i.cpu()) and torch.equal(v.cpu(), ref_v.cpu()))
+        out["validation"].append(case)
+    s = torch.randn(a.queries, a.gallery, generator=g).to(dev, torch.float16)
+    ex = torch.randint(-1, a.gallery, (a.queries,), generator=g).to(dev)
+    out["bench"] = {"shape": [a.queries, a.gallery], "k": a.k, "dtype": "float16",
+                    "torch_topk_s": round(_bench(lambda: topk_reference(s, a.k, ex), a.reps), 5)}
+    if reason is None:
+        out["bench"]["cupy_s"] = round(_bench(lambda: topk_cupy(s, a.k, ex), a.reps), 5)
+    print(json.dumps(out))
+    return 0 if all(c.get("exact", True) for c in out["validation"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -142,3 +142,27 @@ def test_calibration_images_generated_and_from_a_folder(tmp_path):
         Image.fromarray(px[i]).save(bad / f"ILSVRC2012_val_{i + 1:08d}.JPEG")
     with pytest.raises(ValueError, match="ImageNet validation"):
         folder_pixels(bad, spec)
+
+
+def test_projection_fusion_is_exact_on_an_eva02_large_layout():
+    import timm
+
+    from engine.fuse import FusedSwiGLU, fuse_projections
+
+    torch.manual_seed(0)
+    net = timm.create_model("eva02_large_patch14_448", pretrained=False, depth=2, embed_dim=64, num_heads=4,
+                            img_size=56).eval()      # separate q/k/v (k without bias), SwiGLU with inner norm
+    for p in net.parameters():                       # timm zero-inits some biases: make every term count
+        p.data.add_(0.02 * torch.randn_like(p))
+    fused = apply_policy(net, "fp32")
+    assert fused.blocks[0].attn.qkv is not None and fused.blocks[0].attn.q_proj is None
+    assert isinstance(fused.blocks[0].mlp, FusedSwiGLU)
+    x = torch.randn(2, 3, 56, 56)
+    with torch.inference_mode():
+        torch.testing.assert_close(fused(x), net(x), rtol=1e-5, atol=1e-5)
+    import copy
+
+    assert fuse_projections(copy.deepcopy(net)) == {"qkv": 2, "swiglu": 2}
+    low = apply_policy(net, "bf16")                 # the fused GEMMs take the low precision like any Linear
+    assert isinstance(low.blocks[0].attn.qkv, LowPrecisionLinear)
+    assert isinstance(low.blocks[0].mlp.fc1, LowPrecisionLinear)
