@@ -147,7 +147,7 @@ def test_missing_or_corrupt_artifact_fails_before_any_image_is_read(small_cohort
     data = bytearray(w.read_bytes())
     data[len(data) // 2] ^= 0xFF
     w.write_bytes(bytes(data))
-    r = run_abi(m, root, out, bad, timeout=120)
+    r = run_abi(m, root, out, bad, timeout=120, env={"ENGINE_ARTIFACT_VERIFY": "sha256"})
     assert r.returncode == 2 and "SHA-256" in r.stderr
     watch()
     assert not opened and not out.exists()

@@ -17,7 +17,15 @@ import torch
 from conftest import REPO, tiny_spec
 from safetensors.torch import save_file
 
-from engine.artifact import FORMAT, MANIFEST, ArtifactError, load_artifact
+from engine.artifact import (
+    DIGEST_KEY,
+    FORMAT,
+    MANIFEST,
+    ArtifactError,
+    load_artifact,
+    manifest_digest,
+    sample_sha256,
+)
 from engine.build import build
 from engine.checkpoint import create_model, load_model
 from engine.model import wrap
@@ -61,7 +69,8 @@ def test_manifest_fields(built, ckpt):
     assert set(disk["files"]) == {"weights.safetensors"}
     for name, info in disk["files"].items():
         data = (out / name).read_bytes()
-        assert info == {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+        assert info == {"sha256": hashlib.sha256(data).hexdigest(), "sample_sha256": sample_sha256(out / name),
+                        "bytes": len(data)}
     # the distribution version (importlib.metadata): torch.__version__ adds the local build tag (+cu130)
     assert disk["versions"]["torch"] == torch.__version__.split("+")[0]
     assert disk["versions"]["timm"] == timm.__version__
@@ -69,6 +78,12 @@ def test_manifest_fields(built, ckpt):
     # every file in the directory is listed (the manifest itself aside): nothing unverified ships
     on_disk = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()}
     assert on_disk == set(disk["files"]) | {MANIFEST}
+    # the graph the build ran once, and the manifest's own digest over everything else
+    assert disk["graph"] == {"input": {"shape": [16, 112, 112, 3], "dtype": "uint8"},
+                             "outputs": [{"shape": [16], "dtype": "int32"}]}
+    body = {k: v for k, v in disk.items() if k != DIGEST_KEY}
+    assert disk[DIGEST_KEY] == hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+                                              ).hexdigest()
 
 
 def test_load_artifact_passes(built):
@@ -98,20 +113,33 @@ def _flip_byte(p: Path, at: int | None = None) -> None:
     p.write_bytes(bytes(data))
 
 
-def test_flipped_byte_is_a_sha256_error(art, monkeypatch):
-    monkeypatch.delenv("ENGINE_ARTIFACT_VERIFY", raising=False)
+def test_flipped_byte_is_a_sha256_error(art):
     _flip_byte(art / "weights.safetensors")
     with pytest.raises(ArtifactError, match="SHA-256") as e:
-        load_artifact(art)
+        load_artifact(art, verify="sha256")
     assert "weights.safetensors" in str(e.value)
 
 
+def test_quick_verification_is_the_default_and_catches_a_replaced_file(art, monkeypatch):
+    """quick (default): sizes + a sampled SHA-256: a same-size file with other contents is refused,
+    a byte flipped between the sampled blocks is not (only the full sha256 mode reads every byte)."""
+    monkeypatch.delenv("ENGINE_ARTIFACT_VERIFY", raising=False)
+    w = art / "weights.safetensors"
+    _flip_byte(w, at=w.stat().st_size // 2 + 7 * 1024 * 1024 // 16)  # not in a sampled block
+    assert load_artifact(art).backend == "eager"
+    w.write_bytes(bytes(reversed(w.read_bytes())))                    # same size, other bytes
+    with pytest.raises(ArtifactError, match="sampled SHA-256"):
+        load_artifact(art)
+
+
 def test_size_verification_is_the_off_switch(art, monkeypatch):
-    _flip_byte(art / "weights.safetensors")
+    _flip_byte(art / "weights.safetensors", at=0)
     monkeypatch.setenv("ENGINE_ARTIFACT_VERIFY", "size")
     assert load_artifact(art).backend == "eager"  # same size: the cheap check passes
     monkeypatch.delenv("ENGINE_ARTIFACT_VERIFY")
     assert load_artifact(art, verify="size").backend == "eager"
+    with pytest.raises(ArtifactError, match="sampled SHA-256"):
+        load_artifact(art)                        # the first block is always sampled
     with pytest.raises(ArtifactError, match="SHA-256"):
         load_artifact(art, verify="sha256")
 
@@ -120,6 +148,95 @@ def test_bad_verify_mode_is_an_error(art, monkeypatch):
     monkeypatch.setenv("ENGINE_ARTIFACT_VERIFY", "none")
     with pytest.raises(ArtifactError, match="ENGINE_ARTIFACT_VERIFY"):
         load_artifact(art)
+
+
+def _edit(art: Path, change, redigest: bool = False) -> None:
+    """Apply `change(meta)` to the manifest; `redigest` recomputes its digest (a deliberate forgery)."""
+    p = art / MANIFEST
+    meta = json.loads(p.read_text())
+    change(meta)
+    if redigest:
+        meta[DIGEST_KEY] = manifest_digest(meta)
+    p.write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("field, value", [("input_size", 96), ("input_size", 224), ("batch_size", 8),
+                                          ("crop_pct", 0.5), ("crop_mode", "center"), ("interpolation", "bilinear"),
+                                          ("mean", [0.5, 0.5, 0.5])])
+def test_an_edited_spec_is_refused(art, field, value):
+    _edit(art, lambda m: m["spec"].__setitem__(field, value))
+    with pytest.raises(ArtifactError, match=f"{MANIFEST} was changed after the build"):
+        load_artifact(art)
+
+
+def test_an_emptied_file_list_is_refused(art):
+    _edit(art, lambda m: m.__setitem__("files", {}))
+    with pytest.raises(ArtifactError, match="changed after the build"):
+        load_artifact(art)
+    _edit(art, lambda m: None, redigest=True)          # even with a matching digest: the backend's file is unlisted
+    with pytest.raises(ArtifactError, match=r"loads \['weights.safetensors'\], which the manifest does not list"):
+        load_artifact(art)
+
+
+@pytest.mark.parametrize("field, value", [("input_size", 224), ("batch_size", 8)])
+def test_spec_that_differs_from_the_compiled_graph_is_refused(art, field, value):
+    """A forged manifest (digest recomputed) still cannot ask for another shape than the build ran."""
+    def change(m):
+        m["spec"][field] = value
+        if field == "batch_size":
+            m["batch_size"] = value
+    _edit(art, change, redigest=True)
+    with pytest.raises(ArtifactError, match="does not match the compiled graph"):
+        load_artifact(art)
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda m: m.pop("graph"), "no compiled-graph record"),
+    (lambda m: m.__setitem__("batch_size", 8), "field 'batch_size'"),
+    (lambda m: m.__setitem__("precision", "fp16"), "field 'precision'"),
+    (lambda m: m.__setitem__("device", "tpu"), "field 'device'"),
+    (lambda m: m.__setitem__("backend", "nonesuch"), "unknown backend"),
+    (lambda m: m["spec"].__setitem__("input_size", "112"), "spec"),
+    (lambda m: m["spec"].__setitem__("mean", [0.5]), "spec"),
+    (lambda m: m["spec"].__setitem__("bogus", 1), "bogus"),
+    (lambda m: m["files"]["weights.safetensors"].__setitem__("bytes", "many"), "malformed"),
+    (lambda m: m["files"].__setitem__("../outside.bin", m["files"]["weights.safetensors"]), "not a plain path"),
+    (lambda m: m["graph"]["outputs"][0].__setitem__("dtype", "int64"), "top-1 output"),
+])
+def test_malformed_fields_are_refused_even_with_a_matching_digest(art, change, match):
+    _edit(art, change, redigest=True)
+    with pytest.raises(ArtifactError, match=match):
+        load_artifact(art)
+
+
+def test_manifest_of_the_wrong_json_type_or_format(art):
+    (art / MANIFEST).write_text("[]")
+    with pytest.raises(ArtifactError, match="a JSON list, not an object"):
+        load_artifact(art)
+    _edit_text = json.dumps({"format": "eva-engine-artifact/1"})
+    (art / MANIFEST).write_text(_edit_text)
+    with pytest.raises(ArtifactError, match="rebuild the artifact"):
+        load_artifact(art)
+    (art / MANIFEST).write_text("[" * 100000 + "]" * 100000)
+    with pytest.raises(ArtifactError, match="corrupt"):
+        load_artifact(art)
+
+
+def test_a_listed_file_that_is_a_symlink_out_of_the_artifact_is_refused(art, tmp_path):
+    w = art / "weights.safetensors"
+    outside = tmp_path / "elsewhere.safetensors"
+    w.rename(outside)
+    w.symlink_to(outside)
+    with pytest.raises(ArtifactError, match="not a regular file inside the artifact"):
+        load_artifact(art)
+
+
+def test_a_listed_file_that_is_a_fifo_is_refused_without_opening_it(art):
+    w = art / "weights.safetensors"
+    w.unlink()
+    os.mkfifo(w)
+    with pytest.raises(ArtifactError, match="not a regular file"):
+        load_artifact(art, verify="sha256")
 
 
 @pytest.mark.parametrize("verify", ["sha256", "size"])
@@ -146,8 +263,9 @@ def test_missing_manifest(art):
 @pytest.mark.parametrize("text, match", [
     ("{not json", "corrupt"),
     (json.dumps({"format": "something-else/9"}), "format"),
-    (json.dumps({"format": FORMAT}), "corrupt"),
-    (json.dumps({"format": FORMAT, "spec": {"model": "m", "input_size": 112, "bogus": 1}, "files": {}}), "bogus"),
+    (json.dumps({"format": FORMAT}), "changed after the build"),
+    (json.dumps({"format": FORMAT, "spec": {"model": "m", "input_size": 112, "bogus": 1}, "files": {}}),
+     "changed after the build"),
 ])
 def test_corrupt_manifest(art, text, match):
     (art / MANIFEST).write_text(text)

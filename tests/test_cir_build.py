@@ -222,3 +222,74 @@ def test_progress_bar_only_on_a_tty(monkeypatch):
         bar.close()
         assert ("7/10" in stream.getvalue() and "img/s" in stream.getvalue()) is shown
         assert shown or stream.getvalue() == ""
+
+
+def _hostile_corpus(tmp_path):
+    """A small corpus whose records also name paths outside it, FIFOs and a directory.
+
+    Returns (corpus dir, outside image path, FIFO-trap checker)."""
+    src = read_records(corpus() / "records.jsonl", print)[:6]
+    base = tmp_path / "corpus"
+    (base / "images").mkdir(parents=True)
+    recs = []
+    for r in src:
+        dst = base / "images" / os.path.basename(r.path)
+        shutil.copy(corpus() / r.path, dst)
+        recs.append({"image_id": r.image_id, "path": f"images/{dst.name}"})
+    outside = tmp_path / "outside.jpg"
+    shutil.copy(corpus() / src[0].path, outside)
+    trap = tmp_path / "trap.jpg"            # outside the corpus: opening it for reading would block
+    os.mkfifo(trap)
+    (base / "images" / "link.jpg").symlink_to(trap)
+    os.mkfifo(base / "images" / "fifo.jpg")
+    (base / "images" / "folder.jpg").mkdir()
+    recs += [{"image_id": "etc", "path": "../../../../../../etc/passwd"},
+             {"image_id": "abs", "path": str(outside)},
+             {"image_id": "up", "path": "../outside.jpg"},
+             {"image_id": "link", "path": "images/link.jpg"},
+             {"image_id": "fifo", "path": "images/fifo.jpg"},
+             {"image_id": "folder", "path": "images/folder.jpg"}]
+    (base / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+    def opened() -> bool:
+        try:
+            os.close(os.open(trap, os.O_WRONLY | os.O_NONBLOCK))   # succeeds only if a reader has it open
+            return True
+        except OSError:
+            return False
+
+    return base, outside, opened
+
+
+def test_records_paths_are_confined_to_the_corpus(tmp_path, capsys):
+    base, outside, opened = _hostile_corpus(tmp_path)
+    args = ["--corpus", str(base), "--index-dir", str(tmp_path / "index"), "--model-dir",
+            str(clip_dirs()["open_clip"]), "--device", "cpu", "--chunk-size", "64", "--batch-size", "8"]
+    assert cir_build.main(args) == 0
+    err = capsys.readouterr().err
+    assert not opened()
+    for iid, what in [("etc", "path escapes the corpus folder"), ("abs", "absolute path refused"),
+                      ("up", "path escapes the corpus folder"), ("link", "path escapes the corpus folder"),
+                      ("fifo", "a FIFO, not a regular file"), ("folder", "a directory, not a regular file")]:
+        assert any(f"unreadable image {iid!r}" in e and what in e for e in err.splitlines()), (iid, err[-3000:])
+    idx = load_index(tmp_path / "index")
+    assert len(idx.ids) == 6 and {u["image_id"] for u in idx.meta["unreadable"]} == \
+        {"etc", "abs", "up", "link", "fifo", "folder"}
+    # allowed outside: the absolute and the escaping paths are opened; FIFOs and folders still are not files
+    assert cir_build.main([*args, "--allow-outside-corpus"]) == 0
+    err = capsys.readouterr().err
+    idx = load_index(tmp_path / "index")
+    assert {"abs", "up"} <= set(idx.ids) and idx.meta["allow_outside_corpus"] is True
+    assert any("unreadable image 'link'" in e and "FIFO" in e for e in err.splitlines())
+    assert not opened()
+
+
+def test_malformed_files_in_the_index_dir_are_rebuilt_or_refused(tmp_path, capsys):
+    d = tmp_path / "index"
+    d.mkdir()
+    (d / "meta.json").write_text("[]")                         # not a committed index: built over
+    (d / BUILD_DIR).mkdir()
+    (d / BUILD_DIR / "progress.json").write_text('["not", "a", "key"]')
+    assert _build(d) == 0
+    assert "Traceback" not in capsys.readouterr().err
+    assert load_index(d).meta["count"] == load_index(built_index()).meta["count"]

@@ -97,8 +97,11 @@ def _first(d: Path, names) -> Path | None:
 
 def _openai_layout(d: Path, weights: Path, model_name: str | None) -> Layout:
     name_file = d / "model_name.txt"
-    name = model_name or settings.clip_model_name() or (
-        name_file.read_text().strip() if name_file.is_file() else "")
+    try:
+        name = model_name or settings.clip_model_name() or (
+            name_file.read_text(encoding="utf-8").strip() if name_file.is_file() else "")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ClipLoadError(f"cannot read {name_file}: {e}") from e
     extra = [name_file] if name_file.is_file() and not model_name else []
     cfg = d / f"{name}.json" if name else None
     return Layout("openai", weights, cfg if cfg is not None and cfg.is_file() else None, extra, name)
@@ -106,9 +109,12 @@ def _openai_layout(d: Path, weights: Path, model_name: str | None) -> Layout:
 
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ClipLoadError(f"cannot read {path}: {e}") from e
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as e:
+        raise ClipLoadError(f"cannot read {path}: {type(e).__name__}: {e}") from e
+    if not isinstance(raw, dict):
+        raise ClipLoadError(f"{path}: a JSON {type(raw).__name__}, not a config object")
+    return raw
 
 
 def read_weights(layout: Layout) -> dict[str, torch.Tensor]:
@@ -230,8 +236,22 @@ def file_digest(paths: list[Path], salt: str = "") -> str:
 
 def load_clip(path: str | os.PathLike | None = None, model_name: str | None = None,
               batch_size: int = 64):
-    """(open_clip model FP32 eval CPU, ClipSpec, info dict with digest and files) from a local dir."""
+    """(open_clip model FP32 eval CPU, ClipSpec, info dict with digest and files) from a local dir.
+
+    Every problem with the files (missing, truncated, malformed, wrong shapes) is one
+    ClipLoadError naming the folder and what is wrong.
+    """
     root = model_dir(path)
+    try:
+        return _load_clip(root, model_name, batch_size)
+    except ClipLoadError:
+        raise
+    except (CheckpointError, OSError, KeyError, TypeError, ValueError, AttributeError, RuntimeError) as e:
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        raise ClipLoadError(f"{root}: cannot load the CLIP: {type(e).__name__}: {first}") from e
+
+
+def _load_clip(root: Path, model_name: str | None, batch_size: int):
     layout = find_layout(root, model_name)
     sd = read_weights(layout)
     model_cfg, pre, arch = model_cfg_for(layout, sd)

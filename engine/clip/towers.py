@@ -20,7 +20,8 @@ from engine import settings
 from engine.clip.spec import ClipSpec
 
 PRECISIONS = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
-MAX_CHARS = 20_000  # longer texts are cut before BPE: >= context_length tokens remain, in bounded time
+MAX_CHARS = 20_000      # longer texts are cut before cleaning (ftfy and the word split are linear in it)
+MAX_WORD_CHARS = 200    # longer words are cut before BPE, which is quadratic in a word's length
 
 
 def default_device() -> str:
@@ -87,9 +88,9 @@ class ClipTowers:
         out = torch.zeros(len(texts), ctx, dtype=torch.long)
         cut = []
         for i, text in enumerate(texts):
-            capped = text if len(text) <= MAX_CHARS else text[:MAX_CHARS]
-            ids = [tok.sot_token_id] + tok.encode(capped) + [tok.eot_token_id]
-            cut.append(len(ids) > ctx or capped is not text)
+            body, capped = encode_capped(tok, text, ctx)
+            ids = [tok.sot_token_id] + body + [tok.eot_token_id]
+            cut.append(len(ids) > ctx or capped)
             if len(ids) > ctx:
                 ids = ids[:ctx]
                 ids[-1] = tok.eot_token_id
@@ -119,6 +120,29 @@ class ClipTowers:
         parts = [self.encode_tokens(self.tokenize(texts[i:i + batch_size])[0])
                  for i in range(0, len(texts), batch_size)]
         return torch.cat(parts)
+
+
+def encode_capped(tok, text: str, words: int) -> tuple[list[int], bool]:
+    """open_clip's `SimpleTokenizer.encode(text)` in bounded time: (BPE ids, whether anything was cut).
+
+    The same steps (clean, split with the tokenizer's pattern, BPE per word), on at most
+    `words` pre-BPE words, each at most MAX_WORD_CHARS characters: every word yields at
+    least one token, so words past the context never reach it, and BPE's quadratic cost
+    stays small. Texts within those bounds give exactly `tok.encode(text)`.
+    """
+    capped = len(text) > MAX_CHARS
+    clean = tok.clean_fn(text[:MAX_CHARS] if capped else text)
+    ids: list[int] = []
+    for n, m in enumerate(tok.pat.finditer(clean)):
+        if n == words:
+            capped = True
+            break
+        word = m.group()
+        if len(word) > MAX_WORD_CHARS:
+            word, capped = word[:MAX_WORD_CHARS], True
+        word = "".join(tok.byte_encoder[b] for b in word.encode("utf-8"))
+        ids.extend(tok.encoder[t] for t in tok.bpe(word).split(" "))
+    return ids, capped
 
 
 _said: set[str] = set()

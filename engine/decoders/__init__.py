@@ -1,7 +1,9 @@
 """Decoders, one file each, behind one table, with an explicit fallback chain ending at the reference.
 
 Each decoder module has `create(name, spec, batch_size, threads)` returning an object with
-`.decode(blobs) -> (uint8 [n, S, S, 3], {index: reason})` and `.name`.
+`.decode(blobs) -> (uint8 [n, S, S, 3], {index: reason})` and `.name`; a module may list
+in `ISOLABLE` the names whose output is host memory, which then run in a child process
+(engine.decoders.isolate) unless make_decoder is told otherwise (ENGINE_DECODER_ISOLATE=0 in the ABIs).
 """
 from __future__ import annotations
 
@@ -26,14 +28,27 @@ def default_decoder(device: str) -> str:
     return "dali-gpu" if device == "cuda" else "dali-cpu"
 
 
-def make_decoder(name: str, spec: Spec, batch_size: int, threads: int | None = None):
+def runs_isolated(name: str, isolate: bool = True) -> bool:
+    """Whether make_decoder(name, isolate=...) runs the decoder in a child process (it can then
+    start before the model loads: it imports nothing heavy in this process)."""
+    return isolate and name in DECODERS and name in getattr(importlib.import_module(DECODERS[name]), "ISOLABLE", ())
+
+
+def make_decoder(name: str, spec: Spec, batch_size: int, threads: int | None = None,
+                 isolate: bool = True):
     """The decoder `name`; one that cannot start (package missing, no GPU) falls back along
-    FALLBACK and says why on stderr."""
+    FALLBACK and says why on stderr. isolate: run an ISOLABLE decoder in a child process
+    (the ABIs pass ENGINE_DECODER_ISOLATE)."""
     if name not in DECODERS:
         raise ValueError(f"unknown decoder {name!r}; choose one of {', '.join(DECODERS)}")
     while True:
         try:
-            return importlib.import_module(DECODERS[name]).create(name, spec, batch_size, threads)
+            mod = importlib.import_module(DECODERS[name])
+            if isolate and name in getattr(mod, "ISOLABLE", ()):
+                from engine.decoders.isolate import IsolatedDecoder
+
+                return IsolatedDecoder(name, DECODERS[name], spec, batch_size, threads)
+            return mod.create(name, spec, batch_size, threads)
         except Exception as e:  # noqa: BLE001 - missing package, no GPU, driver error: all fall back
             nxt = FALLBACK.get(name)
             if nxt is None:

@@ -3,18 +3,21 @@
 Sizes and crop offsets come from engine.geometry (torchvision's arithmetic), fed per
 sample, so only the resampling kernel differs from the reference: decoding is
 bit-exact with PIL's libjpeg-turbo on the CPU. Images DALI cannot match (non-JPEG
-formats, headers PIL cannot parse) or that make a batch fail go to the PIL reference.
+formats, JPEGs whose marker structure engine.decoders.route does not accept) or that
+make a batch fail go to the PIL reference. DALI documents a pipeline that raised as
+being in an undefined state: it is discarded and a fresh one built before the next batch.
 """
 from __future__ import annotations
 
-import os
 import sys
 
 import numpy as np
 
-from engine.decoders.pil import decode_pil
+from engine.decoders.pil import decode_pil, failure
 from engine.decoders.route import route
 from engine.spec import Spec
+
+ISOLABLE = ("dali-cpu",)   # host output: may run in a child process (engine.decoders.isolate)
 
 
 class DaliDecoder:
@@ -24,8 +27,10 @@ class DaliDecoder:
                  hw_decoder_load: float = 0.65):
         if device not in ("cpu", "gpu"):
             raise ValueError(f"device must be cpu or gpu, got {device!r}")
+        from engine.threads import budget
+
         self.spec, self.batch_size, self.device = spec, batch_size, device
-        self.threads = threads or max(1, os.cpu_count() or 1)
+        self.threads = threads or budget().decoder
         self.hw_decoder_load = hw_decoder_load
         self.name = f"dali-{device}"
         self._pipe = self._build()
@@ -37,9 +42,12 @@ class DaliDecoder:
         interp = {"bicubic": types.INTERP_CUBIC, "bilinear": types.INTERP_LINEAR,
                   "nearest": types.INTERP_NN}[self.spec.interpolation]
         gpu = self.device == "gpu"
+        # one batch is fed and run at a time: on the CPU the asynchronous executor would only add
+        # two threads (the overlap comes from the pipeline's decode thread)
+        sync = {} if gpu else {"exec_async": False, "exec_pipelined": False}
 
         @pipeline_def(batch_size=self.batch_size, num_threads=self.threads,
-                      device_id=0 if gpu else None, prefetch_queue_depth=1)
+                      device_id=0 if gpu else None, prefetch_queue_depth=1, **sync)
         def pipe():
             enc = fn.external_source(name="enc", dtype=types.UINT8)
             size = fn.external_source(name="size", dtype=types.FLOAT)     # [2] (h, w) after resize
@@ -67,13 +75,16 @@ class DaliDecoder:
         anchors = [np.array([w.top, w.left], np.int64) for _, w in routed]            # [2] per image
 
         out = self._empty(n)
-        if fast:
+        if fast and self._pipe is None:
+            slow += fast  # no pipeline could be rebuilt: the reference decodes everything
+        elif fast:
             try:
                 got = self._run([blobs[i] for i in fast], sizes, anchors)
             except Exception as e:  # noqa: BLE001 - DALI fails whole batches; redo them one by one
-                print(f"[engine] {self.name}: batch of {len(fast)} failed ({type(e).__name__}); "
-                      "decoding those images with pil", file=sys.stderr)
-                self._pipe = self._build()
+                first = (str(e).strip().splitlines() or [""])[-1][:200]
+                print(f"[engine] {self.name}: batch of {len(fast)} failed ({type(e).__name__}: {first}); "
+                      "decoding those images with pil and rebuilding the pipeline", file=sys.stderr)
+                self._rebuild()
                 slow += fast
                 got = None
             if got is not None:
@@ -85,7 +96,7 @@ class DaliDecoder:
             try:
                 px = decode_pil(blobs[i], self.spec)
             except Exception as e:  # noqa: BLE001
-                failed[i] = f"{type(e).__name__}: {e}"
+                failed[i] = failure(e)
                 continue
             if self.device == "gpu":
                 import torch
@@ -94,6 +105,16 @@ class DaliDecoder:
             else:
                 out[i] = px
         return out, failed
+
+    def _rebuild(self) -> None:
+        """Drop the pipeline that raised (undefined state) and build a fresh one; if that fails,
+        say so and leave every later image to the reference decoder."""
+        self._pipe = None
+        try:
+            self._pipe = self._build()
+        except Exception as e:  # noqa: BLE001 - out of memory, driver error: the reference still works
+            print(f"[engine] {self.name}: cannot rebuild the pipeline ({type(e).__name__}: {e}); "
+                  "decoding the rest with pil", file=sys.stderr)
 
     def _empty(self, n: int):
         s = self.spec.input_size
@@ -124,4 +145,5 @@ class DaliDecoder:
 
 
 def create(name: str, spec: Spec, batch_size: int, threads: int | None = None) -> DaliDecoder:
+    """`dali-cpu` or `dali-gpu` for `spec`'s geometry."""
     return DaliDecoder(spec, batch_size, threads, device=name.split("-", 1)[1])

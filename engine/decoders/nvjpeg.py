@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import torch
 
-from engine.decoders.pil import decode_pil
+from engine.decoders.pil import decode_pil, failure
 from engine.decoders.route import route
 from engine.geometry import window
 from engine.spec import Spec
@@ -67,7 +67,7 @@ class NvjpegDecoder:
             try:
                 out[i] = torch.from_numpy(np.ascontiguousarray(decode_pil(blobs[i], self.spec))).to("cuda")
             except Exception as e:  # noqa: BLE001
-                failed[i] = f"{type(e).__name__}: {e}"
+                failed[i] = failure(e)
         return out, failed
 
 

@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import io
+import re
 from functools import lru_cache
 
 import numpy as np
-import torch
 
 from engine.spec import Spec
 
@@ -62,9 +62,17 @@ def timm_pixels(blob: bytes, spec: Spec) -> np.ndarray:
     return np.ascontiguousarray(chw.numpy().transpose(1, 2, 0))
 
 
-def reference_tensor(blob: bytes, spec: Spec) -> torch.Tensor:
+def reference_tensor(blob: bytes, spec: Spec):
     """[3, S, S] float32, normalised: exactly what timm's eval transform feeds the model."""
     return _timm_transform(spec.to_json(), True)(open_rgb(blob))
+
+
+_OBJECT_AT = re.compile(r" ?<[\w.]+ object at 0x[0-9a-f]+>")
+
+
+def failure(e: BaseException) -> str:
+    """Why an image could not be read, in one stable line (PIL names its in-memory buffer's address)."""
+    return f"{type(e).__name__}: {_OBJECT_AT.sub('', str(e))}".strip()
 
 
 class PilDecoder:
@@ -86,7 +94,7 @@ class PilDecoder:
             try:
                 out[i] = decode_pil(blob, self.spec)
             except Exception as e:  # noqa: BLE001 - any decoder error makes the image unreadable
-                failed[i] = f"{type(e).__name__}: {e}"
+                failed[i] = failure(e)
         return out, failed
 
 

@@ -2,7 +2,9 @@
 
     scripts/build.sh --corpus DIR --index-dir DIR [--model-dir DIR] [--method slerp] ...
 
-Reads DIR/records.jsonl ({image_id, path}; paths relative to DIR or absolute), decodes
+Reads DIR/records.jsonl ({image_id, path}; paths relative to DIR and confined to it: an
+absolute path or one that leaves DIR, also through a symlink, is refused and named, unless
+--allow-outside-corpus), reads only regular files of at most ENGINE_MAX_FILE_BYTES, decodes
 with the engine's decoders (dali-gpu on CUDA, dali-cpu otherwise; ENGINE_DECODER=pil is
 the reference), embeds in batches, and writes the index described in evaluator.cir.index.
 Chunked and resumable: a killed build restarts at its first unfinished chunk. Images no
@@ -60,6 +62,7 @@ class BuildConfig:
     dba: int = 0
     dba_alpha: float = 3.0
     dba_chunk: int = 1024          # gallery rows per DBA block; 0: one [N, N] matrix (the reference twin)
+    allow_outside_corpus: bool = False   # records paths may be absolute or leave the corpus folder
     stop_after_chunks: int = 0     # stop (resumably) after this many chunks; 0: never
     p2w_stop_after: int = 0        # stop (resumably) after this many Pic2Word steps; 0: never
 
@@ -129,6 +132,8 @@ def parse_args(argv: list[str] | None) -> BuildConfig:
     x.add_argument("--dba-alpha", type=float, default=3.0)
     x.add_argument("--dba-chunk", type=int, default=1024,
                    help="gallery rows per DBA block (0: one [N, N] matrix, the reference twin)")
+    p.add_argument("--allow-outside-corpus", action="store_true",
+                   help="accept records paths that are absolute or leave the corpus folder")
     a = p.parse_args(argv)
     if (a.batch_size is not None and a.batch_size < 1) or a.chunk_size < 1 or a.readers < 1:
         p.error("--batch-size, --chunk-size and --readers must be >= 1")
@@ -140,12 +145,20 @@ def parse_args(argv: list[str] | None) -> BuildConfig:
 
 def main(argv: list[str] | None = None, stop_after_chunks: int = 0, p2w_stop_after: int = 0) -> int:
     """scripts/build.sh. The stop_* arguments end the build early, as an interruption would (resumable)."""
+    from engine.streams import safe_std_streams
+
+    safe_std_streams()   # diagnostics are best effort: a broken stderr never fails the build
     cfg = parse_args(argv)
     cfg.stop_after_chunks, cfg.p2w_stop_after = stop_after_chunks, p2w_stop_after
     t_start = time.perf_counter()
     from evaluator.cir import task
     from evaluator.cir.jsonl import read_records, stderr_warn
+    from evaluator.cir.run import tmpdir_problem
 
+    problem = tmpdir_problem()
+    if problem:
+        _log(f"error: {problem}")
+        return 2
     try:
         method = task.method(cfg.method, cfg.text_weight, cfg.prompt)
     except ValueError as e:
@@ -156,7 +169,7 @@ def main(argv: list[str] | None = None, stop_after_chunks: int = 0, p2w_stop_aft
         return 2
     records_path = cfg.corpus / "records.jsonl"
     if not records_path.is_file():
-        _log(f"error: {records_path} not found")
+        _log(f"error: {records_path} not found (or not a regular file)")
         return 2
     try:
         cfg.index_dir.mkdir(exist_ok=True)
@@ -166,8 +179,14 @@ def main(argv: list[str] | None = None, stop_after_chunks: int = 0, p2w_stop_aft
     if not os.access(cfg.index_dir, os.W_OK):
         _log(f"error: the index dir {cfg.index_dir} is not writable")
         return 2
-    records = read_records(records_path, stderr_warn("cir_build"))
-    records_sha = hashlib.sha256(records_path.read_bytes()).hexdigest()
+    from evaluator.cir.jsonl import read_input
+
+    try:
+        records = read_records(records_path, stderr_warn("cir_build"))
+        records_sha = hashlib.sha256(read_input(records_path)).hexdigest()
+    except (OSError, ValueError) as e:
+        _log(f"error: cannot read {records_path}: {e}")
+        return 2
     if not records:
         _log(f"error: {records_path} holds no usable records")
         return 2
@@ -179,7 +198,7 @@ def main(argv: list[str] | None = None, stop_after_chunks: int = 0, p2w_stop_aft
         cfg.batch_size = 256 if (cfg.device or default_device()).startswith("cuda") else 64
     try:
         model, spec, info = load_clip(task.clip_dir(cfg.model_dir), cfg.model_name, cfg.batch_size)
-    except (ClipLoadError, FileNotFoundError) as e:
+    except (ClipLoadError, OSError) as e:
         _log(f"error: {e}")
         return 2
     towers = ClipTowers(model, spec, cfg.device, cfg.precision)
@@ -201,11 +220,13 @@ def build(cfg: BuildConfig, records, records_sha: str, towers, info: dict, metho
     decoder_name = cfg.decoder if cfg.decoder != "auto" else (
         engine_settings.decoder() or default_decoder(towers.device.type))
     spec = towers.spec
-    decoder = make_decoder(decoder_name, spec.image, cfg.batch_size)
+    decoder = make_decoder(decoder_name, spec.image, cfg.batch_size, isolate=engine_settings.decoder_isolate())
     key = {"records_sha256": records_sha, "records": len(records), "model_digest": info["digest"],
            "clip_spec": spec.to_dict(), "decoder": decoder.name,
            "precision": towers.precision, "device": towers.device.type, "chunk_size": cfg.chunk_size,
            "embed_dim": spec.embed_dim}
+    if cfg.allow_outside_corpus:   # other files become readable: a different build
+        key["allow_outside_corpus"] = True
     ekey = extras_key(cfg.extras(), method)
     old = read_meta(cfg.index_dir)
     if old is not None and old.get("build_key") == key and not cfg.force:
@@ -220,9 +241,9 @@ def build(cfg: BuildConfig, records, records_sha: str, towers, info: dict, metho
         _log(f"resuming: {len(done)} of {n_chunks} chunks already built")
     pending = [i for i in range(len(records)) if i // cfg.chunk_size not in done]
 
-    def read(i: int) -> bytes:
-        p = Path(records[i].path)
-        return (p if p.is_absolute() else cfg.corpus / p).read_bytes()
+    from evaluator.cir.jsonl import record_reader
+
+    read = record_reader(cfg.corpus, [r.path for r in records], cfg.allow_outside_corpus)
 
     stop_after = cfg.stop_after_chunks
     bar = Progress(len(records), len(records) - len(pending))
@@ -265,13 +286,19 @@ def build(cfg: BuildConfig, records, records_sha: str, towers, info: dict, metho
 
         torch.cuda.synchronize()
     t_embed = time.perf_counter() - t0
-    rows, emb, failed = store.load(range(n_chunks))
+    from evaluator.cir.index import IndexLoadError
+
+    try:
+        rows, emb, failed = store.load(range(n_chunks))
+    except IndexLoadError as e:
+        _log(f"error: {e}")
+        return 2
     ids = [records[i].image_id for i in rows.tolist()]
     rate = embedded / t_embed if t_embed > 0 else 0.0
     meta = {"build_key": key, "model": info, "clip_spec": spec.to_dict(), "method": method,
             "decoder": decoder.name, "device": towers.device.type, "precision": towers.precision,
             "records": {"path": str(cfg.corpus / "records.jsonl"), "sha256": records_sha, "usable": len(records)},
-            "corpus": str(cfg.corpus.resolve()),
+            "corpus": str(cfg.corpus.resolve()), "allow_outside_corpus": cfg.allow_outside_corpus,
             "unreadable": failed, "counts": {"records": len(records), "indexed": len(ids), "unreadable": len(failed)},
             "timing": {"load_s": round(t_loaded - t_start, 3), "embed_s": round(t_embed, 3),
                        "images_embedded_this_run": embedded, "images_per_s": round(rate, 2),
@@ -319,7 +346,7 @@ def reuse_embeddings(cfg: BuildConfig, old: dict, towers, info: dict, ekey: dict
         return 2
     _log(f"embeddings in {cfg.index_dir} are up to date; recomputing the extras only")
     keep = ("build_key", "model", "clip_spec", "decoder", "device", "precision", "records", "corpus",
-            "unreadable", "counts", "timing")
+            "allow_outside_corpus", "unreadable", "counts", "timing")
     meta = {k: old[k] for k in keep if k in old}
     meta["method"] = method
     meta["corpus"] = str(cfg.corpus.resolve())

@@ -60,6 +60,17 @@ class Index:
         return {str(i): r for r, i in enumerate(self.ids)}
 
 
+def _plain_name(v) -> bool:
+    """A file name inside the index dir (no folder, no parent): what meta.json may name."""
+    return isinstance(v, str) and v not in ("", ".", "..") and "/" not in v and "\\" not in v and "\x00" not in v
+
+
+def _read_json_file(path: Path):
+    from evaluator.cir.jsonl import parse_line, read_input
+
+    return parse_line(read_input(path).decode("utf-8"))
+
+
 def load_index(index_dir: str | os.PathLike) -> Index:
     """The committed index of `index_dir`; IndexLoadError names what is missing or inconsistent."""
     d = Path(index_dir)
@@ -69,29 +80,43 @@ def load_index(index_dir: str | os.PathLike) -> Index:
             if (d / BUILD_DIR).is_dir() else ""
         raise IndexLoadError(f"no finished index in {d}: meta.json is missing{extra}")
     try:
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        meta = _read_json_file(meta_path)
     except (OSError, ValueError) as e:
         raise IndexLoadError(f"{meta_path}: unreadable ({e})") from e
+    if not isinstance(meta, dict):
+        raise IndexLoadError(f"{meta_path}: a JSON {type(meta).__name__}, not an index record (rebuild the index)")
     if meta.get("format") != FORMAT:
         raise IndexLoadError(f"{meta_path}: format {meta.get('format')!r}, expected {FORMAT!r}")
+    files, n, dim = meta.get("files"), meta.get("count"), meta.get("dim")
+    if not isinstance(files, dict) or not all(_plain_name(files.get(k)) for k in ("embeddings", "ids")) \
+            or not all(_plain_name(v) for v in files.values()) or not isinstance(n, int) or not isinstance(dim, int):
+        raise IndexLoadError(f"{meta_path}: malformed: needs files.embeddings / files.ids (plain file names), "
+                             "count and dim")
     try:
-        emb = np.load(d / meta["files"]["embeddings"], mmap_mode="r")
-        ids = json.loads((d / meta["files"]["ids"]).read_text(encoding="utf-8"))
-    except (OSError, ValueError, KeyError) as e:
+        for k in ("embeddings", "ids"):
+            if not (d / files[k]).is_file():   # never open a FIFO or a device
+                raise OSError(f"{d / files[k]} is missing or not a regular file")
+        emb = np.load(d / files["embeddings"], mmap_mode="r", allow_pickle=False)
+        ids = _read_json_file(d / files["ids"])
+    except (OSError, ValueError, EOFError) as e:
         raise IndexLoadError(f"{d}: index files named by meta.json are unreadable ({e})") from e
-    n, dim = meta["count"], meta["dim"]
+    from evaluator.cir.jsonl import is_id
+
+    if not isinstance(emb, np.ndarray) or not isinstance(ids, list) or not all(is_id(i) for i in ids):
+        raise IndexLoadError(f"{d}: the embeddings are not an array or the ids not a list of ids")
     if emb.shape != (n, dim) or emb.dtype != np.float16 or len(ids) != n:
         raise IndexLoadError(f"{d}: embeddings {emb.shape} {emb.dtype} / {len(ids)} ids do not match "
-                          f"meta.json count {n} dim {dim}")
+                             f"meta.json count {n} dim {dim}")
     return Index(d, meta, ids, emb)
 
 
 def read_meta(index_dir: Path) -> dict | None:
-    """meta.json of a committed index, or None."""
+    """meta.json of a committed index, or None (missing, unreadable or not an object)."""
     try:
-        return json.loads((index_dir / "meta.json").read_text(encoding="utf-8"))
+        meta = _read_json_file(index_dir / "meta.json")
     except (OSError, ValueError):
         return None
+    return meta if isinstance(meta, dict) else None
 
 
 class ChunkStore:
@@ -110,7 +135,9 @@ class ChunkStore:
         old = None
         if prog.is_file():
             try:
-                old = json.loads(prog.read_text(encoding="utf-8")).get("key")
+                old = _read_json_file(prog)
+                old = old.get("key") if isinstance(old, dict) else None
+                old = old if isinstance(old, dict) else None
             except (OSError, ValueError) as e:
                 print(f"[cir_build] {prog} unreadable ({e}); starting the build over", file=sys.stderr)
         if old is not None and old != self.key:
@@ -135,11 +162,15 @@ class ChunkStore:
         """Concatenated (rows [N], emb [N, D], failed) of `chunks`, in chunk order."""
         rows, embs, failed = [], [], []
         for c in chunks:
-            with np.load(self.path(c), allow_pickle=False) as z:
-                rows.append(z["rows"])
-                if len(z["rows"]):
-                    embs.append(z["emb"])
-                failed += json.loads(z["failed"].tobytes().decode())
+            try:
+                with np.load(self.path(c), allow_pickle=False) as z:
+                    rows.append(z["rows"])
+                    if len(z["rows"]):
+                        embs.append(z["emb"])
+                    failed += json.loads(z["failed"].tobytes().decode())
+            except (OSError, ValueError, KeyError, EOFError) as e:
+                raise IndexLoadError(f"{self.path(c)}: unreadable chunk ({type(e).__name__}: {e}); "
+                                     "pass --force to rebuild") from e
         dim = self.key.get("embed_dim", 0)
         emb = np.concatenate(embs) if embs else np.zeros((0, dim), np.float16)
         return np.concatenate(rows) if rows else np.zeros(0, np.int64), emb, failed

@@ -2,16 +2,24 @@
 
 Bad lines never stop a call: each gets one stderr line naming file and line number.
 Bad UTF-8 is decoded with replacement characters (the request is still answered);
-malformed JSON, non-objects and rows without a usable id are skipped.
+malformed JSON, lines nested deeper than MAX_DEPTH, non-objects and rows without a
+usable id are skipped. A UTF-8 byte-order mark at the start is ignored. Files are read
+as every input is: regular files only (a FIFO is an error, never a hang), at most MAX_BYTES.
 """
 from __future__ import annotations
 
 import json
 import math
+import os
+import re
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+MAX_BYTES = 1 << 30        # a gallery of millions of records fits; anything larger is not an input list
+MAX_DEPTH = 64             # brackets nested deeper than this make a line invalid (json recurses per level)
+_BRACKETS = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')   # a string (skipped whole) or one bracket
 
 ID_KEYS = ("image_id", "id", "img_id", "image_name", "name")
 PATH_KEYS = ("path", "file", "filename", "file_name", "image_path", "img_path", "file_path")
@@ -34,9 +42,45 @@ def _first(obj: dict, keys: tuple[str, ...]):
     return next((obj[k] for k in keys if k in obj), None)
 
 
+def read_input(path: Path) -> bytes:
+    """The bytes of an input list (records, requests, an output to resume): a regular file of at
+    most MAX_BYTES, else OSError / ValueError saying why."""
+    from engine.pipeline import read_regular
+
+    return read_regular(path, MAX_BYTES, "the input-list limit")
+
+
+def nesting(text: str, limit: int = MAX_DEPTH) -> int:
+    """Deepest bracket nesting of a JSON text, brackets inside strings ignored (stops past `limit`)."""
+    depth = deepest = 0
+    for m in _BRACKETS.finditer(text):
+        c = m.group()
+        if c in "[{":
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+                if deepest > limit:
+                    break
+        elif c in "]}":
+            depth -= 1
+    return deepest
+
+
+def parse_line(text: str):
+    """json.loads of one line, refusing one nested deeper than MAX_DEPTH (ValueError, never a RecursionError)."""
+    if ("[" in text or "{" in text) and text.count("[") + text.count("{") > MAX_DEPTH and nesting(text) > MAX_DEPTH:
+        raise ValueError(f"nested deeper than {MAX_DEPTH} levels")
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("nested too deeply to parse") from None
+
+
 def jsonl_objects(path: Path, warn: Warn) -> Iterator[tuple[int, dict]]:
     """(line number, object) per usable line; blank lines are skipped silently."""
-    data = path.read_bytes()
+    data = read_input(path)
+    if data.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark is not part of the first line
+        data = data[3:]
     for no, raw in enumerate(data.split(b"\n"), start=1):
         raw = raw.rstrip(b"\r")
         if not raw.strip():
@@ -47,7 +91,7 @@ def jsonl_objects(path: Path, warn: Warn) -> Iterator[tuple[int, dict]]:
             warn(f"{path}:{no}: not valid UTF-8 (byte {e.start}); decoded with replacement characters")
             text = raw.decode("utf-8", errors="replace")
         try:
-            obj = json.loads(text)
+            obj = parse_line(text)
         except ValueError as e:
             warn(f"{path}:{no}: malformed JSON ({getattr(e, 'msg', e)}); line skipped")
             continue
@@ -84,6 +128,24 @@ def read_records(path: Path, warn: Warn) -> list[Record]:
         seen[str(iid)] = no
         out.append(Record(iid, rel, no))
     return out
+
+
+def record_reader(corpus: Path, paths, allow_outside: bool = False):
+    """read(i) -> bytes of record i's image: a regular file of at most ENGINE_MAX_FILE_BYTES, its
+    path relative to `corpus` and inside it (ValueError naming the path otherwise), unless
+    `allow_outside` (then absolute paths and escapes are opened as given)."""
+    from engine import settings
+    from engine.pipeline import read_regular, resolve_inside
+
+    cap, real = settings.max_file_bytes(), os.path.realpath(corpus)
+
+    def read(i: int) -> bytes:
+        rel = paths[i]
+        if allow_outside:   # opened where it leads (symlinks followed), still a regular file only
+            return read_regular(os.path.realpath(os.path.join(corpus, rel)), cap)
+        return read_regular(resolve_inside(corpus, rel, "the corpus folder", real), cap)
+
+    return read
 
 
 @dataclass(frozen=True)
@@ -130,44 +192,75 @@ def read_requests(path: Path, warn: Warn) -> list[Request]:
     return out
 
 
-def _valid_row(obj) -> bool:
-    if not isinstance(obj, dict) or not is_id(obj.get("query_id")) or not isinstance(obj.get("results"), list):
-        return False
-    for r in obj["results"]:
-        s = r.get("score") if isinstance(r, dict) else None
-        if not is_id(r.get("image_id") if isinstance(r, dict) else None) or isinstance(s, bool) \
-                or not isinstance(s, (int, float)) or not math.isfinite(s):
-            return False
-    return True
-
-
-def finished_rows(path: Path, warn: Warn) -> tuple[list[str], int]:
-    """(query ids, byte length) of the valid prefix of an earlier run's output.
-
-    A row counts once it is complete (newline-terminated) and valid; the first torn or
-    invalid line ends the prefix (the caller truncates the file there and redoes the rest).
-    """
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return [], 0
-    done: list[str] = []
+def row_problem(obj, request: Request | None, gallery: dict[str, object], k: int) -> str | None:
+    """Why `obj` is not a valid output row for `request` (None when it is): the output rules of
+    the ABI. `gallery`: str(image_id) -> the id as the index holds it."""
+    if not isinstance(obj, dict) or not is_id(obj.get("query_id")):
+        return "not a result row"
+    if request is None:
+        return f"query {obj['query_id']!r} is not in the requests"
+    if obj["query_id"] != request.query_id or type(obj["query_id"]) is not type(request.query_id):
+        return f"query_id {obj['query_id']!r} is not the request's {request.query_id!r}"
+    results = obj.get("results")
+    if not isinstance(results, list) or len(results) > k:
+        return f"results is not a list of at most {k}"
     seen: set[str] = set()
-    end = 0
-    for no, raw in enumerate(data.split(b"\n")[:-1], start=1):  # the last piece has no newline
+    last = math.inf
+    for r in results:
+        iid = r.get("image_id") if isinstance(r, dict) else None
+        s = r.get("score") if isinstance(r, dict) else None
+        if not is_id(iid) or str(iid) not in gallery or gallery[str(iid)] != iid:
+            return f"result {iid!r} is not a gallery image id"
+        if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s):
+            return f"result {iid!r} has no finite score"
+        if str(iid) in seen:
+            return f"image {iid!r} appears twice"
+        if str(iid) == request.reference:
+            return f"the reference image {iid!r} is among the results"
+        if s > last:
+            return "scores rise"
+        seen.add(str(iid))
+        last = s
+    return None
+
+
+@dataclass
+class Resumed:
+    rows: list[bytes]        # kept rows, each newline-terminated, in file order
+    done: list[str]          # their query ids (str)
+    prefix: bool             # the kept rows are exactly the start of the file: truncating suffices
+
+
+def resume_rows(path: Path, requests: list[Request], gallery: dict[str, object], k: int,
+                warn: Warn) -> Resumed:
+    """The rows of an earlier run's output that may stay: complete (newline-terminated), valid under
+    the output rules (`row_problem`), for a query in `requests`, the first for that query. Every
+    dropped row is said on stderr; the caller rewrites the file when they are not a prefix."""
+    try:
+        data = read_input(path)
+    except FileNotFoundError:
+        return Resumed([], [], True)
+    by_id = {str(r.query_id): r for r in requests}
+    keep: list[bytes] = []
+    done: list[str] = []
+    pieces = data.split(b"\n")
+    for no, raw in enumerate(pieces[:-1], start=1):       # the last piece has no newline
+        if not raw.strip():
+            continue
         try:
-            obj = json.loads(raw.decode("utf-8"))
+            obj = parse_line(raw.decode("utf-8"))
         except ValueError:
             obj = None
-        if not raw.strip():
-            end += len(raw) + 1
+        qid = str(obj.get("query_id")) if isinstance(obj, dict) else None
+        why = row_problem(obj, by_id.get(qid) if qid is not None else None, gallery, k)
+        if why is None and qid in done:
+            why = f"a second row for query {obj['query_id']!r}"
+        if why is not None:
+            warn(f"{path}:{no}: dropping an earlier row ({why}); it is answered again")
             continue
-        if not _valid_row(obj) or str(obj["query_id"]) in seen:
-            warn(f"{path}:{no}: not a valid result row; output resumes from here")
-            return done, end
-        seen.add(str(obj["query_id"]))
-        done.append(str(obj["query_id"]))
-        end += len(raw) + 1
-    if end < len(data):
-        warn(f"{path}: dropping a torn last line ({len(data) - end} bytes)")
-    return done, end
+        keep.append(raw + b"\n")
+        done.append(qid)
+    if pieces[-1]:
+        warn(f"{path}: dropping a torn last line ({len(pieces[-1])} bytes)")
+    prefix = data.startswith(b"".join(keep))
+    return Resumed(keep, done, prefix)

@@ -33,9 +33,16 @@ def _log(msg: str) -> None:
     print(f"[cir_run] {msg}", file=sys.stderr, flush=True)
 
 
+class _Lookup(dict):
+    """image id -> records path; a missing id is a KeyError naming it (the image fails alone)."""
+
+    def __missing__(self, key):
+        raise KeyError(f"image {key!r} has no record in the corpus")
+
+
 class QueryPipeline:
     def __init__(self, index, towers, method, warn, queries: Path, corpus: Path | None = None, k: int = 50,
-                 bank_chunk: int = 256):
+                 bank_chunk: int = 256, allow_outside_corpus: bool = False):
         from engine.retrieval.rescore import center
 
         self.index, self.towers, self.method, self.warn, self.queries = index, towers, method, warn, queries
@@ -48,6 +55,7 @@ class QueryPipeline:
         self.info: dict = {"method_label": method.label}
         self.cached: dict[str, torch.Tensor] = {}     # query_id -> [D] composed query (prepare)
         self.bank_chunk = bank_chunk        # requests per bank-statistics block; 0: the reference twin
+        self.allow_outside_corpus = allow_outside_corpus   # records paths may leave the corpus folder
         self.mapping = self._load_mapping() if method.name == "pic2word" else None
         self.text_bank = self._load_text_bank() if method.gap in ("bank", "both") or (
             method.hubness and method.bank in ("gallery", "both")) else None
@@ -108,7 +116,7 @@ class QueryPipeline:
 
     def _reinspector(self, corpus: Path | None):
         from engine.retrieval.reinspect import ReinspectBudget, Reinspector
-        from evaluator.cir.jsonl import read_records
+        from evaluator.cir.jsonl import read_records, record_reader
         from evaluator.cir.task import MAX_REINSPECT
 
         meta = self.index.meta
@@ -119,12 +127,16 @@ class QueryPipeline:
             _log(f"re-inspection off: no corpus records at {records} (pass --corpus DIR)")
             self.info["reinspection"] = f"off: no records.jsonl at {records}"
             return None
-        paths = {str(r.image_id): r.path for r in read_records(records, self.warn)}
+        try:
+            paths = {str(r.image_id): r.path for r in read_records(records, self.warn)}
+        except (OSError, ValueError) as e:
+            raise PipelineError(f"re-inspection: cannot read {records}: {e}") from None
         ids = self.index.ids
+        # the same rule as the build: regular files inside the corpus folder, unless allowed outside
+        read_path = record_reader(root, _Lookup(paths), self.allow_outside_corpus)
 
         def read(row: int) -> bytes:
-            p = Path(paths[str(ids[row])])
-            return (p if p.is_absolute() else root / p).read_bytes()
+            return read_path(str(ids[row]))
 
         spec = self.towers.spec.image
         self.info["reinspection"] = f"{self.method.reinspect} candidates x {self.method.crops} views, corpus {root}"

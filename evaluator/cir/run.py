@@ -51,6 +51,7 @@ class RunConfig:
     allow_model_mismatch: bool = False
     report: Path | None = None
     corpus: Path | None = None         # image files for re-inspection (default: recorded at build time)
+    allow_outside_corpus: bool = False  # records paths may be absolute or leave the corpus folder
     bank_chunk: int = 256              # requests per bank-statistics block; 0: one [M, N] matrix (reference twin)
 
 
@@ -80,6 +81,8 @@ def parse_args(argv: list[str] | None) -> RunConfig:
                    help="corpus folder (records.jsonl) for re-inspection (env CIR_CORPUS; default: the index's)")
     p.add_argument("--bank-chunk", type=int, default=256,
                    help="requests per bank-statistics block (0: one [M, N] matrix, the reference twin)")
+    p.add_argument("--allow-outside-corpus", action="store_true",
+                   help="re-inspection may open records paths that are absolute or leave the corpus folder")
     a = p.parse_args(argv)
     if a.bank_chunk < 0:
         p.error("--bank-chunk must be >= 0")
@@ -90,18 +93,25 @@ def parse_args(argv: list[str] | None) -> RunConfig:
 
 def main(argv: list[str] | None = None, on_row=None) -> int:
     """scripts/run.sh. `on_row(n)` is called after the n-th row is written and flushed."""
+    from engine.streams import safe_std_streams
+
+    safe_std_streams()   # diagnostics are best effort: a broken stderr never fails the call
     cfg = parse_args(argv)
     t0 = time.perf_counter()
     from engine.retrieval.compose import Method
     from evaluator.cir import task
     from evaluator.cir.index import IndexLoadError, load_index
-    from evaluator.cir.jsonl import finished_rows, read_requests, stderr_warn
+    from evaluator.cir.jsonl import read_requests, resume_rows, stderr_warn
 
     warn = stderr_warn("cir_run")
+    problem = tmpdir_problem() or output_problem(cfg.output)
+    if problem:
+        _log(f"error: {problem}")
+        return 2
     try:
         index = load_index(cfg.index_dir)
         requests = read_requests(cfg.queries, warn)
-    except (IndexLoadError, OSError) as e:
+    except (IndexLoadError, OSError, ValueError) as e:
         _log(f"error: {e}")
         return 2
     recorded = index.meta.get("method") or {}
@@ -120,7 +130,7 @@ def main(argv: list[str] | None = None, on_row=None) -> int:
 
     try:
         model, spec, info = load_clip(task.clip_dir(cfg.model_dir), cfg.model_name)
-    except (ClipLoadError, FileNotFoundError) as e:
+    except (ClipLoadError, OSError) as e:
         _log(f"error: {e}")
         return 2
     built_with = index.meta.get("model", {}).get("digest")
@@ -135,32 +145,38 @@ def main(argv: list[str] | None = None, on_row=None) -> int:
     from evaluator.cir.query import PipelineError, QueryPipeline
 
     try:
-        pipe = QueryPipeline(index, towers, method, warn, cfg.queries, cfg.corpus, cfg.k, cfg.bank_chunk)
+        pipe = QueryPipeline(index, towers, method, warn, cfg.queries, cfg.corpus, cfg.k, cfg.bank_chunk,
+                             cfg.allow_outside_corpus or bool(index.meta.get("allow_outside_corpus")))
         pipe.prepare(requests)
     except PipelineError as e:
         _log(f"error: {e}")
         return 2
 
-    done: list[str] = []
-    end = 0
-    if cfg.resume:
-        done, end = finished_rows(cfg.output, warn)
-    mode = "r+b" if cfg.resume and cfg.output.is_file() else "wb"
+    kept = None
+    if cfg.resume and cfg.output.exists():
+        try:
+            kept = resume_rows(cfg.output, requests, {str(i): i for i in index.ids}, TOP_K, warn)
+        except (OSError, ValueError) as e:
+            _log(f"error: cannot read {cfg.output} to resume it: {e}; pass --no-resume to overwrite it")
+            return 2
+    done = kept.done if kept else []
     try:
-        out = open(cfg.output, mode)
+        out = open(cfg.output, "r+b" if kept is not None else "wb")
     except OSError as e:
         _log(f"error: cannot write {cfg.output}: {e.strerror or e}")
         return 2
     with out:
-        if mode == "r+b":
-            out.truncate(end)   # drop a torn last line (and anything after the valid prefix)
-            out.seek(end)
+        if kept is not None:
+            body = b"".join(kept.rows)
+            if not kept.prefix:          # rows were dropped before others: rewrite the kept ones in place
+                out.seek(0)
+                out.write(body)
+            out.truncate(len(body))      # drop a torn last line and every row that is redone
+            out.seek(len(body))
+            out.flush()
+            os.fsync(out.fileno())
             if done:
                 _log(f"resuming {cfg.output}: {len(done)} rows kept")
-        wanted = {str(r.query_id) for r in requests}
-        stray = [q for q in done if q not in wanted]
-        if stray:
-            _log(f"{len(stray)} kept rows of {cfg.output} answer queries not in {cfg.queries}")
         skip = set(done)
         pending = [r for r in requests if str(r.query_id) not in skip]
         t1 = time.perf_counter()
@@ -175,6 +191,29 @@ def main(argv: list[str] | None = None, on_row=None) -> int:
     if cfg.report is not None:
         cfg.report.write_text(json.dumps(summary, indent=2) + "\n")
     return 0
+
+
+def tmpdir_problem() -> str | None:
+    """Why TMPDIR cannot serve as scratch space (torch, open_clip and DALI keep caches there)."""
+    from engine import settings
+
+    d = settings.tmpdir()
+    if not d.is_dir() or not os.access(d, os.W_OK | os.X_OK):
+        return f"TMPDIR {d} is not a writable folder (torch, open_clip and the decoders keep their caches there)"
+    return None
+
+
+def output_problem(path: Path) -> str | None:
+    """Why the output cannot be written (a directory, a missing folder), checked before any work."""
+    if path.is_dir():
+        return f"the output {path} is a directory"
+    if not path.parent.is_dir():
+        return f"the output folder {path.parent} does not exist"
+    if path.exists() and not os.access(path, os.W_OK):
+        return f"the output {path} is not writable"
+    if not path.exists() and not os.access(path.parent, os.W_OK):
+        return f"cannot create the output in {path.parent}: not writable"
+    return None
 
 
 def answer(cfg: RunConfig, index, pipe, pending, out, on_row=None) -> int:

@@ -1,9 +1,15 @@
-"""The contest manifest: one `request_id<TAB>relative/path` row per image, in output order."""
+"""The contest manifest: one `request_id<TAB>relative/path` row per image, in output order.
+
+The manifest is read like every input: a regular file only (a FIFO or a directory is an
+error, never a hang), at most MAX_BYTES.
+"""
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
 from pathlib import Path
+
+MAX_BYTES = 1 << 30   # 10,000 rows take ~0.5 MB: anything near this is not a manifest
 
 
 class ManifestError(ValueError):
@@ -19,10 +25,14 @@ class Row:
 
 def read_manifest(path: str | os.PathLike) -> list[Row]:
     """Rows of a manifest. CRLF and a trailing newline are fine; anything else malformed is an error."""
+    from engine.pipeline import read_regular
+
     try:
-        data = Path(path).read_bytes()
+        data = read_regular(path, MAX_BYTES, "the manifest limit")
     except OSError as e:
         raise ManifestError(f"cannot read manifest {path}: {e.strerror or e}") from e
+    except ValueError as e:
+        raise ManifestError(f"cannot read manifest: {e}") from e
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -45,13 +55,6 @@ def read_manifest(path: str | os.PathLike) -> list[Row]:
 
 def resolve_image(root: Path, rel: str) -> Path:
     """Path of `rel` inside `root`; raises ValueError (never opening anything) if it escapes the root."""
-    if os.path.isabs(rel) or rel.startswith(("/", "\\")):
-        raise ValueError(f"absolute path refused: {rel!r}")
-    if "\x00" in rel:
-        raise ValueError("NUL byte in path")
-    candidate = root / rel
-    real_root = os.path.realpath(root)
-    real = os.path.realpath(candidate)  # follows symlinks: a link out of the root is refused too
-    if os.path.commonpath([real_root, real]) != real_root:
-        raise ValueError(f"path escapes IMAGE_ROOT: {rel!r}")
-    return Path(real)
+    from engine.pipeline import resolve_inside
+
+    return Path(resolve_inside(root, rel, "IMAGE_ROOT"))

@@ -1,0 +1,63 @@
+"""One thread budget for the whole process: DALI, torch, OpenMP and the file readers.
+
+Sandboxes bound PIDs (threads count), and a library left to itself sizes its pool from
+every core of a many-core host. Everything is derived from `ENGINE_THREADS` (default:
+the CPUs this process may use, at most 16):
+
+    readers   file reader threads           ENGINE_READERS, else min(8, max(2, T))
+    decoder   DALI worker threads           T
+    intra_op  torch / OpenMP / MKL threads  T on the CPU, min(T, 4) beside a GPU
+    inter_op  torch inter-op threads        1
+
+`library_env` must reach the environment before numpy or torch is imported (OpenMP and
+OpenBLAS size their pools when they load); `apply_torch` sets torch's own counts.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+from engine import settings
+
+
+@dataclass(frozen=True)
+class Budget:
+    total: int        # ENGINE_THREADS
+    readers: int
+    decoder: int
+    intra_op: int
+    inter_op: int
+
+    def peak(self, isolated_decoder: bool = True) -> int:
+        """Most threads a CPU classification run holds at once, child decoder process included,
+        as measured with torch 2.14 and DALI 2.4 (tests/test_hostile.py checks it): main + readers
+        + the decode thread + 2 x (intra_op - 1) OpenMP workers (torch's OpenMP and its BLAS's
+        each keep a pool), plus DALI's workers and its 3 input threads, plus the child's main thread."""
+        parent = 1 + self.readers + 1 + 2 * (self.intra_op - 1)
+        return parent + self.decoder + 3 + int(isolated_decoder)
+
+
+def budget(device: str = "cpu") -> Budget:
+    """The budget for a run whose model executes on `device` (cpu | cuda)."""
+    t = settings.threads()
+    readers = settings.readers() or min(8, max(2, t))
+    intra = t if device == "cpu" else min(t, 4)
+    return Budget(t, readers, t, intra, 1)
+
+
+def library_env(b: Budget) -> dict[str, str]:
+    """Environment for the native thread pools (set before numpy / torch load)."""
+    n = str(b.intra_op)
+    # OpenBLAS only serves numpy here: one thread, and no per-thread buffers under a memory cap
+    return {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n, "OPENBLAS_NUM_THREADS": "1"}
+
+
+def apply_torch(b: Budget) -> None:
+    """torch's intra-op and inter-op pools sized from the budget (once per process)."""
+    import torch
+
+    torch.set_num_threads(b.intra_op)
+    try:
+        torch.set_num_interop_threads(b.inter_op)
+    except RuntimeError as e:  # already started in this process: its pool keeps its size
+        print(f"[engine] torch inter-op threads left as they are ({e})", file=sys.stderr)
