@@ -1,7 +1,7 @@
 """The untimed preparation step: checkpoint -> artifact directory.
 
     python -m engine.build --model NAME --checkpoint FILE --out DIR [--device cpu|cuda]
-        [--precision fp32|fp16|bf16] [--backend NAME] [--batch-size N]
+        [--precision fp32|bf16|fp16|fp8] [--backend NAME] [--batch-size N|auto]
         [--input-size N] [--crop-mode center|squash] [--crop-pct F] [--model-kwargs JSON]
         [--no-guard] [--calibration-images DIR] [--guard-safety F] [--recheck-batch N]
 
@@ -50,7 +50,7 @@ class GuardConfig:
 
 
 def build(spec: Spec, checkpoint: Path | None, out: Path, backend: str = backends.DEFAULT,
-          device: str = "cpu", guard: GuardConfig | None = None) -> dict:
+          device: str = "cpu", guard: GuardConfig | None = None, batch_sweep: dict | None = None) -> dict:
     """Build the artifact for `spec` with `backend` (a name in engine.backends) and return its manifest."""
     be = backends.get(backend)
     guard = guard or GuardConfig()
@@ -68,6 +68,8 @@ def build(spec: Spec, checkpoint: Path | None, out: Path, backend: str = backend
     try:
         extra = {"build": {"argv": sys.argv, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
                  "precision_policy": describe_policy(spec.precision)}
+        if batch_sweep:
+            extra["build"]["batch_sweep"] = batch_sweep
         extra.update(be.save(net, spec, device, tmp, margin=guarded))
         if guarded:
             extra["guard"] = _build_guard(be, backend, net, spec, device, tmp, guard)
@@ -118,6 +120,46 @@ def _build_guard(be, backend: str, net, spec: Spec, device: str, tmp: Path, cfg:
             "seconds": round(time.perf_counter() - t0, 3)}
 
 
+AUTO_BATCHES = {"cuda": (32, 40, 50, 64, 80, 100, 128), "cpu": (8, 16, 32)}  # 10,000 = 125 x 80: divisors pad less
+
+
+def _batch_size(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number or auto, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def measure_batch_size(spec: Spec, checkpoint: Path, device: str, candidates=None) -> tuple[int, dict]:
+    """(fastest batch, images/s per batch) of the policy network in eager mode on `device`;
+    each candidate timed after one warm-up, synchronised. Recorded in the artifact."""
+    from engine.model import wrap
+
+    net = load_model(spec, checkpoint)
+    rates = {}
+    with torch.inference_mode():
+        for b in candidates or AUTO_BATCHES.get(device, AUTO_BATCHES["cpu"]):
+            m = wrap(net, dataclasses.replace(spec, batch_size=b), device)
+            x = torch.randint(0, 256, (b, spec.input_size, spec.input_size, 3), dtype=torch.uint8, device=device)
+            m(x)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(2):
+                m(x)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            rates[b] = 2 * b / (time.perf_counter() - t)
+    best = max(rates, key=rates.get)
+    return best, {"chosen": best, "images_per_s": {str(k): round(v, 1) for k, v in rates.items()},
+                  "how": "eager policy network, 2 timed calls per batch after a warm-up"}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m engine.build", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="timm name, e.g. eva02_large_patch14_448.mim_m38m_ft_in22k_in1k")
@@ -126,7 +168,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--precision", choices=PRECISIONS, default="fp32")
     p.add_argument("--backend", choices=tuple(backends.BACKENDS), default=backends.DEFAULT)
-    p.add_argument("--batch-size", type=int)
+    p.add_argument("--batch-size", type=_batch_size,
+                   help="static batch; auto: the fastest of a short measured sweep on the build device")
     p.add_argument("--input-size", type=int)
     p.add_argument("--crop-mode", choices=CROP_MODES)
     p.add_argument("--crop-pct", type=float)
@@ -151,12 +194,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     try:
-        spec = resolve_spec(a.model, precision=a.precision, batch_size=a.batch_size, input_size=a.input_size,
-                            crop_mode=a.crop_mode, crop_pct=a.crop_pct, interpolation=a.interpolation,
-                            num_classes=a.num_classes, model_kwargs=a.model_kwargs)
+        auto = a.batch_size == "auto"
+        spec = resolve_spec(a.model, precision=a.precision, batch_size=None if auto else a.batch_size,
+                            input_size=a.input_size, crop_mode=a.crop_mode, crop_pct=a.crop_pct,
+                            interpolation=a.interpolation, num_classes=a.num_classes, model_kwargs=a.model_kwargs)
+        sweep = None
+        if auto:
+            if a.checkpoint is None:
+                raise ValueError("--batch-size auto measures the model: it needs --checkpoint")
+            best, sweep = measure_batch_size(spec, a.checkpoint, a.device)
+            spec = dataclasses.replace(spec, batch_size=best)
+            print(f"engine.build: batch size {best} (measured: {sweep['images_per_s']} images/s)", file=sys.stderr)
         guard = GuardConfig(a.guard, a.calibration_images, a.calibration_count, a.guard_safety, a.recheck_batch,
                             a.recheck_backend)
-        meta = build(spec, a.checkpoint, a.out, backend=a.backend, device=a.device, guard=guard)
+        meta = build(spec, a.checkpoint, a.out, backend=a.backend, device=a.device, guard=guard, batch_sweep=sweep)
     except (OSError, ValueError, RuntimeError) as e:
         print(f"engine.build: error: {e}", file=sys.stderr)
         return 2

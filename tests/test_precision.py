@@ -166,3 +166,20 @@ def test_projection_fusion_is_exact_on_an_eva02_large_layout():
     low = apply_policy(net, "bf16")                 # the fused GEMMs take the low precision like any Linear
     assert isinstance(low.blocks[0].attn.qkv, LowPrecisionLinear)
     assert isinstance(low.blocks[0].mlp.fc1, LowPrecisionLinear)
+
+
+def test_batch_size_auto_measures_and_records(tiny_checkpoint, tmp_path):
+    from engine.build import main
+
+    out = tmp_path / "art"
+    rc = main(["--model", tiny_spec().model, "--checkpoint", str(tiny_checkpoint), "--out", str(out),
+               "--input-size", "112", "--crop-mode", "squash", "--crop-pct", "1.0", "--model-kwargs", '{"depth": 4}',
+               "--backend", "eager", "--batch-size", "auto"])
+    assert rc == 0
+    import json
+
+    meta = json.loads((out / "manifest.json").read_text())
+    sweep = meta["build"]["batch_sweep"]
+    assert set(sweep["images_per_s"]) == {"8", "16", "32"} and meta["batch_size"] == sweep["chosen"]
+    assert sweep["images_per_s"][str(sweep["chosen"])] == max(sweep["images_per_s"].values())
+    assert main(["--model", "x", "--out", str(tmp_path / "b"), "--batch-size", "auto"]) == 2
