@@ -137,3 +137,25 @@ def test_tensorrt_backend_is_one_file_and_refuses_clearly_without_a_gpu(tmp_path
         pytest.skip("a GPU is present: the device check builds TensorRT engines")
     with pytest.raises(RuntimeError, match="GPU"):
         trt.save(torch.nn.Linear(2, 2), None, "cpu", tmp_path)
+
+
+def test_nvjpeg_routing_sends_subsampled_jpegs_to_the_reference():
+    import io
+
+    from PIL import Image
+
+    from engine.decoders.route import jpeg_header, route
+    from engine.spec import Spec
+
+    px = (np.random.default_rng(0).random((64, 80, 3)) * 255).astype(np.uint8)
+    blobs = []
+    for sub in (0, 1, 2):                             # 4:4:4, 4:2:2, 4:2:0
+        buf = io.BytesIO()
+        Image.fromarray(px).save(buf, "JPEG", quality=90, subsampling=sub)
+        blobs.append(buf.getvalue())
+    assert [jpeg_header(b).subsampled for b in blobs] == [False, True, True]
+    spec = Spec(model="m", input_size=32, crop_mode="squash")
+    fast, slow, failed = route(blobs, spec, modes=("RGB", "L"), subsampled=False)
+    assert [i for i, _ in fast] == [0] and slow == [1, 2] and not failed
+    fast, slow, _ = route(blobs, spec)                 # DALI (fancy upsampling) takes all three
+    assert [i for i, _ in fast] == [0, 1, 2] and slow == []

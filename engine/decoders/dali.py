@@ -140,7 +140,11 @@ class DaliDecoder:
 
         s = self.spec.input_size
         got = torch.empty((len(idx), s, s, 3), dtype=torch.uint8, device="cuda")  # [m, S, S, 3]
-        feed_ndarray(tl.as_tensor(), got, cuda_stream=torch.cuda.current_stream())
+        stream = torch.cuda.current_stream()
+        feed_ndarray(tl.as_tensor(), got, cuda_stream=stream)
+        # the copy is async on `stream`, and DALI may reuse its output buffer at the next run:
+        # wait for the copy before `tl` is released
+        stream.synchronize()
         out[torch.as_tensor(idx, device="cuda")] = got
 
 

@@ -51,7 +51,9 @@ class NvjpegDecoder:
     def decode(self, blobs: list[bytes | None]):
         n, s = len(blobs), self.spec.input_size
         out = torch.zeros((n, s, s, 3), dtype=torch.uint8, device="cuda")
-        routed, slow, failed = route(blobs, self.spec, modes=("RGB", "L"))  # nvJPEG: no CMYK
+        # nvJPEG: no CMYK; and torchvision's binding upsamples chroma plainly where the PIL reference
+        # (libjpeg-turbo) uses fancy upsampling, so 4:2:0 / 4:2:2 JPEGs decode on the CPU, exactly
+        routed, slow, failed = route(blobs, self.spec, modes=("RGB", "L"), subsampled=False)
         fast = [i for i, _ in routed]
         if fast:
             data = [torch.frombuffer(bytearray(blobs[i]), dtype=torch.uint8) for i in fast]

@@ -35,6 +35,7 @@ class JpegHeader:
     mode: str          # L | RGB | CMYK
     frame: str         # baseline | extended | progressive
     scans: int
+    subsampled: bool = False   # chroma at a lower resolution than luma (4:2:0, 4:2:2, ...)
 
 
 class NotFast(ValueError):
@@ -67,7 +68,8 @@ def jpeg_header(blob: bytes) -> JpegHeader:
                 raise NotFast("no scan (SOS with data) before the end-of-image marker")
             _check_complete(frame, scanned, dc_started)
             w, h = frame[1], frame[2]
-            return JpegHeader(w, h, _MODE_OF[len(frame[3])], _FAST_SOF[frame[0]], scans)
+            sampling = {c[:2] for c in frame[3].values()}
+            return JpegHeader(w, h, _MODE_OF[len(frame[3])], _FAST_SOF[frame[0]], scans, len(sampling) > 1)
         if m in (0x01, 0xD8) or 0xD0 <= m <= 0xD7:
             raise NotFast(f"unexpected marker FF{m:02X} at byte {pos - 2}")
         if pos + 2 > n:
@@ -218,13 +220,14 @@ def probe(blob: bytes) -> tuple[int, int, str, str]:
         return im.size[0], im.size[1], im.format or "", im.mode
 
 
-def route(blobs: list[bytes | None], spec: Spec, modes: tuple[str, ...] = _JPEG_MODES):
+def route(blobs: list[bytes | None], spec: Spec, modes: tuple[str, ...] = _JPEG_MODES, subsampled: bool = True):
     """Split a batch: (fast [(index, Window)], slow [index], failed {index: reason}).
 
     Fast: JPEGs whose whole marker structure `jpeg_header` accepts, in `modes`, for a
     GPU/DALI decoder. Slow: every other file PIL can open (other formats, truncated or
     header-only JPEGs, unusual frames), for the PIL reference, which reads them as the
-    reference does. Failed: nothing reads them.
+    reference does. Failed: nothing reads them. `subsampled=False` also sends chroma-
+    subsampled JPEGs to the reference (for a decoder without libjpeg's fancy upsampling).
     """
     fast, slow, failed = [], [], {}
     for i, blob in enumerate(blobs):
@@ -233,7 +236,7 @@ def route(blobs: list[bytes | None], spec: Spec, modes: tuple[str, ...] = _JPEG_
             continue
         try:
             head = jpeg_header(blob)
-            if head.mode in modes:
+            if head.mode in modes and (subsampled or not head.subsampled):
                 fast.append((i, window(head.width, head.height, spec)))
                 continue
         except (NotFast, ValueError):
