@@ -35,6 +35,17 @@ def test_bad_flags_exit_2_before_any_work(tmp_path, args, words):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("var, value", [("ENGINE_DECODER", "foo"), ("ENGINE_READERS", "0"),
+                                        ("ENGINE_READERS", "abc"), ("ENGINE_PROGRESS", "loud")])
+def test_a_bad_engine_switch_exits_2_before_any_work(tmp_path, monkeypatch, var, value):
+    monkeypatch.setenv(var, value)
+    r = _demo("--out", str(tmp_path / "out"), timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"{PROG}: error: {var} must be"), last
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.fixture(scope="module")
 def demo_runs(tiny_checkpoint, tmp_path_factory):
     """Two demo runs on one --out: 12 images, eager artifact (the checkpoint is the session's, reused)."""

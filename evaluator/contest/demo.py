@@ -58,6 +58,22 @@ def _log(msg: str) -> None:
     print(f"demo: {msg}", file=sys.stderr, flush=True)
 
 
+# engine.settings getters whose variables the child processes read: a bad value is the
+# user's mistake, said once before any work rather than as a failed child minutes later
+CHILD_SETTINGS = ("decoder", "cuda_graphs", "artifact_verify", "pipeline_depth", "readers", "fast_exit",
+                  "progress", "guard", "threads", "max_file_bytes", "decoder_isolate")
+
+
+def check_environment() -> None:
+    """Read every engine switch the children will read; raises engine.settings.SettingsError."""
+    from engine import settings
+
+    for name in CHILD_SETTINGS:
+        getter = getattr(settings, name, None)
+        if getter is not None:
+            getter()
+
+
 def child_env(out: Path) -> dict[str, str]:
     """One environment for every child process: the caller's, plus passive OpenMP waits (as
     scripts/run sets them) and TMPDIR with every cache inside OUT."""
@@ -342,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
 
     def body() -> int:
+        check_environment()
         try:
             if a.command == "prepare":
                 prep = prepare(a.out, a.count, a.seed, a.crop_mode, a.backend, a.batch_size, a.artifact,
