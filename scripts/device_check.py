@@ -204,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--tiny", action="store_true", help="the tiny test model (rehearsal of every step on the CPU)")
     p.add_argument("--gpu-tests-s", type=float, default=90.0)
+    p.add_argument("--calibration-count", type=int, default=256, help="images each guarded build chooses tau on")
     a = p.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
     c = Check(a.out, a.limit_s)
@@ -253,6 +254,7 @@ def _steps(a: argparse.Namespace, c: Check) -> int:
         return 1
     model_args = ["--model", model, "--input-size", str(size), "--crop-mode", "squash", "--crop-pct", "1.0",
                   "--model-kwargs", json.dumps(kwargs), "--checkpoint", str(ckpt)]
+    calib = ["--calibration-count", str(a.calibration_count)]
     from engine import backends
 
     main_backend = backends.DEFAULT
@@ -260,7 +262,7 @@ def _steps(a: argparse.Namespace, c: Check) -> int:
     # the compiled build runs in the background while the naive reference answers its rows
     log = open(c.logs / "build_aot_bf16.log", "w")  # noqa: SIM115 - closed once the build is waited for
     t_build = time.perf_counter()
-    build = subprocess.Popen(build_cmd(model_args, aot_art, a.device, main_backend, "bf16", a.batch_size,
+    build = subprocess.Popen(build_cmd(model_args, aot_art, a.device, main_backend, "bf16", a.batch_size, *calib,
                                        "--recheck-backend", next(b for b in backends.BACKENDS if b != main_backend
                                                                  and not backends.get(b).COMPILED
                                                                  and backends.get(b).NEEDS_WEIGHTS)),
@@ -306,7 +308,8 @@ def _steps(a: argparse.Namespace, c: Check) -> int:
     for prec in ("bf16", "fp16", "fp8"):
         def eager_step(prec=prec) -> dict:
             art = work / f"art_eager_{prec}"
-            r = c.run(f"build_eager_{prec}", build_cmd(model_args, art, a.device, eager, prec, a.batch_size), c.left())
+            r = c.run(f"build_eager_{prec}", build_cmd(model_args, art, a.device, eager, prec, a.batch_size, *calib),
+                      c.left())
             if r.returncode != 0:
                 raise RuntimeError(f"build failed: {r.stderr.strip()[-300:]}")
             return {"backend": eager, **judge(c, f"eager_{prec}", art, cohort, ref, n_ref, a.count)}

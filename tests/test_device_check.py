@@ -30,7 +30,7 @@ def test_cpu_rehearsal_runs_every_step(tmp_path):
     out = tmp_path / "out"
     r = subprocess.run([sys.executable, str(REPO / "scripts" / "device_check.py"), "--out", str(out), "--tiny",
                         "--device", "cpu", "--count", "24", "--ref-count", "24", "--batch-size", "8",
-                        "--limit-s", "900", "--gpu-tests-s", "60"],
+                        "--limit-s", "900", "--gpu-tests-s", "60", "--calibration-count", "32"],
                        capture_output=True, text=True, timeout=1200, cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads((out / "device_check.json").read_text())
