@@ -111,3 +111,10 @@ def test_near_misses_are_not_flagged(tmp_path):
 def test_not_an_artifact(tmp_path):
     rc, _, err = _provenance(str(tmp_path))
     assert rc == 2 and "not an artifact" in err
+
+
+def test_not_an_artifact_is_one_error_line_and_exit_2(tmp_path):
+    rc, summary, err = _provenance(str(tmp_path))
+    assert rc == 2 and summary == {} and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == f"python -m evaluator.provenance: error: {tmp_path} has no manifest.json " \
+                                           "(not an artifact)"

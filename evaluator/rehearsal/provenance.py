@@ -15,7 +15,6 @@ the artifact cannot be read. JSON on stdout (the whole record, or a summary with
 """
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -134,34 +133,35 @@ def provenance(artifact: Path, checkpoint: Path | None, repo: Path | None, extra
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m evaluator.provenance", description=__doc__.split("\n\n")[0])
+    from engine.artifact import ArtifactError
+    from engine.cli import guard, parser
+
+    prog = "python -m evaluator.provenance"
+    p = parser(prog, __doc__.split("\n\n")[0])
     p.add_argument("artifact", type=Path, help="artifact directory (with manifest.json)")
     p.add_argument("--out", type=Path, help="write the record here; stdout then gets a summary")
     p.add_argument("--checkpoint", type=Path, help="the checkpoint file, when not at the manifest's path")
-    p.add_argument("--repo", type=Path, default=REPO, help="source tree to list (default this repo)")
+    p.add_argument("--repo", type=Path, default=REPO, help="source tree to list")
     p.add_argument("--no-source", action="store_true", help="list the artifact only")
     p.add_argument("--extra", type=Path, action="append", default=[], help="more files or folders to check")
     a = p.parse_args(argv)
     if not (a.artifact / "manifest.json").is_file():
-        print(f"provenance: error: {a.artifact} has no manifest.json (not an artifact)", file=sys.stderr)
-        return 2
-    from engine.artifact import ArtifactError
+        p.error(f"{a.artifact} has no manifest.json (not an artifact)")
 
-    try:
+    def body() -> int:
         rec = provenance(a.artifact, a.checkpoint, None if a.no_source else a.repo, a.extra)
-    except (ArtifactError, OSError) as e:
-        print(f"provenance: error: {e}", file=sys.stderr)
-        return 2
-    text = json.dumps(rec, indent=1)
-    if a.out:
-        a.out.write_text(text + "\n")
-        print(json.dumps({"out": str(a.out), "verdict": rec["verdict"], "flagged": rec["flagged"],
-                          "checkpoint_made_from": rec["checkpoint"]["made_from"]}))
-    else:
-        print(text)
-    for f in rec["flagged"]:
-        print(f"provenance: FLAG {f['path']}: {'; '.join(f['flags'])}", file=sys.stderr)
-    return 1 if rec["flagged"] else 0
+        text = json.dumps(rec, indent=1)
+        if a.out:
+            a.out.write_text(text + "\n")
+            print(json.dumps({"out": str(a.out), "verdict": rec["verdict"], "flagged": rec["flagged"],
+                              "checkpoint_made_from": rec["checkpoint"]["made_from"]}))
+        else:
+            print(text)
+        for f in rec["flagged"]:
+            print(f"{prog}: FLAG {f['path']}: {'; '.join(f['flags'])}", file=sys.stderr)
+        return 1 if rec["flagged"] else 0
+
+    return guard(prog, body, errors=(ArtifactError,), debug=a.debug)
 
 
 if __name__ == "__main__":
