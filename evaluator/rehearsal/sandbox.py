@@ -59,7 +59,7 @@ def _mapped_library_dirs() -> set[str]:
                 if path.startswith("/") and ".so" in path and os.path.exists(path):
                     out.add(os.path.dirname(path))
     except OSError as e:
-        print(f"[rehearse] cannot read /proc/self/maps ({e}); shared-library folders not checked", file=sys.stderr)
+        print(f"scripts/rehearse: cannot read /proc/self/maps ({e}); shared-library folders not checked", file=sys.stderr)
     return out
 
 
@@ -94,6 +94,6 @@ def run_as_user(cmd: list[str], timeout: float) -> tuple[int, str, str, float]:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        err += f"\n[rehearse] killed after {timeout:.0f} s"
+        err += f"\nscripts/rehearse: killed after {timeout:.0f} s"
         return 124, out, err, time.perf_counter() - t0
     return proc.returncode, out, err, time.perf_counter() - t0
