@@ -10,7 +10,8 @@ optimized: `--repeats` each) under one environment (the same OpenMP and thread
 settings, TMPDIR inside OUT). It prints a short summary (agreement against the 99 %
 gate, both wall times, their ratio, where the optimized run spent its time) and then
 the same facts as JSON (also written to OUT/demo.json). Exit 0 when agreement passes,
-1 when it does not, 2 for a bad flag. Everything it writes is under OUT; each process's
+1 when it does not or a step fails (the end of its log is shown), 2 for a bad flag or
+environment value. Everything it writes is under OUT; each process's
 stderr is kept in OUT/logs/.
 
 `prepare` writes OUT/cohort/, OUT/tiny_eva02.safetensors, OUT/artifact/ and
@@ -33,7 +34,7 @@ from engine.backends import DEFAULT as DEFAULT_BACKEND
 
 REPO = Path(__file__).resolve().parents[2]
 PROG = "python -m evaluator.demo"
-DEFAULT_COUNT = 200      # about 3 minutes end to end on two CPU cores, preparation included
+DEFAULT_COUNT = 200      # first run ~4-5 min on two shared cores (checkpoint fit, AOT compile); reruns ~1 min
 MAX_COUNT = 100_000
 HEARTBEAT_S = 10.0       # a line this often while a child process runs
 
