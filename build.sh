@@ -20,8 +20,9 @@ scripts/run and checks the output. An intact, current artifact is reused.
 environment (default):
   ENGINE_CHECKPOINT   the checkpoint file                  (/checkpoint/model.safetensors)
   ENGINE_MODEL        timm name, decides the spec          (eva02_large_patch14_448.mim_m38m_ft_in22k_in1k)
-  ENGINE_PRECISION    fp32 | fp16 | bf16                   (fp32: the reference precision)
-  ENGINE_BATCH_SIZE   static batch of the compiled model   (the spec's)
+  ENGINE_PRECISION    fp32 | bf16 | fp16 | fp8             (cuda: bf16, guarded by an FP32 re-check of
+                                                           near-ties; cpu: fp32, the reference precision)
+  ENGINE_BATCH_SIZE   static batch of the compiled model, or auto (cuda: 64; cpu: the spec's)
   ENGINE_BACKEND      a runtime backend of engine/backends (the registry's first; python -m engine.build --help)
   ENGINE_DEVICE       auto | cuda | cpu                    (auto: cuda when torch sees a GPU)
   ENGINE_ARTIFACT     artifact dir, relative to this folder or absolute (artifacts/default; scripts/run reads it too)
@@ -51,7 +52,7 @@ failed() { echo "build.sh: error: $*" >&2; exit 1; }        # the build or the c
 
 MODEL=${ENGINE_MODEL:-eva02_large_patch14_448.mim_m38m_ft_in22k_in1k}
 CHECKPOINT=${ENGINE_CHECKPOINT:-/checkpoint/model.safetensors}
-PRECISION=${ENGINE_PRECISION:-fp32}
+PRECISION=${ENGINE_PRECISION:-}
 BACKEND=${ENGINE_BACKEND:-}
 DEVICE=${ENGINE_DEVICE:-auto}
 ARTIFACT=${ENGINE_ARTIFACT:-artifacts/default}
@@ -81,6 +82,11 @@ if [ "$DEVICE" = auto ]; then
     fi
 fi
 case "$DEVICE" in cuda|cpu) ;; *) usage_error "ENGINE_DEVICE must be auto, cuda or cpu, got '$DEVICE'" ;; esac
+# on the GPU the fast default: guarded bf16 at a batch the device check measures; on the CPU the reference
+if [ -z "$PRECISION" ]; then
+    if [ "$DEVICE" = cuda ]; then PRECISION=bf16; else PRECISION=fp32; fi
+fi
+if [ -z "${ENGINE_BATCH_SIZE:-}" ] && [ "$DEVICE" = cuda ]; then ENGINE_BATCH_SIZE=64; fi
 
 # The engine.build flags, one per knob (positional parameters: safe for JSON with spaces).
 set -- --model "$MODEL" --checkpoint "$CHECKPOINT" --out "$ARTIFACT" --device "$DEVICE" \
