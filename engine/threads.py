@@ -57,6 +57,8 @@ def apply_torch(b: Budget) -> None:
     import torch
 
     torch.set_num_threads(b.intra_op)
+    if torch.get_num_interop_threads() == b.inter_op:
+        return
     try:
         torch.set_num_interop_threads(b.inter_op)
     except RuntimeError as e:  # already started in this process: its pool keeps its size

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -205,3 +206,216 @@ def test_aot_run_imports_neither_timm_nor_the_compiler(small_cohort, aot_artifac
             "print(rc, sorted(m for m in ('timm', 'torch._inductor', 'torch._dynamo') if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert r.stdout.strip() == "0 []", r.stderr[-2000:]
+
+
+def _trap_manifest(tmp_path: Path):
+    """A one-row manifest whose image is a FIFO: opening it for reading would block."""
+    root = tmp_path / "trap_root"
+    root.mkdir()
+    watch, opened = _fifo_trap(root / "trap.JPEG")
+    m = tmp_path / "trap.tsv"
+    m.write_text("r1\ttrap.JPEG\n")
+    return m, root, watch, opened
+
+
+def _one_error_line(r, needle: str) -> None:
+    lines = [line for line in r.stderr.splitlines() if line.startswith("run: error:")]
+    assert r.returncode == 2 and len(lines) == 1 and needle in lines[0], r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("field, value", [("input_size", 224), ("input_size", 96), ("batch_size", 8),
+                                          ("crop_pct", 0.5), ("crop_mode", "center")])
+def test_an_edited_artifact_manifest_is_refused_before_any_image_is_read(eager_artifact, tmp_path, field, value):
+    art = tmp_path / "artifact"
+    shutil.copytree(eager_artifact, art)
+    meta = json.loads((art / "manifest.json").read_text())
+    meta["spec"][field] = value
+    if field == "batch_size":
+        meta["batch_size"] = value
+    (art / "manifest.json").write_text(json.dumps(meta, indent=2))
+    m, root, watch, opened = _trap_manifest(tmp_path)
+    out = tmp_path / "p.i32"
+    r = run_abi(m, root, out, art, timeout=120)
+    _one_error_line(r, "was changed after the build")
+    watch()
+    assert not opened and not out.exists()
+
+
+@pytest.mark.parametrize("where", ["dir", "root", "missing"])
+def test_a_bad_output_location_fails_before_any_image_is_read(eager_artifact, tmp_path, where):
+    m, root, watch, opened = _trap_manifest(tmp_path)
+    out = {"dir": tmp_path, "root": Path("/"), "missing": tmp_path / "no" / "p.i32"}[where]
+    r = run_abi(m, root, out, eager_artifact, timeout=120)
+    _one_error_line(r, "OUTPUT")
+    watch()
+    assert not opened
+
+
+def test_a_stale_output_never_survives_a_failed_or_killed_run(small_cohort, eager_artifact, tmp_path):
+    out = tmp_path / "p.i32"
+    out.write_bytes(np.arange(40, dtype="<i4").tobytes())        # looks like a complete earlier answer
+    r = run_abi(small_cohort / "manifest.tsv", small_cohort, out, tmp_path / "no-artifact", timeout=120)
+    assert r.returncode == 2 and not out.exists()
+    out.write_bytes(np.arange(40, dtype="<i4").tobytes())
+    env = {**os.environ, "ENGINE_ARTIFACT": str(eager_artifact)}
+    p = subprocess.Popen([str(REPO / "scripts" / "run"), str(small_cohort / "manifest.tsv"), str(small_cohort),
+                          str(out)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while out.exists() and time.monotonic() < deadline:               # removed at start, before the model loads
+        time.sleep(0.01)
+    p.kill()
+    p.wait(timeout=60)
+    assert not out.exists()
+    leftovers = [x.name for x in tmp_path.iterdir() if x.name.startswith(".tmp-p.i32-")]
+    r = run_abi(small_cohort / "manifest.tsv", small_cohort, out, eager_artifact)   # sweeps the killed run's temp
+    assert r.returncode == 0 and out.stat().st_size == 160
+    assert not [x for x in tmp_path.iterdir() if x.name.startswith(".tmp-p.i32-")], leftovers
+
+
+@pytest.mark.parametrize("how", ["dev-full", "closed", "closed-pipe"])
+def test_a_broken_stderr_or_stdout_does_not_change_the_result(small_cohort, eager_artifact, tmp_path, how):
+    """Diagnostics are best effort: the run writes the same OUTPUT and exits 0 whatever stderr is."""
+    ref = tmp_path / "ref.i32"
+    assert run_abi(small_cohort / "manifest.tsv", small_cohort, ref, eager_artifact).returncode == 0
+    out = tmp_path / "p.i32"
+    cmd = [str(REPO / "scripts" / "run"), str(small_cohort / "manifest.tsv"), str(small_cohort), str(out)]
+    env = {**os.environ, "ENGINE_ARTIFACT": str(eager_artifact)}
+    if how == "dev-full":
+        with open("/dev/full", "w") as full:
+            rc = subprocess.run(cmd, env=env, stdout=full, stderr=full, timeout=300).returncode
+    elif how == "closed":
+        rc = subprocess.run(["sh", "-c", '"$@" >&- 2>&-', "sh", *cmd], env=env, timeout=300).returncode
+    else:
+        rd, wr = os.pipe()
+        os.close(rd)                               # every write to stderr fails with EPIPE
+        try:
+            rc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=wr, timeout=300).returncode
+        finally:
+            os.close(wr)
+    assert rc == 0
+    assert out.read_bytes() == ref.read_bytes()
+
+
+def test_the_scratch_folder_is_removed_and_killed_runs_folders_swept(small_cohort, aot_artifact, tmp_path):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = tmp / f"eva-engine-run-{dead.pid}"                          # a killed run's unpacked package
+    (stale / "aotinductor_x").mkdir(parents=True)
+    (stale / "aotinductor_x" / "big.so").write_bytes(b"x" * 1000)
+    other = tmp / "someone-elses"
+    other.mkdir()
+    out = tmp_path / "p.i32"
+    r = run_abi(small_cohort / "manifest.tsv", small_cohort, out, aot_artifact, env={"TMPDIR": str(tmp)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert sorted(p.name for p in tmp.iterdir()) == ["someone-elses"]
+
+
+def test_an_unusable_tmpdir_is_one_line(small_cohort, aot_artifact, tmp_path):
+    afile = tmp_path / "not-a-folder"
+    afile.write_text("x")
+    m, root, watch, opened = _trap_manifest(tmp_path)
+    r = run_abi(m, root, tmp_path / "p.i32", aot_artifact, env={"TMPDIR": str(afile)}, timeout=120)
+    _one_error_line(r, "TMPDIR")
+    watch()
+    assert not opened
+
+
+@pytest.mark.skipif(not shutil.which("prlimit"), reason="needs prlimit")
+def test_an_address_space_limit_below_the_need_is_one_line(small_cohort, eager_artifact, tmp_path):
+    m, root, watch, opened = _trap_manifest(tmp_path)
+    r = subprocess.run(["prlimit", f"--as={2 << 30}", "--", str(REPO / "scripts" / "run"), str(m), str(root),
+                        str(tmp_path / "p.i32")], env={**os.environ, "ENGINE_ARTIFACT": str(eager_artifact)},
+                       capture_output=True, text=True, timeout=120)
+    _one_error_line(r, "address-space limit")
+    watch()
+    assert not opened
+
+
+def test_out_of_memory_while_classifying_is_one_line(small_cohort, eager_artifact, tmp_path, monkeypatch, capsys):
+    import engine.pipeline
+    from evaluator.contest import run as run_mod
+
+    for var in ("TMPDIR", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):   # main sets them
+        monkeypatch.setenv(var, os.environ.get(var, str(tmp_path) if var == "TMPDIR" else "1"))
+    monkeypatch.setenv("ENGINE_DECODER_ISOLATE", "0")
+
+    def exhausted(*a, **k):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 123 bytes")
+
+    monkeypatch.setattr(engine.pipeline, "classify", exhausted)
+    out = tmp_path / "p.i32"
+    rc = run_mod.main([str(small_cohort / "manifest.tsv"), str(small_cohort), str(out),
+                       "--artifact", str(eager_artifact)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "run: error: out of memory" in err and "Traceback" not in err
+    assert not out.exists() and not list(tmp_path.glob(".tmp-*")) and not list(tmp_path.glob("eva-engine-run-*"))
+
+
+def test_files_that_are_not_regular_or_too_large_get_a_prediction_and_a_line(small_cohort, eager_artifact, tmp_path):
+    root = tmp_path / "root"
+    shutil.copytree(small_cohort / "images", root / "images")
+    big = root / "big.JPEG"
+    with open(big, "wb") as f:                     # sparse: its size is above the cap, nothing is read
+        f.truncate(80 << 20)
+    os.mkfifo(root / "fifo.JPEG")
+    (root / "dir.JPEG").mkdir()
+    (root / "empty.JPEG").write_bytes(b"")
+    good = (small_cohort / "manifest.tsv").read_text().splitlines()[:2]
+    m = tmp_path / "m.tsv"
+    m.write_text("\n".join(good + ["big\tbig.JPEG", "fifo\tfifo.JPEG", "dir\tdir.JPEG", "empty\tempty.JPEG"]) + "\n")
+    out = tmp_path / "p.i32"
+    r = run_abi(m, root, out, eager_artifact, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    pred = np.fromfile(out, "<i4")
+    assert len(pred) == 6 and pred.min() >= 0 and pred.max() <= 999
+    for rid, what in [("big", "above the limit of 67108864 (ENGINE_MAX_FILE_BYTES)"), ("fifo", "a FIFO"),
+                      ("dir", "a directory"), ("empty", "unreadable")]:
+        assert sum(f"({rid}," in line and what in line for line in r.stderr.splitlines()) == 1, (rid, r.stderr)
+    r = run_abi(m, root, out, eager_artifact, env={"ENGINE_MAX_FILE_BYTES": "1000"}, timeout=120)
+    assert r.returncode == 0 and r.stderr.count("above the limit of 1000") == 3     # the two JPEGs and big
+
+
+@pytest.mark.parametrize("var, value", [("ENGINE_THREADS", "0"), ("ENGINE_MAX_FILE_BYTES", "lots"),
+                                        ("ENGINE_DECODER_ISOLATE", "yes"), ("ENGINE_ARTIFACT_VERIFY", "md5")])
+def test_a_bad_switch_is_one_line(small_cohort, eager_artifact, tmp_path, var, value):
+    m, root, watch, opened = _trap_manifest(tmp_path)
+    r = run_abi(m, root, tmp_path / "p.i32", eager_artifact, env={var: value}, timeout=120)
+    _one_error_line(r, var)
+    watch()
+    assert not opened
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
+                                reason="needs root and setpriv to run as an unprivileged user")
+
+
+@needs_root
+def test_a_read_only_output_folder_fails_before_any_image_is_read(eager_artifact):
+    import tempfile
+
+    from evaluator.rehearsal.sandbox import interpreter_mounts, user_command
+
+    base = Path(tempfile.mkdtemp(prefix="ro-output-"))                 # traversable by the unprivileged user
+    try:
+        base.chmod(0o755)
+        m, root, watch, opened = _trap_manifest(base)
+        ro, tmp, art = base / "ro", base / "tmp", base / "artifact"
+        ro.mkdir()
+        tmp.mkdir()
+        os.chown(tmp, 65534, 65534)
+        shutil.copytree(eager_artifact, art)
+        subprocess.run(["chmod", "-R", "go+rX", str(base)], check=True)
+        (base / "stage").mkdir()
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": "/nonexistent", "TMPDIR": str(tmp),
+               "ENGINE_ARTIFACT": str(art), "PYTHON": sys.executable, "LANG": "C.UTF-8"}
+        cmd = user_command([str(REPO / "scripts" / "run"), str(m), str(root), str(ro / "p.i32")], env, 65534, 65534,
+                           None, 256, False, interpreter_mounts(65534, 65534), base / "stage")
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        _one_error_line(r, "cannot write OUTPUT")
+        watch()
+        assert not opened
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

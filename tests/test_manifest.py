@@ -169,3 +169,13 @@ def test_root_that_is_itself_a_symlink(root, tmp_path):
 def test_nul_byte_refused(root, rel):
     with pytest.raises(ValueError, match="NUL byte"):
         resolve_image(root, rel)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_a_manifest_that_is_not_a_regular_file_is_an_error_not_a_hang(tmp_path, kind):
+    import os
+
+    p = tmp_path / "manifest.tsv"
+    os.mkfifo(p) if kind == "fifo" else p.mkdir()
+    with pytest.raises(ManifestError, match=f"a {'FIFO' if kind == 'fifo' else 'directory'}, not a regular file"):
+        read_manifest(p)

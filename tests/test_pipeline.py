@@ -243,3 +243,101 @@ def test_injected_clock_is_used():
 
     res = run_with_timeout(lambda: classify(reader(20), 20, IndexDecoder(), EchoRuntime(), clock=clock))
     assert all(float(e["start"]).is_integer() and e["end"] > e["start"] for e in res.timeline)
+
+
+# ------------------------------------------------------------ reading files: regular files only
+def test_read_regular_returns_the_bytes(tmp_path):
+    from engine.pipeline import read_regular
+
+    p = tmp_path / "a.bin"
+    data = bytes(range(256)) * 1000
+    p.write_bytes(data)
+    assert read_regular(p, len(data)) == data
+    (tmp_path / "empty").write_bytes(b"")
+    assert read_regular(tmp_path / "empty", 10) == b""
+
+
+def test_read_regular_refuses_an_oversized_file_without_reading_it(tmp_path):
+    from engine.pipeline import read_regular
+
+    big = tmp_path / "big"
+    with open(big, "wb") as f:
+        f.truncate(3 << 30)                       # sparse 3 GiB: reading it would take seconds and memory
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match=r"has 3221225472 bytes, above the limit of 1024 \(ENGINE_MAX_FILE_BYTES\)"):
+        read_regular(big, 1024)
+    assert time.perf_counter() - t0 < 1.0
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "socket", "device", "symlink"])
+def test_read_regular_refuses_what_is_not_a_regular_file_without_blocking(tmp_path, kind):
+    import os
+    import socket
+
+    from engine.pipeline import read_regular
+
+    p = tmp_path / "x"
+    if kind == "fifo":
+        os.mkfifo(p)                              # a blocking open would wait for a writer forever
+    elif kind == "directory":
+        p.mkdir()
+    elif kind == "socket":
+        s = socket.socket(socket.AF_UNIX)
+        s.bind(str(p))
+    elif kind == "device":
+        p = "/dev/zero"                           # endless: reading it whole would never end
+    else:
+        (tmp_path / "real").write_bytes(b"data")
+        p.symlink_to(tmp_path / "real")           # a final symlink is not followed (resolve first)
+    box: list = []
+
+    def attempt():
+        try:
+            read_regular(p, 1 << 20)
+        except (OSError, ValueError) as e:
+            box.append(e)
+
+    t = threading.Thread(target=attempt, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), f"read_regular blocked on a {kind}"
+    want = {"fifo": "a FIFO", "directory": "a directory", "socket": "", "device": "a character device",
+            "symlink": ""}[kind]
+    assert box and want in str(box[0])
+
+
+def test_resolve_inside_refuses_escapes_and_returns_the_real_path(tmp_path):
+    from engine.pipeline import resolve_inside
+
+    root = tmp_path / "root"
+    (root / "sub").mkdir(parents=True)
+    (root / "sub" / "f").write_bytes(b"x")
+    (root / "out").symlink_to(tmp_path)
+    assert resolve_inside(root, "sub/f") == str((root / "sub" / "f").resolve())
+    for rel, what in [("/etc/passwd", "absolute"), ("../x", "escapes the corpus"), ("out/x", "escapes the corpus"),
+                      ("a\x00b", "NUL")]:
+        with pytest.raises(ValueError, match=what):
+            resolve_inside(root, rel, "the corpus")
+
+
+# ------------------------------------------------------------ the thread budget
+def test_the_thread_budget_derives_every_pool_from_one_setting(monkeypatch):
+    from engine import settings, threads
+
+    monkeypatch.setenv("ENGINE_THREADS", "6")
+    b = threads.budget("cpu")
+    assert (b.total, b.readers, b.decoder, b.intra_op, b.inter_op) == (6, 6, 6, 6, 1)
+    assert threads.budget("cuda").intra_op == 4
+    assert threads.library_env(b) == {"OMP_NUM_THREADS": "6", "MKL_NUM_THREADS": "6", "OPENBLAS_NUM_THREADS": "1"}
+    assert b.peak() == 1 + 6 + 1 + 2 * 5 + 6 + 3 + 1 and b.peak(isolated_decoder=False) == b.peak() - 1
+    monkeypatch.setenv("ENGINE_READERS", "3")
+    assert threads.budget().readers == 3
+    monkeypatch.setenv("ENGINE_THREADS", "40")
+    monkeypatch.delenv("ENGINE_READERS")
+    assert threads.budget().readers == 8 and threads.budget().decoder == 40
+    monkeypatch.delenv("ENGINE_THREADS")
+    assert settings.threads() == min(settings.usable_cpus(), settings.MAX_THREADS)
+    assert settings.usable_cpus() == len(__import__("os").sched_getaffinity(0))
+    monkeypatch.setenv("ENGINE_THREADS", "0")
+    with pytest.raises(settings.SettingsError, match="ENGINE_THREADS"):
+        threads.budget()

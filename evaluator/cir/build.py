@@ -149,6 +149,13 @@ def main(argv: list[str] | None = None, stop_after_chunks: int = 0, p2w_stop_aft
 
     safe_std_streams()   # diagnostics are best effort: a broken stderr never fails the build
     cfg = parse_args(argv)
+    from engine import threads
+
+    try:
+        os.environ.update(threads.library_env(threads.budget("cpu")))   # before torch sizes its pools
+    except ValueError as e:   # a bad ENGINE_THREADS / ENGINE_READERS
+        _log(f"error: {e}")
+        return 2
     cfg.stop_after_chunks, cfg.p2w_stop_after = stop_after_chunks, p2w_stop_after
     t_start = time.perf_counter()
     from evaluator.cir import task
@@ -202,6 +209,7 @@ def main(argv: list[str] | None = None, stop_after_chunks: int = 0, p2w_stop_aft
         _log(f"error: {e}")
         return 2
     towers = ClipTowers(model, spec, cfg.device, cfg.precision)
+    threads.apply_torch(threads.budget(towers.device.type))
     t_loaded = time.perf_counter()
     return build(cfg, records, records_sha, towers, info, method.to_dict(), t_start, t_loaded)
 

@@ -97,6 +97,13 @@ def main(argv: list[str] | None = None, on_row=None) -> int:
 
     safe_std_streams()   # diagnostics are best effort: a broken stderr never fails the call
     cfg = parse_args(argv)
+    from engine import threads
+
+    try:
+        os.environ.update(threads.library_env(threads.budget("cpu")))   # before torch sizes its pools
+    except ValueError as e:   # a bad ENGINE_THREADS / ENGINE_READERS
+        _log(f"error: {e}")
+        return 2
     t0 = time.perf_counter()
     from engine.retrieval.compose import Method
     from evaluator.cir import task
@@ -142,6 +149,7 @@ def main(argv: list[str] | None = None, on_row=None) -> int:
             return 2
         _log(f"warning: {msg}")
     towers = ClipTowers(model, spec, cfg.device, cfg.precision)
+    threads.apply_torch(threads.budget(towers.device.type))
     from evaluator.cir.query import PipelineError, QueryPipeline
 
     try:

@@ -93,10 +93,10 @@ class Output:
     def __init__(self, path: Path):
         self.path = path
         folder = path.parent
-        if path.is_dir():
+        if os.path.isdir(path):
             raise RunError(f"OUTPUT is a directory: {path}")
-        if not folder.is_dir():
-            raise RunError(f"OUTPUT folder does not exist: {folder}")
+        if not os.path.isdir(folder):
+            raise RunError(f"OUTPUT folder does not exist (or is not reachable): {folder}")
         prefix = f".tmp-{path.name}-"
         try:
             for p in folder.iterdir():  # temp files of killed runs
@@ -211,11 +211,10 @@ def _decoder_name(a: argparse.Namespace, meta: dict) -> str:
     return a.decoder or meta.get("decoder") or default_decoder(meta.get("device", "cpu"))
 
 
-def early_decoder(a: argparse.Namespace, budget):
+def early_decoder(a: argparse.Namespace, budget, isolate: bool):
     """The decoder started from the artifact's manifest before torch is imported, when it runs in a
     child process (engine.decoders.runs_isolated); None otherwise or if the manifest is unusable
     (load_artifact then says why). The caller keeps it only if the checked artifact agrees."""
-    from engine import settings
     from engine.decoders import make_decoder, runs_isolated
     from engine.spec import Spec
 
@@ -223,10 +222,10 @@ def early_decoder(a: argparse.Namespace, budget):
         with open(a.artifact / "manifest.json", "rb") as f:
             meta = json.loads(f.read(64 << 20))
         name = _decoder_name(a, meta)
-        if not runs_isolated(name, settings.decoder_isolate()):
+        if not runs_isolated(name, isolate):
             return None
         spec = Spec.from_dict(meta["spec"])
-        return make_decoder(name, spec, spec.batch_size, budget.decoder, settings.decoder_isolate())
+        return make_decoder(name, spec, spec.batch_size, budget.decoder, isolate)
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
         return None
 
@@ -310,14 +309,16 @@ def _run(argv, wall0: float, held: Held) -> int:
         raise RunError(str(e)) from None
     from engine import settings, threads
 
-    try:
+    try:  # every switch is read (and refused when bad) before anything else happens
         budget = threads.budget("cpu")
         cap = settings.max_file_bytes()
+        isolate = settings.decoder_isolate()
+        settings.artifact_verify()
     except ValueError as e:
         raise RunError(str(e)) from None
     os.environ.update(threads.library_env(budget))   # before numpy / torch load and size their pools
-    if not a.image_root.is_dir():
-        raise RunError(f"IMAGE_ROOT is not a directory: {a.image_root}")
+    if not os.path.isdir(a.image_root):
+        raise RunError(f"IMAGE_ROOT is not a directory (or not reachable): {a.image_root}")
     out = held.output = Output(a.output)
     check_address_space(a.artifact)                  # before anything large is mapped
     from engine.pipeline import read_regular, resolve_inside
@@ -329,7 +330,7 @@ def _run(argv, wall0: float, held: Held) -> int:
         raise RunError(str(e)) from None
     held.scratch = private_tmpdir()
 
-    early = early_decoder(a, budget)   # a child decoder process starts while torch imports
+    early = early_decoder(a, budget, isolate)   # a child decoder process starts while torch imports
 
     try:
         import torch  # noqa: F401 - heavy import timed as part of "imports"
@@ -354,7 +355,7 @@ def _run(argv, wall0: float, held: Held) -> int:
     else:
         if early is not None:
             early.close()
-        decoder = make_decoder(decoder_name, art.spec, art.batch_size, budget.decoder, settings.decoder_isolate())
+        decoder = make_decoder(decoder_name, art.spec, art.batch_size, budget.decoder, isolate)
     try:
         runtime = load_runtime(art)
     except (ArtifactError, RuntimeError, OSError) as e:
