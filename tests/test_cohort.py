@@ -290,3 +290,19 @@ def test_cli_reports_progress_on_stderr_only(tmp_path):
     r = _cohort_cli("--out", str(tmp_path / "q"), "--count", "4", env={"ENGINE_PROGRESS": "sometimes"})
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("python -m evaluator.cohort: error: "
                                                                               "ENGINE_PROGRESS must be one of")
+
+
+def test_retrieval_corpus_and_tiny_clip_are_byte_identical_for_the_same_seed(tmp_path):
+    from evaluator.synthetic.cir_corpus import make_corpus, write_tiny_clip
+
+    for name, seed in (("a", 0), ("b", 0), ("c", 1)):
+        make_corpus(tmp_path / name / "corpus", templates=3, per_template=2, seed=seed, requests=4)
+        write_tiny_clip(tmp_path / name / "clip", seed=seed)
+
+    def files(root: Path) -> dict[str, bytes]:
+        return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+    a, b, c = (files(tmp_path / n) for n in "abc")
+    assert len(a) >= 10 and a == b
+    assert a["clip/hf/model.safetensors"] != c["clip/hf/model.safetensors"]
+    assert a["corpus/requests.jsonl"] != c["corpus/requests.jsonl"]
