@@ -36,3 +36,12 @@ class Top1Model(torch.nn.Module):
 def wrap(net: torch.nn.Module, spec: Spec, device: str, margin: bool = False) -> Top1Model:
     """Top1Model of `net` (FP32) under the mixed-precision policy of the spec's precision, on `device`."""
     return Top1Model(apply_policy(net, spec.precision), spec, margin).to(device).eval()
+
+
+def export_top1(net: torch.nn.Module, spec: Spec, device: str, margin: bool = False):
+    """(torch.export program of the policy Top1Model, its example input) at the static batch shape."""
+    model = wrap(net, spec, device, margin=margin)
+    example = torch.zeros((spec.batch_size, spec.input_size, spec.input_size, 3), dtype=torch.uint8,
+                          device=device)  # [B, S, S, 3] uint8: the static shape the run pads to
+    with torch.inference_mode():
+        return torch.export.export(model, (example,), strict=False), example

@@ -140,30 +140,14 @@ def build_cmd(model_args: list[str], out: Path, device: str, backend: str, preci
 
 
 def batch_sweep(model: str, kwargs: dict, size: int, ckpt: Path, device: str, batches: list[int]) -> dict:
-    """Policy-bf16 eager inference alone per batch size: images/s from synchronised timing."""
-    import torch
-
-    from engine.checkpoint import load_model
-    from engine.model import wrap
+    """Policy-bf16 eager inference alone per batch size (engine.build's measurement)."""
+    from engine.build import measure_batch_size
     from engine.spec import resolve_spec
 
     spec = resolve_spec(model, input_size=size, crop_mode="squash", crop_pct=1.0, precision="bf16",
                         model_kwargs=kwargs)
-    m = wrap(load_model(spec, ckpt), spec, device)
-    out = {}
-    with torch.inference_mode():
-        for b in batches:
-            x = torch.randint(0, 256, (b, size, size, 3), dtype=torch.uint8, device=device)
-            m(x)
-            if device == "cuda":
-                torch.cuda.synchronize()
-            t = time.perf_counter()
-            for _ in range(3):
-                m(x)
-            if device == "cuda":
-                torch.cuda.synchronize()
-            out[str(b)] = round(3 * b / (time.perf_counter() - t), 1)
-    return {"images_per_s": out, "best": max(out, key=out.get)}
+    best, sweep = measure_batch_size(spec, ckpt, device, batches)
+    return {"images_per_s": sweep["images_per_s"], "best": str(best)}
 
 
 def attention_backends(device: str, batch: int, tokens: int, heads: int = 16, dim: int = 64) -> dict:

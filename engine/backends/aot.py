@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from engine.model import wrap
+from engine.model import export_top1
 
 NAME = "aot"
 FILES = ("model.pt2",)
@@ -21,11 +21,7 @@ NEEDS_WEIGHTS = True
 
 
 def save(net: torch.nn.Module, spec, device: str, out_dir: Path, margin: bool = False) -> dict:
-    model = wrap(net, spec, device, margin=margin)
-    example = torch.zeros((spec.batch_size, spec.input_size, spec.input_size, 3), dtype=torch.uint8,
-                          device=device)  # [B, S, S, 3] uint8: the static shape the run pads to
-    with torch.inference_mode():
-        ep = torch.export.export(model, (example,), strict=False)
+    ep, example = export_top1(net, spec, device, margin)
     t0 = time.perf_counter()
     configs = {"freezing": True} if device == "cpu" else {}
     path = torch._inductor.aoti_compile_and_package(ep, package_path=str(out_dir / FILES[0]),

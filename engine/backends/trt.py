@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from engine.model import wrap
+from engine.model import export_top1
 
 NAME = "trt"
 FILES = ("model.trt.ep",)
@@ -31,11 +31,7 @@ def save(net: torch.nn.Module, spec, device: str, out_dir, margin: bool = False)
     _need_gpu(device)
     import torch_tensorrt
 
-    model = wrap(net, spec, device, margin=margin)
-    example = torch.zeros((spec.batch_size, spec.input_size, spec.input_size, 3), dtype=torch.uint8,
-                          device=device)  # [B, S, S, 3] uint8: the static shape the run pads to
-    with torch.inference_mode():
-        ep = torch.export.export(model, (example,), strict=False)
+    ep, example = export_top1(net, spec, device, margin)
     t0 = time.perf_counter()
     trt = torch_tensorrt.dynamo.compile(ep, arg_inputs=[example], use_explicit_typing=True,
                                         min_block_size=1, require_full_compilation=False)
