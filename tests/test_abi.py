@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -419,3 +420,26 @@ def test_a_read_only_output_folder_fails_before_any_image_is_read(eager_artifact
         assert not opened
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_terminated_run_removes_its_scratch_folder_and_temp_output(small_cohort, aot_artifact, tmp_path):
+    """SIGTERM while the unpacked AOT package sits in the run's scratch folder: both it and the
+    reserved temp output are gone when the process has exited."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    rows = (small_cohort / "manifest.tsv").read_text().splitlines()
+    m = tmp_path / "long.tsv"
+    m.write_text("\n".join(rows * 40) + "\n")                         # long enough to be caught mid-run
+    out = tmp_path / "p.i32"
+    env = {**os.environ, "ENGINE_ARTIFACT": str(aot_artifact), "TMPDIR": str(tmp)}
+    p = subprocess.Popen([str(REPO / "scripts" / "run"), str(m), str(small_cohort), str(out)], env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not list(tmp.glob("eva-engine-run-*/aotinductor_*")) and time.monotonic() < deadline and p.poll() is None:
+        time.sleep(0.01)
+    if p.poll() is not None:
+        pytest.skip("the run ended before it could be terminated")
+    assert list(tmp_path.glob(".tmp-p.i32-*"))                        # the output is reserved
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=120) == 128 + signal.SIGTERM
+    assert list(tmp.iterdir()) == [] and not out.exists() and not list(tmp_path.glob(".tmp-p.i32-*"))

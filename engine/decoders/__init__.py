@@ -47,7 +47,11 @@ def make_decoder(name: str, spec: Spec, batch_size: int, threads: int | None = N
             if isolate and name in getattr(mod, "ISOLABLE", ()):
                 from engine.decoders.isolate import IsolatedDecoder
 
-                return IsolatedDecoder(name, DECODERS[name], spec, batch_size, threads)
+                try:
+                    return IsolatedDecoder(name, DECODERS[name], spec, batch_size, threads)
+                except (OSError, AttributeError) as e:  # no memfd, no fork: the same decoder in this process
+                    print(f"[engine] decoder {name}: no child process ({type(e).__name__}: {e}); "
+                          "running it in this process", file=sys.stderr)
             return mod.create(name, spec, batch_size, threads)
         except Exception as e:  # noqa: BLE001 - missing package, no GPU, driver error: all fall back
             nxt = FALLBACK.get(name)
