@@ -19,6 +19,7 @@ them (tests that change the environment in-process call it).
 | ENGINE_THREADS | int >= 1 | usable CPUs, at most 16 | the thread budget: DALI, torch, OpenMP and readers are sized from it (engine.threads) |
 | ENGINE_MAX_FILE_BYTES | int >= 1 | 67108864 (64 MiB) | larger image files are refused unread |
 | ENGINE_DECODER_ISOLATE | 0/1 | 1 | run the DALI CPU decoder in a child process (a native crash costs a batch, not the run) |
+| TMPDIR | path | /tmp | scratch space (a run keeps its own folder there and removes it on exit) |
 | CLIP_MODEL_DIR | path | (the caller's) | local CLIP folder or state-dict file |
 | CLIP_MODEL_NAME | str | (from the folder) | open_clip architecture of an OpenAI-style state dict |
 | CLIP_DEVICE | cpu/cuda[:N] | cuda if available | where the CLIP towers run |
@@ -199,3 +200,8 @@ def max_file_bytes() -> int:
 
 def decoder_isolate() -> bool:
     return read("ENGINE_DECODER_ISOLATE", flag, True)
+
+
+def tmpdir() -> Path:
+    """TMPDIR: where every scratch file of a run goes (default /tmp)."""
+    return read("TMPDIR", path, Path("/tmp"))
