@@ -74,9 +74,17 @@ def test_torn_last_line_is_dropped_and_redone(ref_batch1, tmp_path, capsys):
     lines = full.split(b"\n")
     out = tmp_path / "torn.jsonl"
     out.write_bytes(b"\n".join(lines[:7]) + b"\n" + lines[7][: len(lines[7]) // 2])
+    _same_record(ref_batch1, out)
     assert cir_run.main(run_args(corpus() / "requests.jsonl", out, "--batch-size", "1")) == 0
     assert "dropping a torn last line" in capsys.readouterr().err
     assert out.read_bytes() == full
+
+
+def _same_record(written, out) -> None:
+    """`out` is resumed as if the call that wrote `written` had written it (same method and index)."""
+    import shutil
+
+    shutil.copy(f"{written}.run.json", f"{out}.run.json")
 
 
 def _rows_by_query(path) -> dict[str, dict]:
@@ -117,6 +125,7 @@ def test_resume_revalidates_every_kept_row(ref_batch1, tmp_path, capsys):
     ]
     out = tmp_path / "resumed.jsonl"
     out.write_text("\n".join(lines) + "\n")
+    _same_record(ref_batch1, out)
     assert cir_run.main(run_args(corpus() / "requests.jsonl", out, "--batch-size", "1")) == 0
     err = capsys.readouterr().err
     for line, what in [(2, "appears twice"), (3, "scores rise"), (4, "the reference image"),

@@ -73,7 +73,8 @@ def parse_args(argv: list[str] | None) -> RunConfig:
     p.add_argument("--k", type=int, default=TOP_K, help=f"results per query (at most {TOP_K})")
     p.add_argument("--device", default=None)
     p.add_argument("--precision", default=None)
-    p.add_argument("--no-resume", dest="resume", action="store_false", help="overwrite an existing output")
+    p.add_argument("--no-resume", "--fresh", dest="resume", action="store_false",
+                   help="start the output afresh (an existing output resumes only if the same method and index wrote it)")
     p.add_argument("--allow-model-mismatch", action="store_true",
                    help="run even if the CLIP differs from the one that built the index")
     p.add_argument("--report", type=Path, default=None, help="also write the run summary JSON here")
@@ -160,8 +161,13 @@ def main(argv: list[str] | None = None, on_row=None) -> int:
         _log(f"error: {e}")
         return 2
 
+    ident = run_identity(method, index, info)
     kept = None
-    if cfg.resume and cfg.output.exists():
+    if cfg.resume and cfg.output.exists() and cfg.output.stat().st_size:
+        why = resume_mismatch(cfg.output, cfg.index_dir, ident)
+        if why:
+            _log(f"error: {cfg.output} cannot be resumed: {why}; pass --fresh to start it afresh")
+            return 2
         try:
             kept = resume_rows(cfg.output, requests, {str(i): i for i in index.ids}, TOP_K, warn)
         except (OSError, ValueError) as e:
@@ -173,6 +179,7 @@ def main(argv: list[str] | None = None, on_row=None) -> int:
     except OSError as e:
         _log(f"error: cannot write {cfg.output}: {e.strerror or e}")
         return 2
+    write_identity(cfg.output, cfg.index_dir, ident)   # before any row: a killed call keeps it too
     with out:
         if kept is not None:
             body = b"".join(kept.rows)
@@ -222,6 +229,51 @@ def output_problem(path: Path) -> str | None:
     if not path.exists() and not os.access(path.parent, os.W_OK):
         return f"cannot create the output in {path.parent}: not writable"
     return None
+
+
+def run_identity(method, index, info: dict) -> dict:
+    """What decides an output's rows besides the requests: the method, the index, the CLIP."""
+    return {"method": method.to_dict(), "method_label": method.label, "index_build_id": index.meta.get("build_id"),
+            "model_digest": info.get("digest")}
+
+
+def _identity_paths(output: Path, index_dir: Path) -> list[Path]:
+    """Where an output's identity is kept: beside it, else (a read-only folder) in the index dir."""
+    import hashlib
+
+    key = hashlib.sha256(str(output.resolve()).encode()).hexdigest()[:16]
+    return [output.with_name(output.name + ".run.json"), index_dir / ".runs" / f"{key}.json"]
+
+
+def write_identity(output: Path, index_dir: Path, ident: dict) -> None:
+    from engine.io import write_atomic
+
+    data = (json.dumps(ident, indent=1, sort_keys=True) + "\n").encode()
+    for i, path in enumerate(_identity_paths(output, index_dir)):
+        try:
+            path.parent.mkdir(exist_ok=True)
+            write_atomic(path, data)
+            return
+        except OSError as e:
+            if i:
+                _log(f"warning: cannot record which method writes {output} ({e.strerror or e}): "
+                     "a later call cannot check it before resuming")
+
+
+def resume_mismatch(output: Path, index_dir: Path, ident: dict) -> str | None:
+    """Why `output` must not be resumed with `ident` (None: it may)."""
+    for path in _identity_paths(output, index_dir):
+        if path.is_file():
+            try:
+                old = json.loads(path.read_text())
+            except (OSError, ValueError) as e:
+                return f"its record {path} is unreadable ({e})"
+            for key, what in (("method", "method"), ("index_build_id", "index"), ("model_digest", "CLIP")):
+                if old.get(key) != ident[key]:
+                    shown = "method_label" if key == "method" else key
+                    return f"it was written with another {what} ({old.get(shown)!r}, now {ident[shown]!r})"
+            return None
+    return "no record of the method and index that wrote it"
 
 
 def answer(cfg: RunConfig, index, pipe, pending, out, on_row=None) -> int:

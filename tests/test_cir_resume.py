@@ -1,0 +1,34 @@
+"""A resumed retrieval output must have been written with the same method, index and CLIP."""
+from __future__ import annotations
+
+from cir_helpers import corpus, read_rows, run_args
+
+from evaluator.cir import run as cir_run
+
+
+def test_resume_refuses_another_method_and_fresh_starts_over(tmp_path, capsys):
+    out = tmp_path / "r.jsonl"
+    q = corpus() / "requests.jsonl"
+    assert cir_run.main(run_args(q, out, "--method", "slerp")) == 0
+    first = out.read_bytes()
+    assert (tmp_path / "r.jsonl.run.json").is_file()
+    capsys.readouterr()
+    assert cir_run.main(run_args(q, out, "--method", "text-only")) == 2
+    err = capsys.readouterr().err
+    assert "cannot be resumed" in err and "another method" in err and "--fresh" in err
+    assert out.read_bytes() == first                                       # untouched
+    assert cir_run.main(run_args(q, out, "--method", "text-only", "--fresh")) == 0
+    assert read_rows(out) != [] and out.read_bytes() != first
+    capsys.readouterr()
+    assert cir_run.main(run_args(q, out, "--method", "text-only")) == 0     # same method: resumes, all kept
+    assert "rows kept" in capsys.readouterr().err
+
+
+def test_an_output_without_its_record_is_not_resumed(tmp_path, capsys):
+    out = tmp_path / "r.jsonl"
+    q = corpus() / "requests.jsonl"
+    assert cir_run.main(run_args(q, out)) == 0
+    (tmp_path / "r.jsonl.run.json").unlink()
+    capsys.readouterr()
+    assert cir_run.main(run_args(q, out)) == 2
+    assert "no record" in capsys.readouterr().err
