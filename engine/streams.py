@@ -44,6 +44,17 @@ class QuietStream(io.TextIOBase):
     def writable(self) -> bool:
         return True
 
+    @property
+    def encoding(self) -> str:
+        return getattr(self.inner, "encoding", None) or "utf-8"
+
+    @property
+    def errors(self) -> str:
+        return getattr(self.inner, "errors", None) or "strict"
+
+    def __getattr__(self, name: str):  # buffer, mode, ...: the wrapped stream's own
+        return getattr(self.inner, name)
+
 
 def safe_std_streams() -> None:
     """fds 0-2 open (closed ones get /dev/null) and sys.stdout / sys.stderr quiet on failure."""

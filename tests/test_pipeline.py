@@ -341,3 +341,36 @@ def test_the_thread_budget_derives_every_pool_from_one_setting(monkeypatch):
     monkeypatch.setenv("ENGINE_THREADS", "0")
     with pytest.raises(settings.SettingsError, match="ENGINE_THREADS"):
         threads.budget()
+
+
+# ------------------------------------------------------------ best-effort diagnostics
+def test_quiet_streams_swallow_write_failures_and_stay_transparent(tmp_path):
+    import io
+    import os
+    import subprocess
+    import sys
+
+    from engine.streams import QuietStream
+
+    full = open("/dev/full", "w")
+    q = QuietStream(full)
+    assert q.write("lost") == 4
+    q.flush()                                       # ENOSPC swallowed
+    try:
+        full.close()                                # closing flushes again: ENOSPC once more
+    except OSError:
+        pass
+    assert q.write("closed") == 6 and not q.isatty()
+    assert QuietStream(None).write("nothing") == 7  # a process started with fd 2 closed has no sys.stderr
+    inner = io.TextIOWrapper(io.BytesIO(), encoding="latin-1")
+    assert QuietStream(inner).encoding == "latin-1" and QuietStream(inner).buffer is inner.buffer
+    # fds 0-2 closed at start: they are reopened on /dev/null, so a file opened later never becomes fd 2
+    code = ("import os, sys; sys.path.insert(0, sys.argv[1]); from engine.streams import safe_std_streams; "
+            "safe_std_streams(); fd = os.open(sys.argv[2], os.O_WRONLY | os.O_CREAT); print('x', file=sys.stderr); "
+            "os.write(fd, str(fd).encode())")
+    from conftest import REPO
+
+    target = tmp_path / "fd.txt"
+    r = subprocess.run(["sh", "-c", '"$@" <&- >&- 2>&-', "sh", sys.executable, "-c", code, str(REPO), str(target)])
+    assert r.returncode == 0 and int(target.read_text()) > 2
+    assert os.path.exists(target)
