@@ -32,3 +32,14 @@ def test_an_output_without_its_record_is_not_resumed(tmp_path, capsys):
     capsys.readouterr()
     assert cir_run.main(run_args(q, out)) == 2
     assert "no record" in capsys.readouterr().err
+
+
+def test_retrieval_commands_speak_one_error_line(tmp_path):
+    from cir_helpers import build_args, script
+
+    r = script("build.sh", *build_args(tmp_path / "idx"), env={"ENGINE_DECODER": "foo"})
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("scripts/build.sh: error: ENGINE_DECODER")
+    r = script("run.sh", "--index-dir", str(tmp_path / "none"), "--queries", str(corpus() / "requests.jsonl"),
+               "--output", str(tmp_path / "o.jsonl"))
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("scripts/run.sh: error: ")

@@ -29,8 +29,18 @@ from evaluator import settings as evaluator_settings
 STOPPED = 3  # exit status of the CIR_BUILD_STOP_AFTER_CHUNKS hook
 
 
+PROG = "scripts/build.sh"
+
+
 def _log(msg: str) -> None:
     print(f"[cir_build] {msg}", file=sys.stderr, flush=True)
+
+
+def _error(msg: str) -> int:
+    """A user mistake: one `PROG: error: MESSAGE` line (the caller returns 2)."""
+    from engine.cli import error
+
+    return error(PROG, msg)
 
 
 @dataclass
@@ -134,7 +144,9 @@ def parse_args(argv: list[str] | None) -> BuildConfig:
                    help="gallery rows per DBA block (0: one [N, N] matrix, the reference twin)")
     p.add_argument("--allow-outside-corpus", action="store_true",
                    help="accept records paths that are absolute or leave the corpus folder")
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error (also ENGINE_DEBUG=1)")
     a = p.parse_args(argv)
+    del a.debug
     if (a.batch_size is not None and a.batch_size < 1) or a.chunk_size < 1 or a.readers < 1:
         p.error("--batch-size, --chunk-size and --readers must be >= 1")
     if min(a.p2w_epochs, a.p2w_batch_size, a.p2w_ckpt_every, a.p2w_hidden) < 1 or min(a.p2w_steps, a.dba,
@@ -145,6 +157,13 @@ def parse_args(argv: list[str] | None) -> BuildConfig:
 
 def main(argv: list[str] | None = None, stop_after_chunks: int = 0, p2w_stop_after: int = 0) -> int:
     """scripts/build.sh. The stop_* arguments end the build early, as an interruption would (resumable)."""
+    from engine.cli import guard
+
+    return guard(PROG, lambda: _main(argv, stop_after_chunks, p2w_stop_after),
+                 debug=bool(argv and "--debug" in argv))
+
+
+def _main(argv: list[str] | None, stop_after_chunks: int, p2w_stop_after: int) -> int:
     from engine.streams import safe_std_streams
 
     safe_std_streams()   # diagnostics are best effort: a broken stderr never fails the build
@@ -154,7 +173,7 @@ def main(argv: list[str] | None = None, stop_after_chunks: int = 0, p2w_stop_aft
     try:
         os.environ.update(threads.library_env(threads.budget("cpu")))   # before torch sizes its pools
     except ValueError as e:   # a bad ENGINE_THREADS / ENGINE_READERS
-        _log(f"error: {e}")
+        _error(f"{e}")
         return 2
     cfg.stop_after_chunks, cfg.p2w_stop_after = stop_after_chunks, p2w_stop_after
     t_start = time.perf_counter()
@@ -164,27 +183,27 @@ def main(argv: list[str] | None = None, stop_after_chunks: int = 0, p2w_stop_aft
 
     problem = tmpdir_problem()
     if problem:
-        _log(f"error: {problem}")
+        _error(f"{problem}")
         return 2
     try:
         method = task.method(cfg.method, cfg.text_weight, cfg.prompt)
     except ValueError as e:
-        _log(f"error: {e}")
+        _error(f"{e}")
         return 2
     if method.name == "pic2word" and cfg.mapping != "pic2word":
-        _log("error: --method pic2word needs the mapping: add --mapping pic2word")
+        _error("--method pic2word needs the mapping: add --mapping pic2word")
         return 2
     records_path = cfg.corpus / "records.jsonl"
     if not records_path.is_file():
-        _log(f"error: {records_path} not found (or not a regular file)")
+        _error(f"{records_path} not found (or not a regular file)")
         return 2
     try:
         cfg.index_dir.mkdir(exist_ok=True)
     except OSError as e:
-        _log(f"error: cannot create the index dir {cfg.index_dir}: {e.strerror or e}")
+        _error(f"cannot create the index dir {cfg.index_dir}: {e.strerror or e}")
         return 2
     if not os.access(cfg.index_dir, os.W_OK):
-        _log(f"error: the index dir {cfg.index_dir} is not writable")
+        _error(f"the index dir {cfg.index_dir} is not writable")
         return 2
     from evaluator.cir.jsonl import read_input
 
@@ -192,10 +211,10 @@ def main(argv: list[str] | None = None, stop_after_chunks: int = 0, p2w_stop_aft
         records = read_records(records_path, stderr_warn("cir_build"))
         records_sha = hashlib.sha256(read_input(records_path)).hexdigest()
     except (OSError, ValueError) as e:
-        _log(f"error: cannot read {records_path}: {e}")
+        _error(f"cannot read {records_path}: {e}")
         return 2
     if not records:
-        _log(f"error: {records_path} holds no usable records")
+        _error(f"{records_path} holds no usable records")
         return 2
 
     from engine.clip.load import ClipLoadError, load_clip
@@ -206,7 +225,7 @@ def main(argv: list[str] | None = None, stop_after_chunks: int = 0, p2w_stop_aft
     try:
         model, spec, info = load_clip(task.clip_dir(cfg.model_dir), cfg.model_name, cfg.batch_size)
     except (ClipLoadError, OSError) as e:
-        _log(f"error: {e}")
+        _error(f"{e}")
         return 2
     towers = ClipTowers(model, spec, cfg.device, cfg.precision)
     threads.apply_torch(threads.budget(towers.device.type))
@@ -299,7 +318,7 @@ def build(cfg: BuildConfig, records, records_sha: str, towers, info: dict, metho
     try:
         rows, emb, failed = store.load(range(n_chunks))
     except IndexLoadError as e:
-        _log(f"error: {e}")
+        _error(f"{e}")
         return 2
     ids = [records[i].image_id for i in rows.tolist()]
     rate = embedded / t_embed if t_embed > 0 else 0.0
@@ -350,7 +369,7 @@ def reuse_embeddings(cfg: BuildConfig, old: dict, towers, info: dict, ekey: dict
     try:
         idx = load_index(cfg.index_dir)
     except IndexLoadError as e:
-        _log(f"error: {e}; pass --force to rebuild")
+        _error(f"{e}; pass --force to rebuild")
         return 2
     _log(f"embeddings in {cfg.index_dir} are up to date; recomputing the extras only")
     keep = ("build_key", "model", "clip_spec", "decoder", "device", "precision", "records", "corpus",

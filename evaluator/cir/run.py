@@ -28,9 +28,18 @@ from pathlib import Path
 from evaluator import settings as evaluator_settings
 from evaluator.cir.task import TOP_K
 
+PROG = "scripts/run.sh"
+
 
 def _log(msg: str) -> None:
     print(f"[cir_run] {msg}", file=sys.stderr, flush=True)
+
+
+def _error(msg: str) -> int:
+    """A user mistake: one `PROG: error: MESSAGE` line (the caller returns 2)."""
+    from engine.cli import error
+
+    return error(PROG, msg)
 
 
 @dataclass
@@ -84,7 +93,9 @@ def parse_args(argv: list[str] | None) -> RunConfig:
                    help="requests per bank-statistics block (0: one [M, N] matrix, the reference twin)")
     p.add_argument("--allow-outside-corpus", action="store_true",
                    help="re-inspection may open records paths that are absolute or leave the corpus folder")
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error (also ENGINE_DEBUG=1)")
     a = p.parse_args(argv)
+    del a.debug
     if a.bank_chunk < 0:
         p.error("--bank-chunk must be >= 0")
     if a.batch_size < 1 or not 1 <= a.k <= TOP_K:
@@ -94,6 +105,12 @@ def parse_args(argv: list[str] | None) -> RunConfig:
 
 def main(argv: list[str] | None = None, on_row=None) -> int:
     """scripts/run.sh. `on_row(n)` is called after the n-th row is written and flushed."""
+    from engine.cli import guard
+
+    return guard(PROG, lambda: _main(argv, on_row), debug=bool(argv and "--debug" in argv))
+
+
+def _main(argv: list[str] | None, on_row) -> int:
     from engine.streams import safe_std_streams
 
     safe_std_streams()   # diagnostics are best effort: a broken stderr never fails the call
@@ -103,7 +120,7 @@ def main(argv: list[str] | None = None, on_row=None) -> int:
     try:
         os.environ.update(threads.library_env(threads.budget("cpu")))   # before torch sizes its pools
     except ValueError as e:   # a bad ENGINE_THREADS / ENGINE_READERS
-        _log(f"error: {e}")
+        _error(f"{e}")
         return 2
     t0 = time.perf_counter()
     from engine.retrieval.compose import Method
@@ -114,13 +131,13 @@ def main(argv: list[str] | None = None, on_row=None) -> int:
     warn = stderr_warn("cir_run")
     problem = tmpdir_problem() or output_problem(cfg.output)
     if problem:
-        _log(f"error: {problem}")
+        _error(f"{problem}")
         return 2
     try:
         index = load_index(cfg.index_dir)
         requests = read_requests(cfg.queries, warn)
     except (IndexLoadError, OSError, ValueError) as e:
-        _log(f"error: {e}")
+        _error(f"{e}")
         return 2
     recorded = index.meta.get("method") or {}
     try:
@@ -130,7 +147,7 @@ def main(argv: list[str] | None = None, on_row=None) -> int:
             method = task.method(cfg.method or (Method(**recorded).label if recorded else "slerp"),
                                  cfg.text_weight, cfg.prompt)
     except (TypeError, ValueError) as e:
-        _log(f"error: {e}")
+        _error(f"{e}")
         return 2
 
     from engine.clip.load import ClipLoadError, load_clip
@@ -139,14 +156,14 @@ def main(argv: list[str] | None = None, on_row=None) -> int:
     try:
         model, spec, info = load_clip(task.clip_dir(cfg.model_dir), cfg.model_name)
     except (ClipLoadError, OSError) as e:
-        _log(f"error: {e}")
+        _error(f"{e}")
         return 2
     built_with = index.meta.get("model", {}).get("digest")
     if built_with != info["digest"]:
         msg = f"the CLIP in {info['dir']} (digest {info['digest'][:12]}) is not the one that built the index " \
               f"({str(built_with)[:12]})"
         if not cfg.allow_model_mismatch:
-            _log(f"error: {msg}; pass --allow-model-mismatch to run anyway")
+            _error(f"{msg}; pass --allow-model-mismatch to run anyway")
             return 2
         _log(f"warning: {msg}")
     towers = ClipTowers(model, spec, cfg.device, cfg.precision)
@@ -158,7 +175,7 @@ def main(argv: list[str] | None = None, on_row=None) -> int:
                              cfg.allow_outside_corpus or bool(index.meta.get("allow_outside_corpus")))
         pipe.prepare(requests)
     except PipelineError as e:
-        _log(f"error: {e}")
+        _error(f"{e}")
         return 2
 
     ident = run_identity(method, index, info)
@@ -166,18 +183,18 @@ def main(argv: list[str] | None = None, on_row=None) -> int:
     if cfg.resume and cfg.output.exists() and cfg.output.stat().st_size:
         why = resume_mismatch(cfg.output, cfg.index_dir, ident)
         if why:
-            _log(f"error: {cfg.output} cannot be resumed: {why}; pass --fresh to start it afresh")
+            _error(f"{cfg.output} cannot be resumed: {why}; pass --fresh to start it afresh")
             return 2
         try:
             kept = resume_rows(cfg.output, requests, {str(i): i for i in index.ids}, TOP_K, warn)
         except (OSError, ValueError) as e:
-            _log(f"error: cannot read {cfg.output} to resume it: {e}; pass --no-resume to overwrite it")
+            _error(f"cannot read {cfg.output} to resume it: {e}; pass --no-resume to overwrite it")
             return 2
     done = kept.done if kept else []
     try:
         out = open(cfg.output, "r+b" if kept is not None else "wb")
     except OSError as e:
-        _log(f"error: cannot write {cfg.output}: {e.strerror or e}")
+        _error(f"cannot write {cfg.output}: {e.strerror or e}")
         return 2
     write_identity(cfg.output, cfg.index_dir, ident)   # before any row: a killed call keeps it too
     with out:
