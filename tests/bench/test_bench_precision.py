@@ -35,15 +35,22 @@ SPEC_ARGS = ["--model", MODEL, "--input-size", str(SIZE), "--crop-mode", "squash
 def prepared(benchmark_enabled, tmp_path_factory):
     from evaluator.synthetic.cohort import make_cohort, make_tiny_checkpoint
 
-    root = tmp_path_factory.mktemp("ti336")
+    # BENCH_PREPARED=DIR keeps (and reuses) the checkpoint, cohort and artifact there: the timed rounds
+    # can then run on a quiet machine without redoing minutes of preparation
+    keep = os.environ.get("BENCH_PREPARED")
+    root = Path(keep) if keep else tmp_path_factory.mktemp("ti336")
+    root.mkdir(parents=True, exist_ok=True)
     ckpt = root / "eva02_ti336.safetensors"
-    make_tiny_checkpoint(ckpt, model=MODEL, model_kwargs={}, input_size=SIZE, renders=6)
+    if not ckpt.is_file():
+        make_tiny_checkpoint(ckpt, model=MODEL, model_kwargs={}, input_size=SIZE, renders=6)
     cohort = root / "cohort"
-    make_cohort(cohort, IMAGES, seed=7, broken=2)
+    if not (cohort / "manifest.tsv").is_file():
+        make_cohort(cohort, IMAGES, seed=7, broken=2)
     art = root / "art_bf16"
     t = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "engine.build", *SPEC_ARGS, "--checkpoint", str(ckpt), "--out", str(art),
-                    "--precision", "bf16", "--batch-size", "16"], check=True, cwd=REPO)
+    if not (art / "manifest.json").is_file():
+        subprocess.run([sys.executable, "-m", "engine.build", *SPEC_ARGS, "--checkpoint", str(ckpt), "--out",
+                        str(art), "--precision", "bf16", "--batch-size", "16"], check=True, cwd=REPO)
     return {"ckpt": ckpt, "cohort": cohort, "artifact": art, "build_s": time.perf_counter() - t}
 
 
