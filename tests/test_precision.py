@@ -1,6 +1,8 @@
 """The mixed-precision policy, the margin guard and the choice of tau."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -183,3 +185,24 @@ def test_batch_size_auto_measures_and_records(tiny_checkpoint, tmp_path):
     assert set(sweep["images_per_s"]) == {"8", "16", "32"} and meta["batch_size"] == sweep["chosen"]
     assert sweep["images_per_s"][str(sweep["chosen"])] == max(sweep["images_per_s"].values())
     assert main(["--model", "x", "--out", str(tmp_path / "b"), "--batch-size", "auto"]) == 2
+
+
+def test_reference_path_never_blocks_on_a_fifo(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    from evaluator.synthetic.cohort import TINY_INPUT, TINY_KWARGS, TINY_MODEL, make_tiny_checkpoint
+
+    ck = tmp_path / "ck.safetensors"
+    make_tiny_checkpoint(ck, classes=5, renders=2, steps=20)
+    os.mkfifo(tmp_path / "fifo.jpg")
+    (tmp_path / "m.tsv").write_text("a\tfifo.jpg\n")
+    r = subprocess.run([sys.executable, "-m", "evaluator.reference", str(tmp_path / "m.tsv"), str(tmp_path),
+                        str(tmp_path / "ref.i32"), "--model", TINY_MODEL, "--input-size", str(TINY_INPUT),
+                        "--crop-mode", "squash", "--crop-pct", "1.0", "--model-kwargs", json.dumps(TINY_KWARGS),
+                        "--checkpoint", str(ck)], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert np.fromfile(tmp_path / "ref.i32", "<i4").tolist() == [-1]

@@ -28,8 +28,11 @@ PROG = "python -m evaluator.reference"
 @torch.inference_mode()
 def reference_top1(spec: Spec, checkpoint: Path, paths: list[Path | None], device: str = "cpu") -> np.ndarray:
     """int32 [N] top-1 of the FP32 eager model, one image at a time; -1 where PIL cannot read."""
+    from engine import settings
+    from engine.pipeline import read_regular
     from engine.progress import Progress
 
+    max_bytes = settings.max_file_bytes()
     model = load_model(spec, checkpoint).to(device)
     out = np.full(len(paths), -1, np.int32)
     with Progress(len(paths), "reference", unit="images") as bar:
@@ -38,7 +41,8 @@ def reference_top1(spec: Spec, checkpoint: Path, paths: list[Path | None], devic
             if p is None:
                 continue
             try:
-                x = reference_tensor(p.read_bytes(), spec)   # [3, S, S] float32
+                # regular files only: a FIFO or a device never blocks the reference
+                x = reference_tensor(read_regular(p, max_bytes), spec)   # [3, S, S] float32
             except Exception:  # noqa: BLE001 - unreadable for the reference: no answer
                 continue
             out[i] = int(model(x[None].to(device)).argmax(-1))
