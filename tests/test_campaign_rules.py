@@ -83,8 +83,11 @@ def test_max_with_answers_for_10_of_64_rows_fails_every_gate_and_shows_no_aggreg
                                                "54 rows without a reference answer count as misses")
     assert doc["attempt"]["valid"] is False and doc["promotion"]["promoted"] is False
     assert not any(k in doc["primary_metric"] for k in AGGREGATES) and "aggregate" not in doc["quality"]
-    stdout = capsys.readouterr().out
-    assert "attempt INVALID (run 1 failed: gate failed" in stdout and "median" not in stdout
+    got = capsys.readouterr()
+    assert "attempt INVALID (run 1 failed: gate failed" in got.out and "median" not in got.out
+    # progress on stderr: what is being prepared, and each run as it starts and as it ends
+    assert "campaign: preparing the eva02-imagenet1k inputs" in got.err
+    assert "campaign: run 1/" in got.err and ": started" in got.err and "FAILED" in got.err
 
 
 def test_reference_answering_no_row_is_refused_before_any_run(setup, tmp_path, capsys):

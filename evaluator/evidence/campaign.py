@@ -203,12 +203,15 @@ def _stop_reason(exc: BaseException) -> tuple[str, int | None]:
 def _run_attempt(att: Attempt, tmp: Path) -> None:
     """Prepare the inputs and run the processes, filling att as it goes (raises when stopped)."""
     a = att.args
+    print(f"campaign: preparing the {a.workload} inputs ({a.profile} profile; generated inputs take a minute or more)",
+          file=sys.stderr, flush=True)
     att.prep = MODULES[a.workload].prepare(a, tmp)
     att.out.mkdir(parents=True, exist_ok=True)  # only once the inputs exist
     att.started, att.git_before = _now(), git_state(a.source_dir, att.out)
     att.conditions_before, att.scheduling = conditions.snapshot(), scheduling_environment()
     att.fp_before, att.digests_before = fingerprint.collect(), att.prep.digests(att.prep.inputs)
     for i in range(1, a.runs + 1):
+        print(f"campaign: run {i}/{a.runs}: started (one fresh process, timed from outside)", file=sys.stderr, flush=True)
         record = att.prep.run(i, att.runner, att.prep.inputs, att.prep.judge, att.out, a.source_dir, a.timeout_s)
         att.runs.append(record)
         judged = (f"raw {record.quality['raw']:.4f}" if record.quality else

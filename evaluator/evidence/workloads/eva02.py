@@ -151,9 +151,10 @@ def prepare_min(source_dir: Path, dest: Path, count: int, seed: int) -> None:
     """Write the deterministic generated input with `python -m evaluator.demo prepare`."""
     cmd = [sys.executable, "-m", "evaluator.demo", "prepare", "--out", str(dest), "--count", str(count),
            "--seed", str(seed)]
-    proc = subprocess.run(cmd, cwd=source_dir, capture_output=True, text=True, check=False)
+    # its progress lines pass through to the campaign's stderr: a minute of preparation is not silent
+    proc = subprocess.run(cmd, cwd=source_dir, stdout=subprocess.PIPE, text=True, check=False)
     if proc.returncode != 0:
-        raise RuntimeError(f"{shlex.join(cmd)} failed ({proc.returncode}): {proc.stderr.strip()[-1000:]}")
+        raise RuntimeError(f"{shlex.join(cmd)} failed ({proc.returncode}): see its messages above")
 
 
 def prepared_inputs(prepared: Path, split: str) -> RunInputs:
