@@ -98,7 +98,7 @@ set -- --model "$MODEL" --checkpoint "$CHECKPOINT" --out "$ARTIFACT" --device "$
 [ -n "${ENGINE_CROP_PCT:-}" ] && set -- "$@" --crop-pct "$ENGINE_CROP_PCT"
 [ -n "${ENGINE_MODEL_KWARGS:-}" ] && set -- "$@" --model-kwargs "$ENGINE_MODEL_KWARGS"
 
-log "model $MODEL, checkpoint $CHECKPOINT, ${BACKEND:-default backend} on $DEVICE, $PRECISION -> $ARTIFACT"
+log "model $MODEL, checkpoint $CHECKPOINT, ${BACKEND:-default backend} on $DEVICE, $PRECISION, batch ${ENGINE_BATCH_SIZE:-of the spec} -> $ARTIFACT"
 reuse=no
 if [ "${FORCE:-0}" != 1 ]; then
     # exit 0 = intact and current, 1 = stale (reasons on stderr), 2 = bad flags or unreadable input

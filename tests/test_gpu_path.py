@@ -159,3 +159,23 @@ def test_nvjpeg_routing_sends_subsampled_jpegs_to_the_reference():
     assert [i for i, _ in fast] == [0] and slow == [1, 2] and not failed
     fast, slow, _ = route(blobs, spec)                 # DALI (fancy upsampling) takes all three
     assert [i for i, _ in fast] == [0, 1, 2] and slow == []
+
+
+def test_build_sh_defaults_to_guarded_bf16_at_batch_64_on_the_gpu(tmp_path):
+    """The submission build on a GPU machine: guarded bf16, batch 64 (the CPU keeps the FP32 reference)."""
+    import os
+    import subprocess
+
+    from conftest import REPO
+
+    ck = tmp_path / "model.safetensors"
+    ck.write_bytes(b"not read: the build stops at the device check")
+    env = {**os.environ, "ENGINE_CHECKPOINT": str(ck), "ENGINE_DEVICE": "cuda", "ENGINE_ARTIFACT": str(tmp_path / "a"),
+           "FORCE": "1"}
+    r = subprocess.run([str(REPO / "build.sh")], env=env, capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert "on cuda, bf16, batch 64 ->" in r.stderr
+    if not torch.cuda.is_available():
+        assert r.returncode != 0 and "CUDA" in r.stderr
+    env["ENGINE_DEVICE"] = "cpu"
+    r = subprocess.run([str(REPO / "build.sh")], env=env, capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert "on cpu, fp32, batch of the spec ->" in r.stderr
