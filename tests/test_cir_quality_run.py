@@ -67,8 +67,8 @@ def test_bank_statistics_do_not_depend_on_batching_resume_or_streaming(tmp_path)
 
 def test_streamed_bank_statistics_match_their_reference_twin(tmp_path, monkeypatch):
     for method in ("slerp+csls", "slerp+dual-softmax", "slerp+dba"):
-        fast, _ = _run(tmp_path, method, name="fast")
-        ref, _ = _run(tmp_path, method, "--bank-chunk", "0", name="ref")   # off switch: one [M, N] matrix
+        fast, _ = _run(tmp_path, method, name=f"fast-{method}")   # one output per method: never a resume
+        ref, _ = _run(tmp_path, method, "--bank-chunk", "0", name=f"ref-{method}")   # off switch: one [M, N] matrix
         _same_lists(fast, ref, atol=1e-5, swaps=0.01)
 
 
