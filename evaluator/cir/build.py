@@ -26,7 +26,7 @@ from pathlib import Path
 
 from evaluator import settings as evaluator_settings
 
-STOPPED = 3  # exit status of the CIR_BUILD_STOP_AFTER_CHUNKS hook
+STOPPED = 3  # exit status of a build ended early by main(stop_after_chunks=...) (resumable)
 
 
 PROG = "scripts/build.sh"
