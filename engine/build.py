@@ -161,10 +161,10 @@ def measure_batch_size(spec: Spec, checkpoint: Path, device: str, candidates=Non
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from engine.cli import HelpFormatter
+    from engine.cli import ArgumentParser, HelpFormatter
 
-    p = argparse.ArgumentParser(prog="python -m engine.build", description=__doc__.split("\n\n")[0],
-                                formatter_class=HelpFormatter)
+    p = ArgumentParser(prog="python -m engine.build", description=__doc__.split("\n\n")[0],
+                       formatter_class=HelpFormatter)
     p.add_argument("--model", required=True, help="timm name, e.g. eva02_large_patch14_448.mim_m38m_ft_in22k_in1k")
     p.add_argument("--checkpoint", type=Path, help="local .safetensors / .pth / .bin (every backend but null needs one)")
     p.add_argument("--out", required=True, type=Path)

@@ -4,7 +4,8 @@ Exit 2 for a user mistake (a flag, a path, a file, an environment value), 1 for 
 that ran and failed (a gate, a verify), 0 otherwise. A user mistake never shows a
 traceback unless `--debug` is given or ENGINE_DEBUG=1 (engine.settings); a bug still
 does. `parser()` makes an ArgumentParser whose help shows every default and lists the
-environment variables the command reads.
+environment variables the command reads; its usage errors are one line too, with a
+pointer to `--help` instead of the usage block.
 """
 from __future__ import annotations
 
@@ -25,19 +26,32 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
     description and epilog keep their line breaks."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        if action.required or action.default in (None, False) or action.default is argparse.SUPPRESS:
+        # a switch (store_true/false/const) takes no value: "(default: True)" on --no-X would read backwards
+        if (action.required or action.nargs == 0 or action.default in (None, False)
+                or action.default is argparse.SUPPRESS):
             return action.help or ""
         return super()._get_help_string(action)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with one-line usage errors: `PROG: error: MESSAGE (see PROG --help)`, exit 2."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
+
+
+def env_epilog(env: dict[str, str] | None) -> str | None:
+    """The `environment:` block of a --help: one `NAME  what` line per variable (None when none)."""
+    if not env:
+        return None
+    width = max(len(k) for k in env)
+    return "environment:\n" + "\n".join(f"  {k.ljust(width)}  {v}" for k, v in env.items())
 
 
 def parser(prog: str, description: str, env: dict[str, str] | None = None) -> argparse.ArgumentParser:
     """An ArgumentParser with defaults shown, an `environment:` epilog for `env` (name -> what)
     and a `--debug` flag."""
-    epilog = None
-    if env:
-        width = max(len(k) for k in env)
-        epilog = "environment:\n" + "\n".join(f"  {k.ljust(width)}  {v}" for k, v in env.items())
-    p = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog, formatter_class=HelpFormatter)
+    p = ArgumentParser(prog=prog, description=description, epilog=env_epilog(env), formatter_class=HelpFormatter)
     p.add_argument("--debug", action="store_true", help="show the Python traceback of an error (also ENGINE_DEBUG=1)")
     return p
 

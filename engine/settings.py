@@ -3,7 +3,11 @@
 The rest of the engine never reads `os.environ`: it asks here (as timm's
 `layers/config.py` does). A bad value is a SettingsError naming the variable, the
 value and what it accepts. Values are read on first use and kept; `reload()` forgets
-them (tests that change the environment in-process call it).
+them (tests that change the environment in-process call it). `check(names)` reads a
+command's switches before it does anything, so a bad value is refused up front.
+
+A switch of type 0/1 accepts one set of spellings, any case: 1, true, yes, on for
+on and 0, false, no, off for off (an empty value is the default).
 
 | variable | type | default | what it switches |
 |---|---|---|---|
@@ -57,10 +61,16 @@ def read(name: str, parse: Callable[[str, str], Any], default: Any) -> Any:
     return _cache[name]
 
 
+TRUE = ("1", "true", "yes", "on")
+FALSE = ("0", "false", "no", "off")
+
+
 def flag(name: str, raw: str) -> bool:
-    if raw not in ("0", "1"):
-        raise SettingsError(f"{name} must be 0 or 1, got {raw!r}")
-    return raw == "1"
+    """A 0/1 switch: one of TRUE or FALSE, any case."""
+    value = raw.lower()
+    if value not in TRUE + FALSE:
+        raise SettingsError(f"{name} must be 1/true/yes/on or 0/false/no/off, got {raw!r}")
+    return value in TRUE
 
 
 def int_at_least(low: int) -> Callable[[str, str], int]:
@@ -205,3 +215,34 @@ def decoder_isolate() -> bool:
 def tmpdir() -> Path:
     """TMPDIR: where every scratch file of a run goes (default /tmp)."""
     return read("TMPDIR", path, Path("/tmp"))
+
+
+# every switch a classification run reads: checked up front, before anything loads
+RUN_SWITCHES = ("artifact", "decoder", "cuda_graphs", "guard", "artifact_verify", "pipeline_depth", "readers",
+                "fast_exit", "t0", "threads", "max_file_bytes", "decoder_isolate", "debug", "progress", "tmpdir")
+
+
+def check(names: tuple[str, ...] = RUN_SWITCHES) -> None:
+    """Read every switch in `names` (getters of this module) now: raises SettingsError on the first bad one."""
+    for name in names:
+        globals()[name]()
+
+
+def documented(doc: str | None = None) -> dict[str, str]:
+    """{variable: "what it switches (default: D)"} from the table of this module's docstring
+    (and of `doc`, a docstring with a `| variable | ... | default | what |` table)."""
+    out: dict[str, str] = {}
+    for text in (__doc__ or "", doc or ""):
+        for line in text.splitlines():
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if len(cells) < 3 or not cells[0] or cells[0] == "variable" or set(cells[0]) <= {"-"}:
+                continue
+            default = cells[-2][1:-1] if cells[-2].startswith("(") and cells[-2].endswith(")") else cells[-2]
+            out[cells[0]] = f"{cells[-1]} (default: {default})"
+    return out
+
+
+def env_help(names: tuple[str, ...], doc: str | None = None) -> dict[str, str]:
+    """`documented()` rows for `names`, in that order (the `environment:` list of a command's --help)."""
+    table = documented(doc)
+    return {n: table[n] for n in names}

@@ -6,6 +6,7 @@
 | CONTEST_IMAGE_ROOT | /contest/input/images | scripts/run's IMAGE_ROOT |
 | CONTEST_OUTPUT | /contest/output/predictions.i32 | scripts/run's OUTPUT |
 | CONTEST_REPORT | (none) | where scripts/run writes its timing JSON |
+| CONTEST_CONFINE | 0 | 1: scripts/run --confine (image paths must stay inside IMAGE_ROOT's real path: untrusted inputs) |
 | CIR_METHOD | the index's, else slerp | scripts/build.sh / run.sh --method |
 | CIR_TEXT_WEIGHT | per method | scripts/run.sh --text-weight |
 | CIR_PROMPT | auto | scripts/run.sh --prompt |
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.settings import number, path, read, text
+from engine.settings import flag, number, path, read, text
 
 
 def contest_manifest() -> Path:
@@ -33,6 +34,10 @@ def contest_output() -> Path:
 
 def contest_report() -> Path | None:
     return read("CONTEST_REPORT", path, None)
+
+
+def contest_confine() -> bool:
+    return read("CONTEST_CONFINE", flag, False)
 
 
 def cir_method() -> str | None:
@@ -53,3 +58,17 @@ def cir_corpus() -> Path | None:
 
 def rehearse_run_cmd() -> str | None:
     return read("REHEARSE_RUN_CMD", text, None)
+
+
+# every variable scripts/run reads, in the order its --help lists them
+RUN_ENV = ("CONTEST_MANIFEST", "CONTEST_IMAGE_ROOT", "CONTEST_OUTPUT", "CONTEST_REPORT", "CONTEST_CONFINE",
+           "ENGINE_ARTIFACT", "ENGINE_DECODER", "ENGINE_CUDA_GRAPHS", "ENGINE_GUARD", "ENGINE_ARTIFACT_VERIFY", "ENGINE_PIPELINE_DEPTH",
+           "ENGINE_THREADS", "ENGINE_READERS", "ENGINE_DECODER_ISOLATE", "ENGINE_MAX_FILE_BYTES", "ENGINE_FAST_EXIT",
+           "ENGINE_T0", "ENGINE_PROGRESS", "TMPDIR")
+
+
+def env_help(names: tuple[str, ...]) -> dict[str, str]:
+    """{variable: "what (default: D)"} for `names`, from this module's table and engine.settings'."""
+    from engine.settings import env_help as engine_env_help
+
+    return engine_env_help(names, __doc__)

@@ -174,7 +174,7 @@ def test_bad_settings_are_one_clear_error(monkeypatch):
 
     for var, value, getter in [("ENGINE_READERS", "0", settings.readers), ("ENGINE_READERS", "abc", settings.readers),
                                ("ENGINE_DECODER", "foo", settings.decoder),
-                               ("ENGINE_CUDA_GRAPHS", "yes", settings.cuda_graphs),
+                               ("ENGINE_CUDA_GRAPHS", "maybe", settings.cuda_graphs),
                                ("CLIP_DEVICE", "tpu", settings.clip_device)]:
         monkeypatch.setenv(var, value)
         with pytest.raises(settings.SettingsError, match=var):

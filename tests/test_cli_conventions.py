@@ -184,3 +184,71 @@ def test_selfcheck_current_with_unreadable_inputs_is_one_line(tmp_path):
     # no artifact there yet: stale (exit 1) with a JSON line, not a traceback
     assert r.returncode == 1, r.stderr[-2000:]
     assert json.loads(r.stdout)["reusable"] is False and "Traceback" not in r.stderr
+
+
+# ---- settings up front, one set of boolean spellings, one-line usage errors ----------------------------
+
+
+def test_boolean_switches_take_one_set_of_spellings(monkeypatch):
+    from engine import settings
+
+    for raw, want in [("1", True), ("TRUE", True), ("yes", True), ("On", True),
+                      ("0", False), ("false", False), ("NO", False), ("off", False)]:
+        monkeypatch.setenv("ENGINE_GUARD", raw)
+        settings.reload()
+        assert settings.guard() is want, raw
+    for raw in ("banana", "2", "y"):
+        monkeypatch.setenv("ENGINE_GUARD", raw)
+        settings.reload()
+        with pytest.raises(settings.SettingsError, match="ENGINE_GUARD .*1/true/yes/on or 0/false/no/off"):
+            settings.guard()
+    settings.reload()
+
+
+def test_check_reads_every_run_switch_up_front(monkeypatch):
+    from engine import settings
+
+    settings.reload()
+    settings.check()                                     # the defaults are all valid
+    for var in ("ENGINE_CUDA_GRAPHS", "ENGINE_FAST_EXIT", "ENGINE_DECODER_ISOLATE", "ENGINE_THREADS"):
+        monkeypatch.setenv(var, "banana")
+        settings.reload()
+        with pytest.raises(settings.SettingsError, match=var):
+            settings.check()
+        monkeypatch.delenv(var)
+    settings.reload()
+
+
+@pytest.mark.parametrize("var", ["ENGINE_CUDA_GRAPHS", "ENGINE_GUARD", "ENGINE_FAST_EXIT", "ENGINE_PIPELINE_DEPTH"])
+def test_scripts_run_refuses_a_bad_switch_in_one_line(var, tmp_path):
+    (tmp_path / "images").mkdir()
+    (tmp_path / "m.tsv").write_text("a\timages/x.JPEG\n")
+    r = subprocess.run([str(REPO / "scripts" / "run"), str(tmp_path / "m.tsv"), str(tmp_path), str(tmp_path / "o.i32")],
+                       capture_output=True, text=True, timeout=120, env={**os.environ, var: "banana"})
+    line = _one_error_line(r, "run")
+    assert var in line and "banana" in line
+    assert not (tmp_path / "o.i32").exists()
+
+
+def test_usage_errors_are_one_line_with_a_pointer_to_help():
+    for module, prog in [("engine.build", "python -m engine.build"), ("evaluator.agreement", "python -m evaluator.agreement"),
+                         ("evaluator.reference", "python -m evaluator.reference"),
+                         ("evaluator.sweep", "python -m evaluator.sweep"),
+                         ("evaluator.campaign", "python -m evaluator.campaign")]:
+        line = _one_error_line(_py("-m", module, "--no-such-flag"), prog)
+        assert line.endswith(f"(see {prog} --help)"), line
+    r = subprocess.run([str(REPO / "scripts" / "run"), "--no-such-flag"], capture_output=True, text=True, timeout=120)
+    assert _one_error_line(r, "scripts/run").endswith("(see scripts/run --help)")
+
+
+def test_help_names_every_setting_with_its_default():
+    from evaluator import settings as ev
+
+    r = subprocess.run([str(REPO / "scripts" / "run"), "--help"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0
+    for var in ev.RUN_ENV:
+        assert f"  {var} " in r.stdout, var
+    assert "ENGINE_GUARD" in r.stdout and "(default: 1)" in r.stdout
+    text = " ".join(_py("-m", "engine.build", "--help").stdout.split())
+    assert "--no-guard build the raw low-precision form" in text
+    assert "low-precision form (default" not in text    # a switch shows no "(default: True)" that reads backwards

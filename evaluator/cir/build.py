@@ -16,7 +16,6 @@ hook) stops the mapping's training after N new steps (resumed from its last chec
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
 import sys
@@ -109,7 +108,9 @@ class Progress:
 
 
 def parse_args(argv: list[str] | None) -> BuildConfig:
-    p = argparse.ArgumentParser(prog="scripts/build.sh", description=__doc__.split("\n\n")[0])
+    from engine.cli import ArgumentParser
+
+    p = ArgumentParser(prog="scripts/build.sh", description=__doc__.split("\n\n")[0])
     p.add_argument("--corpus", type=Path, required=True, help="folder with records.jsonl")
     p.add_argument("--index-dir", type=Path, required=True, help="where the index goes (created if missing)")
     p.add_argument("--model-dir", type=Path, default=None, help="CLIP folder (env CLIP_MODEL_DIR)")

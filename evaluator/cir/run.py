@@ -16,7 +16,6 @@ bank statistics); CIR_RUN_KILL_AFTER_ROWS=N (test hook) SIGKILLs the process aft
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -65,7 +64,9 @@ class RunConfig:
 
 
 def parse_args(argv: list[str] | None) -> RunConfig:
-    p = argparse.ArgumentParser(prog="scripts/run.sh", description=__doc__.split("\n\n")[0])
+    from engine.cli import ArgumentParser
+
+    p = ArgumentParser(prog="scripts/run.sh", description=__doc__.split("\n\n")[0])
     p.add_argument("--index-dir", type=Path, required=True)
     p.add_argument("--queries", type=Path, required=True)
     p.add_argument("--output", type=Path, required=True)

@@ -41,7 +41,6 @@ Choices:
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -502,7 +501,9 @@ def load_label_files(paths: Iterable[str | Path]) -> dict[str, Label]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    from engine.cli import ArgumentParser
+
+    parser = ArgumentParser(
         prog="python -m evaluator.score_retrieval", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--results", required=True, type=Path, help="run output, JSONL")

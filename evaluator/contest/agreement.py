@@ -183,7 +183,9 @@ def _rows_value(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m evaluator.agreement", description=__doc__.split("\n\n")[0])
+    from engine.cli import ArgumentParser
+
+    p = ArgumentParser(prog="python -m evaluator.agreement", description=__doc__.split("\n\n")[0])
     p.add_argument("--predictions", required=True, type=Path)
     p.add_argument("--reference", required=True, type=Path, help="frozen reference: .i32 (every row) or .tsv")
     p.add_argument("--manifest", type=Path, help="the cohort manifest (needed for a .tsv reference)")

@@ -232,11 +232,13 @@ def early_decoder(a: argparse.Namespace, budget, isolate: bool):
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     from engine import settings
+    from engine.cli import ArgumentParser, HelpFormatter, env_epilog
     from engine.decoders import DECODERS
     from evaluator import settings as ev
 
-    p = argparse.ArgumentParser(prog="scripts/run", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = ArgumentParser(prog="scripts/run", description=__doc__.split("\n\n")[0],
+                       epilog=env_epilog(ev.env_help(ev.RUN_ENV)) + "\n(a 0/1 switch also takes true/false, yes/no, on/off)",
+                       formatter_class=HelpFormatter)
     p.add_argument("manifest", nargs="?", type=Path, default=ev.contest_manifest(), help="env CONTEST_MANIFEST")
     p.add_argument("image_root", nargs="?", type=Path, default=ev.contest_image_root(),
                    help="env CONTEST_IMAGE_ROOT")
@@ -310,6 +312,7 @@ def _run(argv, wall0: float, held: Held) -> int:
     from engine import settings, threads
 
     try:  # every switch is read (and refused when bad) before anything else happens
+        settings.check()
         budget = threads.budget("cpu")
         cap = settings.max_file_bytes()
         isolate = settings.decoder_isolate()

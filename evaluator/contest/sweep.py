@@ -30,8 +30,10 @@ def _log(msg: str) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m evaluator.sweep", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    from engine.cli import ArgumentParser
+
+    p = ArgumentParser(prog="python -m evaluator.sweep", description=__doc__.split("\n\n")[0],
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", required=True, help="timm name")
     p.add_argument("--checkpoint", required=True, type=Path)
     p.add_argument("--manifest", required=True, type=Path)

@@ -368,7 +368,9 @@ def cmd_render(path: Path, out: Path | None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m evaluator.campaign", description=__doc__.split("\n")[0])
+    from engine.cli import ArgumentParser
+
+    p = ArgumentParser(prog="python -m evaluator.campaign", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="run a campaign and write its evidence folder")
     r.add_argument("--workload", required=True, choices=sorted(WORKLOADS))
