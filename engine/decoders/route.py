@@ -19,7 +19,10 @@ from engine.decoders.pil import failure
 from engine.geometry import window
 from engine.spec import Spec
 
-_JPEG_MODES = ("RGB", "L", "CMYK")  # modes whose DALI decode was checked bit-exact against PIL
+# modes the fast decoders take (DALI's decode is bit-exact with PIL for them). Not CMYK/YCCK: PIL reads
+# every 4-component JPEG as Adobe-inverted CMYK, whatever its markers say, while DALI inverts only
+# under an Adobe APP14 marker, so 4-component JPEGs (rare in photo sets) go to the reference
+_JPEG_MODES = ("RGB", "L")
 _FAST_SOF = {0xC0: "baseline", 0xC1: "extended", 0xC2: "progressive"}  # Huffman-coded 8-bit frames
 _MODE_OF = {1: "L", 3: "RGB", 4: "CMYK"}   # components -> the mode PIL reports
 MAX_PIXELS = 89_478_485    # PIL's Image.MAX_IMAGE_PIXELS: larger images take the reference path
