@@ -261,27 +261,91 @@ def _hostile_corpus(tmp_path):
     return base, outside, opened
 
 
-def test_records_paths_are_confined_to_the_corpus(tmp_path, capsys):
+def _cpu_build_args(base, index_dir, *extra):
+    return ["--corpus", str(base), "--index-dir", str(index_dir), "--model-dir", str(clip_dirs()["open_clip"]),
+            "--device", "cpu", "--chunk-size", "64", "--batch-size", "8", *extra]
+
+
+def test_records_paths_are_followed_and_confined_only_when_asked(tmp_path, capsys):
     base, outside, opened = _hostile_corpus(tmp_path)
-    args = ["--corpus", str(base), "--index-dir", str(tmp_path / "index"), "--model-dir",
-            str(clip_dirs()["open_clip"]), "--device", "cpu", "--chunk-size", "64", "--batch-size", "8"]
+    args = _cpu_build_args(base, tmp_path / "index")
+    # the default follows the records as PIL's Image.open would: the absolute and the escaping
+    # paths are indexed; FIFOs (also behind a link) and folders are still not files, never a hang
     assert cir_build.main(args) == 0
     err = capsys.readouterr().err
     assert not opened()
+    idx = load_index(tmp_path / "index")
+    assert {"abs", "up"} <= set(idx.ids) and idx.meta["confine_to_corpus"] is False
+    for iid, what in [("link", "a FIFO, not a regular file"), ("fifo", "a FIFO, not a regular file"),
+                      ("folder", "a directory, not a regular file")]:
+        assert any(f"unreadable image {iid!r}" in e and what in e for e in err.splitlines()), (iid, err[-3000:])
+    # confined (untrusted records): every path that is absolute or leaves the corpus is refused and named,
+    # and the change of rule is a different build (rebuilt, not taken as up to date)
+    assert cir_build.main([*args, "--confine-to-corpus"]) == 0
+    err = capsys.readouterr().err
+    assert not opened() and "up to date" not in err
     for iid, what in [("etc", "path escapes the corpus folder"), ("abs", "absolute path refused"),
                       ("up", "path escapes the corpus folder"), ("link", "path escapes the corpus folder"),
                       ("fifo", "a FIFO, not a regular file"), ("folder", "a directory, not a regular file")]:
         assert any(f"unreadable image {iid!r}" in e and what in e for e in err.splitlines()), (iid, err[-3000:])
     idx = load_index(tmp_path / "index")
-    assert len(idx.ids) == 6 and {u["image_id"] for u in idx.meta["unreadable"]} == \
-        {"etc", "abs", "up", "link", "fifo", "folder"}
-    # allowed outside: the absolute and the escaping paths are opened; FIFOs and folders still are not files
+    assert len(idx.ids) == 6 and idx.meta["confine_to_corpus"] is True and \
+        {u["image_id"] for u in idx.meta["unreadable"]} == {"etc", "abs", "up", "link", "fifo", "folder"}
+    # the old opt-out is still accepted (a no-op), but not together with the opt-in
     assert cir_build.main([*args, "--allow-outside-corpus"]) == 0
-    err = capsys.readouterr().err
+    assert load_index(tmp_path / "index").meta["confine_to_corpus"] is False
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        cir_build.main([*args, "--allow-outside-corpus", "--confine-to-corpus"])
+    assert e.value.code == 2 and "contradict" in capsys.readouterr().err
+
+
+def _staged_corpus(tmp_path, n=8):
+    """The corpus images staged three ways over one store outside the corpus folder: a farm of
+    symlinks, hard links, and records holding absolute paths. Returns (corpus dir, records)."""
+    src = read_records(corpus() / "records.jsonl", print)[:3 * n]
+    store, base = tmp_path / "store", tmp_path / "staged"
+    store.mkdir()
+    (base / "links").mkdir(parents=True)
+    (base / "hard").mkdir()
+    recs = []
+    for k, r in enumerate(src):
+        blob = store / f"{k:04d}.bin"                      # a content store: names unrelated to the records
+        shutil.copy(corpus() / r.path, blob)
+        if k < n:                                          # a symlink farm into the store
+            (base / "links" / f"{k}.jpg").symlink_to(blob)
+            path = f"links/{k}.jpg"
+        elif k < 2 * n:                                    # hard links: the same inode inside the corpus
+            os.link(blob, base / "hard" / f"{k}.jpg")
+            path = f"hard/{k}.jpg"
+        else:                                              # absolute records paths into the store
+            path = str(blob)
+        recs.append({"image_id": f"s{k}", "path": path})
+    (base / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return base, recs
+
+
+def test_a_staged_corpus_indexes_every_record_and_confinement_names_each_refusal(tmp_path, capsys):
+    base, recs = _staged_corpus(tmp_path)
+    assert cir_build.main(_cpu_build_args(base, tmp_path / "index")) == 0
     idx = load_index(tmp_path / "index")
-    assert {"abs", "up"} <= set(idx.ids) and idx.meta["allow_outside_corpus"] is True
-    assert any("unreadable image 'link'" in e and "FIFO" in e for e in err.splitlines())
-    assert not opened()
+    assert idx.ids == [r["image_id"] for r in recs] and idx.meta["unreadable"] == []
+    # the staged images embed exactly as the originals do (same bytes behind every link)
+    ref = load_index(built_index())
+    rows = ref.rows()
+    src = read_records(corpus() / "records.jsonl", print)[:len(recs)]
+    want = np.asarray(ref.emb)[[rows[str(r.image_id)] for r in src]].astype(np.float32)
+    np.testing.assert_allclose(np.asarray(idx.emb, np.float32), want, atol=2e-3)
+    capsys.readouterr()
+    # confined: the links out of the corpus and the absolute paths are refused, each named; hard links stay
+    assert cir_build.main(_cpu_build_args(base, tmp_path / "confined", "--confine-to-corpus")) == 0
+    err = capsys.readouterr().err
+    idx = load_index(tmp_path / "confined")
+    assert idx.ids == [r["image_id"] for r in recs if r["path"].startswith("hard/")]
+    for r in recs:
+        if not r["path"].startswith("hard/"):
+            what = "absolute path refused" if r["path"].startswith("/") else "path escapes the corpus folder"
+            assert any(f"unreadable image {r['image_id']!r}" in e and what in e for e in err.splitlines()), r
 
 
 def test_malformed_files_in_the_index_dir_are_rebuilt_or_refused(tmp_path, capsys):

@@ -2,17 +2,17 @@
 
     scripts/build.sh --corpus DIR --index-dir DIR [--model-dir DIR] [--method slerp] ...
 
-Reads DIR/records.jsonl ({image_id, path}; paths relative to DIR and confined to it: an
-absolute path or one that leaves DIR, also through a symlink, is refused and named, unless
---allow-outside-corpus), reads only regular files of at most ENGINE_MAX_FILE_BYTES, decodes
-with the engine's decoders (dali-gpu on CUDA, dali-cpu otherwise; ENGINE_DECODER=pil is
-the reference), embeds in batches, and writes the index described in evaluator.cir.index.
+Reads DIR/records.jsonl ({image_id, path}; a path resolves as the task gives it: relative
+to DIR, absolute as is, symlinks followed, as the reference's Image.open does;
+--confine-to-corpus refuses and names an absolute path or one that leaves DIR, also through
+a symlink), reads only regular files of at most ENGINE_MAX_FILE_BYTES, decodes with the
+engine's decoders (dali-gpu on CUDA, dali-cpu otherwise; ENGINE_DECODER=pil is the
+reference), embeds in batches, and writes the index described in evaluator.cir.index.
 Chunked and resumable: a killed build restarts at its first unfinished chunk. Images no
 decoder can read are listed in meta.json and left out. Build-time extras (gallery mean,
-`--mapping pic2word`, gallery-derived text bank, DBA): evaluator.cir.extras. Env: CLIP_MODEL_DIR,
-CLIP_MODEL_NAME, CLIP_DEVICE, CLIP_PRECISION, CIR_METHOD; CIR_BUILD_STOP_AFTER_CHUNKS=N
-(test hook) stops after N new chunks, as a kill would; CIR_P2W_STOP_AFTER_STEPS=N (test
-hook) stops the mapping's training after N new steps (resumed from its last checkpoint).
+`--mapping pic2word`, gallery-derived text bank, DBA): evaluator.cir.extras. Env:
+CLIP_MODEL_DIR, CLIP_MODEL_NAME, CLIP_DEVICE, CLIP_PRECISION, CIR_METHOD. main()'s
+stop_after_chunks / p2w_stop_after end a build early, as a kill would (resumable).
 """
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ class BuildConfig:
     dba: int = 0
     dba_alpha: float = 3.0
     dba_chunk: int = 1024          # gallery rows per DBA block; 0: one [N, N] matrix (the reference twin)
-    allow_outside_corpus: bool = False   # records paths may be absolute or leave the corpus folder
+    confine_to_corpus: bool = False      # records paths must be relative and stay inside the corpus folder
     stop_after_chunks: int = 0     # stop (resumably) after this many chunks; 0: never
     p2w_stop_after: int = 0        # stop (resumably) after this many Pic2Word steps; 0: never
 
@@ -143,11 +143,17 @@ def parse_args(argv: list[str] | None) -> BuildConfig:
     x.add_argument("--dba-alpha", type=float, default=3.0)
     x.add_argument("--dba-chunk", type=int, default=1024,
                    help="gallery rows per DBA block (0: one [N, N] matrix, the reference twin)")
+    p.add_argument("--confine-to-corpus", action="store_true",
+                   help="for untrusted records: refuse (and name) paths that are absolute or leave the corpus "
+                        "folder, also through a symlink (default: follow them, as the reference's Image.open does)")
     p.add_argument("--allow-outside-corpus", action="store_true",
-                   help="accept records paths that are absolute or leave the corpus folder")
+                   help="accepted for older scripts and ignored: following records paths is the default")
     p.add_argument("--debug", action="store_true", help="show the traceback of an error (also ENGINE_DEBUG=1)")
     a = p.parse_args(argv)
     del a.debug
+    if a.allow_outside_corpus and a.confine_to_corpus:
+        p.error("--allow-outside-corpus and --confine-to-corpus contradict each other")
+    del a.allow_outside_corpus
     if (a.batch_size is not None and a.batch_size < 1) or a.chunk_size < 1 or a.readers < 1:
         p.error("--batch-size, --chunk-size and --readers must be >= 1")
     if min(a.p2w_epochs, a.p2w_batch_size, a.p2w_ckpt_every, a.p2w_hidden) < 1 or min(a.p2w_steps, a.dba,
@@ -253,8 +259,8 @@ def build(cfg: BuildConfig, records, records_sha: str, towers, info: dict, metho
            "clip_spec": spec.to_dict(), "decoder": decoder.name,
            "precision": towers.precision, "device": towers.device.type, "chunk_size": cfg.chunk_size,
            "embed_dim": spec.embed_dim}
-    if cfg.allow_outside_corpus:   # other files become readable: a different build
-        key["allow_outside_corpus"] = True
+    # which files the records reach: confinement makes a different build
+    key["records_paths"] = "confined" if cfg.confine_to_corpus else "followed"
     ekey = extras_key(cfg.extras(), method)
     old = read_meta(cfg.index_dir)
     if old is not None and old.get("build_key") == key and not cfg.force:
@@ -271,7 +277,7 @@ def build(cfg: BuildConfig, records, records_sha: str, towers, info: dict, metho
 
     from evaluator.cir.jsonl import record_reader
 
-    read = record_reader(cfg.corpus, [r.path for r in records], cfg.allow_outside_corpus)
+    read = record_reader(cfg.corpus, [r.path for r in records], cfg.confine_to_corpus)
 
     stop_after = cfg.stop_after_chunks
     bar = Progress(len(records), len(records) - len(pending))
@@ -306,7 +312,7 @@ def build(cfg: BuildConfig, records, records_sha: str, towers, info: dict, metho
                 _log(f"chunk {chunk + 1}/{n_chunks} done")
             if stop_after and saved >= stop_after:
                 bar.close()
-                _log(f"stopping after {saved} chunks (CIR_BUILD_STOP_AFTER_CHUNKS)")
+                _log(f"stopping after {saved} chunks, as asked (resumable)")
                 return STOPPED
     bar.close()
     if towers.device.type == "cuda":
@@ -326,7 +332,7 @@ def build(cfg: BuildConfig, records, records_sha: str, towers, info: dict, metho
     meta = {"build_key": key, "model": info, "clip_spec": spec.to_dict(), "method": method,
             "decoder": decoder.name, "device": towers.device.type, "precision": towers.precision,
             "records": {"path": str(cfg.corpus / "records.jsonl"), "sha256": records_sha, "usable": len(records)},
-            "corpus": str(cfg.corpus.resolve()), "allow_outside_corpus": cfg.allow_outside_corpus,
+            "corpus": str(cfg.corpus.resolve()), "confine_to_corpus": cfg.confine_to_corpus,
             "unreadable": failed, "counts": {"records": len(records), "indexed": len(ids), "unreadable": len(failed)},
             "timing": {"load_s": round(t_loaded - t_start, 3), "embed_s": round(t_embed, 3),
                        "images_embedded_this_run": embedded, "images_per_s": round(rate, 2),
@@ -351,7 +357,7 @@ def commit_with_extras(cfg: BuildConfig, emb, ids: list, meta: dict, towers, inf
     try:
         extra_meta, files = build_extras(cfg.extras(), emb, towers, info["digest"], cfg.index_dir / BUILD_DIR)
     except Stopped as e:
-        _log(f"pic2word: {e} (CIR_P2W_STOP_AFTER_STEPS)")
+        _log(f"pic2word: {e} (stopped as asked; resumable)")
         return STOPPED
     meta = {**meta, **extra_meta, "extras_key": ekey}
     meta["timing"] = {**meta.get("timing", {}), "extras_s": round(time.perf_counter() - t0, 3)}
@@ -374,7 +380,7 @@ def reuse_embeddings(cfg: BuildConfig, old: dict, towers, info: dict, ekey: dict
         return 2
     _log(f"embeddings in {cfg.index_dir} are up to date; recomputing the extras only")
     keep = ("build_key", "model", "clip_spec", "decoder", "device", "precision", "records", "corpus",
-            "allow_outside_corpus", "unreadable", "counts", "timing")
+            "confine_to_corpus", "unreadable", "counts", "timing")
     meta = {k: old[k] for k in keep if k in old}
     meta["method"] = method
     meta["corpus"] = str(cfg.corpus.resolve())

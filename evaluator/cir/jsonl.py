@@ -130,10 +130,13 @@ def read_records(path: Path, warn: Warn) -> list[Record]:
     return out
 
 
-def record_reader(corpus: Path, paths, allow_outside: bool = False):
-    """read(i) -> bytes of record i's image: a regular file of at most ENGINE_MAX_FILE_BYTES, its
-    path relative to `corpus` and inside it (ValueError naming the path otherwise), unless
-    `allow_outside` (then absolute paths and escapes are opened as given)."""
+def record_reader(corpus: Path, paths, confine: bool = False):
+    """read(i) -> bytes of record i's image: a regular file of at most ENGINE_MAX_FILE_BYTES.
+
+    A path resolves as the task gives it, as PIL's Image.open would open it: relative to
+    `corpus`, absolute as is, symlinks followed (a staged corpus is often a farm of links
+    into a store). `confine` (for untrusted records): only relative paths that stay inside
+    `corpus`, also through symlinks; anything else is a ValueError naming the path."""
     from engine import settings
     from engine.pipeline import read_regular, resolve_inside
 
@@ -141,9 +144,10 @@ def record_reader(corpus: Path, paths, allow_outside: bool = False):
 
     def read(i: int) -> bytes:
         rel = paths[i]
-        if allow_outside:   # opened where it leads (symlinks followed), still a regular file only
-            return read_regular(os.path.realpath(os.path.join(corpus, rel)), cap)
-        return read_regular(resolve_inside(corpus, rel, "the corpus folder", real), cap)
+        if confine:
+            return read_regular(resolve_inside(corpus, rel, "the corpus folder", real), cap)
+        # realpath first: read_regular refuses a final symlink, the reference follows it
+        return read_regular(os.path.realpath(os.path.join(corpus, rel)), cap)
 
     return read
 

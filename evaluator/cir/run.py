@@ -6,13 +6,16 @@ Per batch of requests: text tower on the prompt (modification, with shared_conce
 the method's prompt uses it), the reference's stored embedding, `engine.retrieval.compose` into a
 unit query, scores against the whole gallery (one matrix multiply), top 50 excluding the
 reference (`kernels.topk.topk`). Output rows: {"query_id", "results": [{"image_id",
-"score"}]}. An existing output resumes after its valid rows (a torn last line is dropped).
+"score"}]}. An existing output resumes after its valid rows (a torn last line is dropped),
+only if the same requests, method, index and CLIP wrote it (its record, beside it, holds a
+digest of the requests); otherwise it is refused, naming --fresh.
 A request whose reference is not in the index is answered from its text alone.
 The method may add gallery-aware options (`slerp+gap+qbnorm`, `pic2word+reinspect`, ...):
 evaluator.cir.query runs them; docs/retrieval_quality.md lists them.
 Env: CLIP_MODEL_DIR, CLIP_MODEL_NAME, CLIP_DEVICE, CLIP_PRECISION, CIR_METHOD,
-CIR_TEXT_WEIGHT, CIR_PROMPT, CIR_CORPUS; CIR_BANK_CHUNK=0 (reference twin of the streamed
-bank statistics); CIR_RUN_KILL_AFTER_ROWS=N (test hook) SIGKILLs the process after N new rows.
+CIR_TEXT_WEIGHT, CIR_PROMPT, CIR_CORPUS. --bank-chunk 0 runs the reference twin of the
+streamed bank statistics. Records paths are followed as the build follows them (relative to
+the corpus, absolute as is, symlinks too) unless --confine-to-corpus or a confined index.
 """
 from __future__ import annotations
 
@@ -59,7 +62,7 @@ class RunConfig:
     allow_model_mismatch: bool = False
     report: Path | None = None
     corpus: Path | None = None         # image files for re-inspection (default: recorded at build time)
-    allow_outside_corpus: bool = False  # records paths may be absolute or leave the corpus folder
+    confine_to_corpus: bool = False    # re-inspection: records paths must stay inside the corpus folder
     bank_chunk: int = 256              # requests per bank-statistics block; 0: one [M, N] matrix (reference twin)
 
 
@@ -84,7 +87,8 @@ def parse_args(argv: list[str] | None) -> RunConfig:
     p.add_argument("--device", default=None)
     p.add_argument("--precision", default=None)
     p.add_argument("--no-resume", "--fresh", dest="resume", action="store_false",
-                   help="start the output afresh (an existing output resumes only if the same method and index wrote it)")
+                   help="start the output afresh (an existing output resumes only if the same requests, "
+                        "method, index and CLIP wrote it)")
     p.add_argument("--allow-model-mismatch", action="store_true",
                    help="run even if the CLIP differs from the one that built the index")
     p.add_argument("--report", type=Path, default=None, help="also write the run summary JSON here")
@@ -92,11 +96,17 @@ def parse_args(argv: list[str] | None) -> RunConfig:
                    help="corpus folder (records.jsonl) for re-inspection (env CIR_CORPUS; default: the index's)")
     p.add_argument("--bank-chunk", type=int, default=256,
                    help="requests per bank-statistics block (0: one [M, N] matrix, the reference twin)")
+    p.add_argument("--confine-to-corpus", action="store_true",
+                   help="for untrusted records: re-inspection refuses paths that are absolute or leave the corpus "
+                        "folder (default: follow them, as the build does; an index built confined stays confined)")
     p.add_argument("--allow-outside-corpus", action="store_true",
-                   help="re-inspection may open records paths that are absolute or leave the corpus folder")
+                   help="accepted for older scripts and ignored: following records paths is the default")
     p.add_argument("--debug", action="store_true", help="show the traceback of an error (also ENGINE_DEBUG=1)")
     a = p.parse_args(argv)
     del a.debug
+    if a.allow_outside_corpus and a.confine_to_corpus:
+        p.error("--allow-outside-corpus and --confine-to-corpus contradict each other")
+    del a.allow_outside_corpus
     if a.bank_chunk < 0:
         p.error("--bank-chunk must be >= 0")
     if a.batch_size < 1 or not 1 <= a.k <= TOP_K:
@@ -173,13 +183,13 @@ def _main(argv: list[str] | None, on_row) -> int:
 
     try:
         pipe = QueryPipeline(index, towers, method, warn, cfg.queries, cfg.corpus, cfg.k, cfg.bank_chunk,
-                             cfg.allow_outside_corpus or bool(index.meta.get("allow_outside_corpus")))
+                             not (cfg.confine_to_corpus or bool(index.meta.get("confine_to_corpus"))))
         pipe.prepare(requests)
     except PipelineError as e:
         _error(f"{e}")
         return 2
 
-    ident = run_identity(method, index, info)
+    ident = run_identity(method, index, info, requests)
     kept = None
     if cfg.resume and cfg.output.exists() and cfg.output.stat().st_size:
         why = resume_mismatch(cfg.output, cfg.index_dir, ident)
@@ -189,7 +199,7 @@ def _main(argv: list[str] | None, on_row) -> int:
         try:
             kept = resume_rows(cfg.output, requests, {str(i): i for i in index.ids}, TOP_K, warn)
         except (OSError, ValueError) as e:
-            _error(f"cannot read {cfg.output} to resume it: {e}; pass --no-resume to overwrite it")
+            _error(f"cannot read {cfg.output} to resume it: {e}; pass --fresh to overwrite it")
             return 2
     done = kept.done if kept else []
     try:
@@ -249,10 +259,22 @@ def output_problem(path: Path) -> str | None:
     return None
 
 
-def run_identity(method, index, info: dict) -> dict:
-    """What decides an output's rows besides the requests: the method, the index, the CLIP."""
+def requests_digest(requests) -> str:
+    """sha256 of the requests as parsed (id, reference, modification, shared concept; file order):
+    what a row answers. Line numbers, blank lines and JSON spacing do not count."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for r in requests:
+        h.update(json.dumps([r.query_id, r.reference, r.modification, r.shared_concept]).encode() + b"\n")
+    return h.hexdigest()
+
+
+def run_identity(method, index, info: dict, requests) -> dict:
+    """What decides an output's rows: the requests, the method, the index, the CLIP."""
     return {"method": method.to_dict(), "method_label": method.label, "index_build_id": index.meta.get("build_id"),
-            "model_digest": info.get("digest")}
+            "model_digest": info.get("digest"), "requests_sha256": requests_digest(requests),
+            "requests": len(requests)}
 
 
 def _identity_paths(output: Path, index_dir: Path) -> list[Path]:
@@ -290,8 +312,13 @@ def resume_mismatch(output: Path, index_dir: Path, ident: dict) -> str | None:
                 if old.get(key) != ident[key]:
                     shown = "method_label" if key == "method" else key
                     return f"it was written with another {what} ({old.get(shown)!r}, now {ident[shown]!r})"
+            if old.get("requests_sha256") != ident["requests_sha256"]:   # same ids may carry new requests
+                was = old.get("requests_sha256")
+                return (f"it answers other requests ({old.get('requests', '?')} requests, digest "
+                        f"{str(was)[:12] if was else 'not recorded'}; now {ident['requests']}, "
+                        f"{ident['requests_sha256'][:12]})")
             return None
-    return "no record of the method and index that wrote it"
+    return "no record of the requests, method and index that wrote it"
 
 
 def answer(cfg: RunConfig, index, pipe, pending, out, on_row=None) -> int:
