@@ -132,8 +132,8 @@ class QueryPipeline:
         except (OSError, ValueError) as e:
             raise PipelineError(f"re-inspection: cannot read {records}: {e}") from None
         ids = self.index.ids
-        # the same rule as the build: regular files inside the corpus folder, unless allowed outside
-        read_path = record_reader(root, _Lookup(paths), self.allow_outside_corpus)
+        # the same rule as the build: regular files where the records lead, unless confined to the corpus
+        read_path = record_reader(root, _Lookup(paths), confine=not self.allow_outside_corpus)
 
         def read(row: int) -> bytes:
             return read_path(str(ids[row]))
