@@ -343,8 +343,6 @@ def test_pro_profile_records_config_note(env, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (REPO / "evaluator" / "demo.py").is_file() or not (REPO / "scripts" / "run").is_file(),
-                    reason="evaluator/contest/demo.py or scripts/run not written yet")
 def test_real_eva02_min_campaign(tmp_path):
     """The real path: `evaluator.contest.demo prepare` input, `scripts/run` processes (tiny CPU model)."""
     out = tmp_path / "out"
