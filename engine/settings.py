@@ -23,6 +23,11 @@ on and 0, false, no, off for off (an empty value is the default).
 | ENGINE_THREADS | int >= 1 | usable CPUs, at most 16 | the thread budget: DALI, torch, OpenMP and readers are sized from it (engine.threads) |
 | ENGINE_MAX_FILE_BYTES | int >= 1 | 67108864 (64 MiB) | larger image files are refused unread |
 | ENGINE_DECODER_ISOLATE | 0/1 | 1 | run the DALI CPU decoder in a child process (a native crash costs a batch, not the run) |
+| ENGINE_DECODE_DEADLINE_S | seconds > 0 | 30 | longest one image may take to decode in the child decoder process: past it, that image alone is unreadable (a prediction and a stderr line), never decoded again |
+| ENGINE_MAX_PIXELS | int >= 1 | 89478485 (PIL's bomb limit) | pixels an image may have, at its own size and resized before the crop; a larger one is refused before any allocation (unreadable) |
+| ENGINE_READAHEAD_BYTES | int >= 1 | 268435456 (256 MiB) | encoded bytes read ahead of the decoder, and handed to it at once (a larger file is read alone) |
+| ENGINE_HW_DECODER_LOAD | 0..1 | 0.9 | share of JPEG decoding DALI's GPU decoder gives the hardware JPEG engine (DALI's own default) |
+| ENGINE_SLOW_DECODER_OK | 0/1 | 0 | let the build's self-check pass a CUDA artifact that would decode with anything but dali-gpu |
 | TMPDIR | path | /tmp | scratch space (a run keeps its own folder there and removes it on exit) |
 | CLIP_MODEL_DIR | path | (the caller's) | local CLIP folder or state-dict file |
 | CLIP_MODEL_NAME | str | (from the folder) | open_clip architecture of an OpenAI-style state dict |
@@ -212,6 +217,42 @@ def decoder_isolate() -> bool:
     return read("ENGINE_DECODER_ISOLATE", flag, True)
 
 
+def number_in(low: float, high: float, open_low: bool = False) -> Callable[[str, str], float]:
+    def parse(name: str, raw: str) -> float:
+        what = f"a number {'>' if open_low else '>='} {low:g} and <= {high:g}"
+        try:
+            v = float(raw)
+        except ValueError:
+            raise SettingsError(f"{name} must be {what}, got {raw!r}") from None
+        if not (low < v if open_low else low <= v) or not v <= high:
+            raise SettingsError(f"{name} must be {what}, got {raw!r}")
+        return v
+    return parse
+
+
+def decode_deadline_s() -> float:
+    """Seconds one image may take in the child decoder process (engine.decoders.isolate)."""
+    return read("ENGINE_DECODE_DEADLINE_S", number_in(0.0, 86400.0, open_low=True), 30.0)
+
+
+def max_pixels() -> int:
+    """Pixel budget of one image, at its size and resized (engine.decoders.pil.checked_window)."""
+    return read("ENGINE_MAX_PIXELS", int_at_least(1), 89_478_485)
+
+
+def readahead_bytes() -> int:
+    """Encoded bytes the pipeline's readers may hold ahead of the decoder (engine.pipeline)."""
+    return read("ENGINE_READAHEAD_BYTES", int_at_least(1), 256 << 20)
+
+
+def hw_decoder_load() -> float:
+    return read("ENGINE_HW_DECODER_LOAD", number_in(0.0, 1.0), 0.9)
+
+
+def slow_decoder_ok() -> bool:
+    return read("ENGINE_SLOW_DECODER_OK", flag, False)
+
+
 def tmpdir() -> Path:
     """TMPDIR: where every scratch file of a run goes (default /tmp)."""
     return read("TMPDIR", path, Path("/tmp"))
@@ -219,7 +260,8 @@ def tmpdir() -> Path:
 
 # every switch a classification run reads: checked up front, before anything loads
 RUN_SWITCHES = ("artifact", "decoder", "cuda_graphs", "guard", "artifact_verify", "pipeline_depth", "readers",
-                "fast_exit", "t0", "threads", "max_file_bytes", "decoder_isolate", "debug", "progress", "tmpdir")
+                "fast_exit", "t0", "threads", "max_file_bytes", "decoder_isolate", "debug", "progress", "tmpdir",
+                "decode_deadline_s", "max_pixels", "readahead_bytes", "hw_decoder_load")
 
 
 def check(names: tuple[str, ...] = RUN_SWITCHES) -> None:
