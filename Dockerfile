@@ -7,47 +7,55 @@
 # filesystem: everything slow to fetch is fetched here, at image build time. build.sh (the
 # untimed build step) and /submission/run (the timed run) never download anything.
 
-# Base: NGC's PyTorch image. Its tag is a multi-arch index (linux/arm64 sbsa + linux/amd64)
-# that ships CUDA, cuDNN, NCCL, PyTorch, TensorRT + Torch-TensorRT and DALI built for both.
-# 25.10 is the first NGC release on CUDA 13 (the project's DALI wheel is the cuda130 one).
+# Base: a plain multi-arch Python 3.11 image (Debian bookworm; its tag is an index of
+# linux/amd64 and linux/arm64 among others) with PyPI's CUDA wheels of torch, which exist
+# for aarch64 as for x86_64 and carry their own CUDA 13 runtime (cuBLAS, cuDNN, NCCL, ...;
+# the driver comes from the host through the NVIDIA container toolkit). Why not NGC's
+# PyTorch image: it ships NVIDIA's own torch build (25.10: torch 2.9 on Python 3.12) and a
+# pip constraint file pinning it, so the image would run a stack the tests never ran, and
+# installing the tested one over it can fail to resolve. Here the image installs exactly
+# requirements/lock.txt, the lock scripts/test.sh (CI) installs and the suite passed on.
 # Pin it by digest for a reproducible build: take the *index* digest (not one platform's, or
 # the other architecture no longer resolves) from
-#   docker buildx imagetools inspect nvcr.io/nvidia/pytorch:25.10-py3      # "Digest: sha256:..."
-# and write  FROM nvcr.io/nvidia/pytorch:25.10-py3@sha256:<that digest>
-# When moving to a newer torch, move to the NGC release that ships it (release notes list it).
-FROM nvcr.io/nvidia/pytorch:25.10-py3
+#   docker buildx imagetools inspect python:3.11-slim-bookworm      # "Digest: sha256:..."
+# and write  FROM python:3.11-slim-bookworm@sha256:<that digest>
+FROM python:3.11-slim-bookworm
 
 ARG TARGETARCH
 
-# The Python packages the base lacks, pinned to the versions the project tests with: the
-# classification stack (timm, safetensors) and the retrieval stack (open_clip and what it
-# pulls: ftfy, regex; tqdm for progress bars). --no-cache-dir: pip's wheel cache would only
-# bloat the layer. pip leaves the base's torch, torchvision, numpy and pillow alone (none of
-# these asks for a particular version of them; NGC also pins them through its pip
-# constraint file).
-RUN python -m pip install --no-cache-dir \
-        timm==1.0.31 \
-        safetensors==0.8.0 \
-        huggingface_hub==2.4.0 \
-        open_clip_torch==3.3.0 \
-        ftfy==6.3.1 \
-        regex==2026.5.9 \
-        tqdm==4.70.1
+# g++: build.sh's AOTInductor build compiles the model's C++ wrapper (CPU and CUDA alike).
+# Nothing else comes from Debian; versions follow the base image's bookworm release.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
 
-# DALI is part of the NGC image; should a release lack it on one architecture, install the
-# CUDA 13 wheel (pinned) here rather than ever at run time.
-RUN python -c "import nvidia.dali" 2>/dev/null \
-    || python -m pip install --no-cache-dir nvidia-dali-cuda130==2.4.0
+# The driver's compute libraries mounted by the container toolkit (NGC images set these;
+# a plain base must), and Inductor's CUDA headers: those of the CUDA 13 wheels torch pulls.
+ENV NVIDIA_VISIBLE_DEVICES=all \
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility \
+    CUDA_HOME=/usr/local/lib/python3.11/site-packages/nvidia/cu13
+
+# The locked stack, nothing else: --no-deps installs exactly the pins of the locks (no
+# resolver choices, so nothing can differ from what CI installed), pip check proves them
+# complete. lock.txt: the contest stack (torch, torchvision, DALI, timm, open_clip, ...);
+# gpu.txt: CuPy and Torch-TensorRT with its TensorRT (NVIDIA's index serves TensorRT's
+# libraries). --no-cache-dir: pip's wheel cache would only bloat the layer.
+COPY requirements/ /submission/requirements/
+RUN python -m pip install --no-cache-dir --no-deps -r /submission/requirements/lock.txt \
+    && python -m pip install --no-cache-dir --no-deps --extra-index-url https://pypi.nvidia.com \
+           -r /submission/requirements/gpu.txt \
+    && python -m pip check
 
 # Fail the image build, not the scored run, when a piece is missing on this architecture:
-# /bin/sh (the ABI entry point is a sh script), torch, timm, safetensors, DALI, open_clip
-# (the CIR benchmark's CLIP). TensorRT is reported (the current backends do not need it).
-RUN /bin/sh -c 'true' \
-    && python -c "import sys, torch, timm, safetensors, open_clip, tqdm, nvidia.dali as dali; \
+# /bin/sh (the ABI entry point is a sh script), the C++ compiler, torch, timm, safetensors,
+# DALI, open_clip (the CIR benchmark's CLIP), scikit-image (the guard's calibration photos),
+# CuPy and Torch-TensorRT (imports only: no GPU at image build).
+RUN /bin/sh -c 'true' && g++ --version >/dev/null \
+    && python -c "import sys, torch, torchvision, timm, safetensors, open_clip, tqdm, skimage, cupy, \
+torch_tensorrt, nvidia.dali as dali; \
 print('arch', '${TARGETARCH}', 'python', sys.version.split()[0], 'torch', torch.__version__, \
-'cuda', torch.version.cuda, 'timm', timm.__version__, 'open_clip', open_clip.__version__, \
-'dali', dali.__version__)" \
-    && (python -c "import tensorrt; print('tensorrt', tensorrt.__version__)" || echo "tensorrt: not in this image")
+'cuda', torch.version.cuda, 'torchvision', torchvision.__version__, 'timm', timm.__version__, \
+'open_clip', open_clip.__version__, 'dali', dali.__version__, 'torch_tensorrt', torch_tensorrt.__version__)"
 
 # The unprivileged user of the build step and the run (numeric, so any runtime --user
 # check sees a non-root UID without reading /etc/passwd). No home: nothing may write there.
@@ -91,7 +99,7 @@ RUN chmod -R u=rwX,go=rX /submission \
 
 WORKDIR /submission
 
-# NGC's entrypoint prints a banner and runs checks on every start: on the clock, and on stdout.
+# No entrypoint of the base's: the ABI calls /submission/run directly.
 ENTRYPOINT []
 CMD ["/submission/run"]
 

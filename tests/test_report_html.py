@@ -136,7 +136,8 @@ def test_render_cli_rewrites_report(tmp_path):
     assert (tmp_path / "report.html").read_text() == report_html.render(json.loads(path.read_text()))
 
 
-@pytest.mark.skipif(shutil.which("chromium") is None, reason="chromium not installed (CI installs it)")
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="chromium not installed (scripts/test.sh installs it when "
+                    "INSTALL_SYSTEM_PACKAGES=1 or CI=true)")
 def test_headless_chromium_renders_without_console_errors(tmp_path):
     page = tmp_path / "report.html"
     page.write_text(report_html.render(disclosure.build(facts(fail_last=True))))
