@@ -13,26 +13,32 @@ import sys
 
 import numpy as np
 
-from engine.decoders.pil import decode_pil, failure
+from engine.decoders.pil import ReferencePool
 from engine.decoders.route import route
 from engine.spec import Spec
 
 ISOLABLE = ("dali-cpu",)   # host output: may run in a child process (engine.decoders.isolate)
+FAST_BATCH = -1            # progress() position while DALI decodes the routed batch (isolate's deadline)
 
 
 class DaliDecoder:
     """Batches of encoded images -> [n, S, S, 3] uint8 (host numpy, or a CUDA tensor for gpu)."""
 
     def __init__(self, spec: Spec, batch_size: int, threads: int | None = None, device: str = "cpu",
-                 hw_decoder_load: float = 0.65):
+                 hw_decoder_load: float | None = None):
+        """hw_decoder_load: share of the GPU decode on the hardware JPEG engine (ENGINE_HW_DECODER_LOAD)."""
         if device not in ("cpu", "gpu"):
             raise ValueError(f"device must be cpu or gpu, got {device!r}")
+        from engine import settings
         from engine.threads import budget
 
         self.spec, self.batch_size, self.device = spec, batch_size, device
         self.threads = threads or budget().decoder
-        self.hw_decoder_load = hw_decoder_load
+        self.hw_decoder_load = settings.hw_decoder_load() if hw_decoder_load is None else hw_decoder_load
         self.name = f"dali-{device}"
+        # the reference for the images routed away from DALI: on the CPU DALI's workers already hold
+        # the thread budget (one PIL thread); beside a GPU decoder the CPU threads are free
+        self._reference = ReferencePool(spec, 1 if device == "cpu" else self.threads)
         self._pipe = self._build()
 
     def _build(self):
@@ -66,8 +72,10 @@ class DaliDecoder:
         p.build()
         return p
 
-    def decode(self, blobs: list[bytes | None]):
-        """Returns (batch [n, S, S, 3] uint8, {index: reason} for images nothing could read)."""
+    def decode(self, blobs: list[bytes | None], progress=None):
+        """Returns (batch [n, S, S, 3] uint8, {index: reason} for images nothing could read).
+        `progress(position)`: called with FAST_BATCH before DALI runs, then with each index the
+        reference takes up (the isolated child reports them, for a deadline per image)."""
         n = len(blobs)
         routed, slow, failed = route(blobs, self.spec)
         fast = [i for i, _ in routed]
@@ -78,6 +86,8 @@ class DaliDecoder:
         if fast and self._pipe is None:
             slow += fast  # no pipeline could be rebuilt: the reference decodes everything
         elif fast:
+            if progress is not None:
+                progress(FAST_BATCH)
             try:
                 got = self._run([blobs[i] for i in fast], sizes, anchors)
             except Exception as e:  # noqa: BLE001 - DALI fails whole batches; redo them one by one
@@ -92,13 +102,13 @@ class DaliDecoder:
                     self._merge_gpu(got, fast, out)
                 else:
                     out[fast] = got
-        for i in sorted(slow):
-            try:
-                px = decode_pil(blobs[i], self.spec)
-            except Exception as e:  # noqa: BLE001
-                failed[i] = failure(e)
-                continue
-            if self.device == "gpu":
+        slow = sorted(slow)
+        for k, px, why in self._reference.each([blobs[i] for i in slow],
+                                               None if progress is None else (lambda k: progress(slow[k]))):
+            i = slow[k]
+            if why is not None:
+                failed[i] = why
+            elif self.device == "gpu":
                 import torch
 
                 out[i] = torch.from_numpy(px).to(out.device)

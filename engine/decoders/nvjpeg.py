@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import torch
 
-from engine.decoders.pil import decode_pil, failure
+from engine.decoders.pil import ReferencePool
 from engine.decoders.route import route
 from engine.geometry import window
 from engine.spec import Spec
@@ -45,8 +45,12 @@ class NvjpegDecoder:
             raise RuntimeError("nvjpeg decoding needs a CUDA GPU")
         from torchvision.io import ImageReadMode, decode_jpeg
 
+        from engine.threads import budget
+
         self._decode_jpeg, self._rgb = decode_jpeg, ImageReadMode.RGB
         self.spec = spec
+        # every chroma-subsampled JPEG (most photos) takes this path: the whole CPU budget decodes
+        self._reference = ReferencePool(spec, threads or budget("cuda").decoder)
 
     def decode(self, blobs: list[bytes | None]):
         n, s = len(blobs), self.spec.input_size
@@ -65,11 +69,12 @@ class NvjpegDecoder:
                 print(f"[engine] nvjpeg: batch of {len(fast)} failed ({e}); decoding those images with pil",
                       file=sys.stderr)
                 slow += fast
-        for i in sorted(slow):
-            try:
-                out[i] = torch.from_numpy(np.ascontiguousarray(decode_pil(blobs[i], self.spec))).to("cuda")
-            except Exception as e:  # noqa: BLE001
-                failed[i] = failure(e)
+        slow = sorted(slow)
+        for k, px, why in self._reference.each([blobs[i] for i in slow]):
+            if why is None:
+                out[slow[k]] = torch.from_numpy(np.ascontiguousarray(px)).to("cuda")
+            else:
+                failed[slow[k]] = why
         return out, failed
 
 

@@ -15,8 +15,7 @@ import io
 import re
 from dataclasses import dataclass
 
-from engine.decoders.pil import failure
-from engine.geometry import window
+from engine.decoders.pil import checked_window, failure
 from engine.spec import Spec
 
 # modes the fast decoders take (DALI's decode is bit-exact with PIL for them). Not CMYK/YCCK: PIL reads
@@ -27,6 +26,7 @@ _FAST_SOF = {0xC0: "baseline", 0xC1: "extended", 0xC2: "progressive"}  # Huffman
 _MODE_OF = {1: "L", 3: "RGB", 4: "CMYK"}   # components -> the mode PIL reports
 MAX_PIXELS = 89_478_485    # PIL's Image.MAX_IMAGE_PIXELS: larger images take the reference path
 MAX_BLOCKS_IN_MCU = 10     # libjpeg's D_MAX_BLOCKS_IN_MCU for an interleaved scan
+MAX_FAST_SCANS = 256       # DALI's decoder refuses more scans (failing its whole batch): the reference reads them
 # the next marker after entropy-coded data: FF00 (stuffing), FFD0-FFD7 (restarts), FFFF (fill) are data
 _NEXT_MARKER = re.compile(rb"\xff[^\x00\xd0-\xd7\xff]")
 
@@ -226,11 +226,13 @@ def probe(blob: bytes) -> tuple[int, int, str, str]:
 def route(blobs: list[bytes | None], spec: Spec, modes: tuple[str, ...] = _JPEG_MODES, subsampled: bool = True):
     """Split a batch: (fast [(index, Window)], slow [index], failed {index: reason}).
 
-    Fast: JPEGs whose whole marker structure `jpeg_header` accepts, in `modes`, for a
-    GPU/DALI decoder. Slow: every other file PIL can open (other formats, truncated or
-    header-only JPEGs, unusual frames), for the PIL reference, which reads them as the
-    reference does. Failed: nothing reads them. `subsampled=False` also sends chroma-
-    subsampled JPEGs to the reference (for a decoder without libjpeg's fancy upsampling).
+    Fast: JPEGs whose whole marker structure `jpeg_header` accepts, in `modes`, with at
+    most MAX_FAST_SCANS scans, for a GPU/DALI decoder. Slow: every other file PIL can open
+    (other formats, truncated or header-only JPEGs, unusual frames), for the PIL reference,
+    which reads them as the reference does. Failed: nothing reads them, or the image is
+    over the pixel budget (pil.checked_window), found from its header before any decode.
+    `subsampled=False` also sends chroma-subsampled JPEGs to the reference (for a decoder
+    without libjpeg's fancy upsampling).
     """
     fast, slow, failed = [], [], {}
     for i, blob in enumerate(blobs):
@@ -239,15 +241,18 @@ def route(blobs: list[bytes | None], spec: Spec, modes: tuple[str, ...] = _JPEG_
             continue
         try:
             head = jpeg_header(blob)
-            if head.mode in modes and (subsampled or not head.subsampled):
-                fast.append((i, window(head.width, head.height, spec)))
-                continue
         except (NotFast, ValueError):
-            pass
+            head = None
         try:
-            w, h, _, _ = probe(blob)
-            window(w, h, spec)
-        except Exception as e:  # noqa: BLE001 - unparseable header: nothing reads it
+            if head is not None:
+                win = checked_window(head.width, head.height, spec)
+                if head.mode in modes and (subsampled or not head.subsampled) and head.scans <= MAX_FAST_SCANS:
+                    fast.append((i, win))
+                    continue
+            else:
+                w, h, _, _ = probe(blob)
+                checked_window(w, h, spec)
+        except Exception as e:  # noqa: BLE001 - unparseable header or over the budget: nothing reads it
             failed[i] = failure(e)
             continue
         slow.append(i)
