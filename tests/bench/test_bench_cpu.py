@@ -27,29 +27,41 @@ ROUNDS = 3
 
 @pytest.fixture(scope="module")
 def blobs(cohort):
-    items = json.loads((cohort / "cohort.json").read_text())["items"]
-    return [(cohort / it["path"]).read_bytes() for it in items[:64]]
+    """The first 64 files of the cohort and the positions of its planted broken ones among them."""
+    items = json.loads((cohort / "cohort.json").read_text())["items"][:64]
+    broken = {i for i, it in enumerate(items) if it["encoding"].startswith("broken:")}
+    return [(cohort / it["path"]).read_bytes() for it in items], broken
 
 
 @pytest.mark.parametrize("name", ["pil", "dali-cpu"])
 def test_bench_decode(benchmark, blobs, name):
+    data, broken = blobs
     dec = make_decoder(name, tiny_spec(), 16)
 
     def decode_all():
-        for i in range(0, len(blobs), 16):
-            dec.decode(blobs[i:i + 16])
+        return [dec.decode(data[i:i + 16]) for i in range(0, len(data), 16)]
 
-    benchmark.extra_info["images"] = len(blobs)
-    benchmark(decode_all)
+    benchmark.extra_info["images"] = len(data)
+    batches = benchmark(decode_all)
+    # what was timed is a full decode: every readable image decoded to the spec's shape, not blank
+    images = np.concatenate([b[0] for b in batches])  # [64, S, S, 3] uint8
+    failed = {16 * j + i for j, b in enumerate(batches) for i in b[1]}
+    assert images.shape == (len(data), TINY_INPUT, TINY_INPUT, 3) and images.dtype == np.uint8
+    assert failed <= broken
+    assert all(images[i].std() > 0 for i in range(len(data)) if i not in broken)
 
 
 @pytest.mark.parametrize("which", ["eager", "aot"])
-def test_bench_inference(benchmark, which, eager_artifact, aot_artifact):
-    rt = load_runtime(load_artifact(eager_artifact if which == "eager" else aot_artifact))
+def test_bench_inference(benchmark, which, request):
+    rt = load_runtime(load_artifact(request.getfixturevalue(f"{which}_artifact")))  # builds only the one it times
     x = np.random.default_rng(0).integers(0, 256, (rt.batch_size, TINY_INPUT, TINY_INPUT, 3), dtype=np.uint8)
-    rt.run(x)  # warm-up outside the timed rounds
+    want = rt.run(x)  # warm-up outside the timed rounds
     benchmark.extra_info["batch_size"] = rt.batch_size
-    benchmark(rt.run, x)
+    got = benchmark(rt.run, x)
+    # the timed call did the work: one class in [0, 999] per row, the same answers as the warm-up
+    assert got.shape == (rt.batch_size,) and got.dtype == np.int32
+    assert ((got >= 0) & (got <= 999)).all()
+    np.testing.assert_array_equal(got, want)
 
 
 def _reference_cmd(cohort, ckpt, out):
