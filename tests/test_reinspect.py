@@ -1,27 +1,30 @@
 """Re-inspection: the per-request limit (one counter, never exceeded, larger requests clamped
-with a stderr line), the views, a constructed case whose order the re-scoring changes, and
-the run end to end with its report counts and the --corpus override."""
+with a stderr line), the views, the centre view through the gallery's decoder agreeing with the
+stored row, a constructed case whose order the re-scoring changes, the rule that mixes
+re-inspected and stored scores, and the run end to end with its report counts and --corpus."""
 from __future__ import annotations
 
 import io
 import json
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from cir_helpers import built_index, check_abi, corpus, read_rows, requests_of, run_args
+from cir_fakes import FakeIndex, OneHotTowers
+from cir_helpers import built_index, check_abi, clip_dirs, corpus, read_rows, requests_of, run_args
 from PIL import Image
 
 from engine.retrieval.compose import make_method
 from engine.retrieval.reinspect import (
+    VIEWS,
     ReinspectBudget,
     ReinspectLimitError,
     Reinspector,
-    candidate_views,
+    view_groups,
+    view_spec,
 )
 from evaluator.cir import run as cir_run
 from evaluator.cir import task
@@ -53,49 +56,65 @@ def test_the_budget_is_enforced_in_one_place():
     assert (b.max_used, b.total, b.used) == (100, 107, {"q1": 100, "q2": 7})
     reads = []
     r = Reinspector(lambda row: reads.append(row) or _jpeg([(255, 0, 0)]), lambda px: torch.zeros(len(px), 4),
-                    8, 1, ReinspectBudget(3))
+                    OneHotTowers.spec.image, 1, ReinspectBudget(3))
     with pytest.raises(ReinspectLimitError):
         r.embed("q", [0, 1, 2, 3], torch.zeros(4, 4))
+    with pytest.raises(ReinspectLimitError):                       # one request past the limit stops the batch
+        r.embed_many([("a", [0]), ("b", [0, 1, 2, 3])], [torch.zeros(1, 4), torch.zeros(4, 4)])
     assert reads == []                                             # refused before any image is read
     with pytest.raises(ValueError):
         task.check_method(make_method("slerp").__class__(reinspect=101))   # a Method past the limit is refused
 
 
-def test_views_cover_what_the_centre_crop_cut():
-    v = candidate_views(_jpeg([(255, 0, 0), (0, 255, 0), (0, 0, 255)], w=192), 16, 5)
-    assert v.shape == (5, 16, 16, 3) and v.dtype == np.uint8
-    mean = v.reshape(5, -1, 3).mean(1)
-    assert mean[1, 0] > 150 and mean[2, 2] > 150                   # start = the red side, end = the blue side
-    assert all(mean[0, c] > 50 for c in range(3))                  # squash sees all three bands
-    assert mean[4, 1] > 150 and mean[3, 1] > 150                   # mirrored centre and the zoom: green
+def _view(blob: bytes, view: str, size: int = 16) -> np.ndarray:
+    """[S, S, 3] uint8: one view as the Reinspector makes it (the pil decoder, mirrored when asked)."""
+    from engine.decoders import make_decoder
+    from engine.spec import Spec
+
+    spec = view_spec(Spec(model="fake", input_size=size), view)
+    px = make_decoder("pil", spec, 1, isolate=False).decode([blob])[0][0]
+    return px[:, ::-1] if view == "mirror" or view.endswith("-mirror") else px
 
 
-class _Index:
-    def __init__(self, emb, ids, meta, d):
-        self.emb, self.ids, self.meta, self.dir = emb, ids, meta, d
+def test_views_are_spec_variants_of_the_gallery_view():
+    blob = _jpeg([(255, 0, 0), (0, 255, 0), (0, 0, 255)], w=192)   # red | green | blue bands
+    mean = {v: _view(blob, v).reshape(-1, 3).mean(0) for v in ("centre", *VIEWS)}
+    assert mean["centre"][1] > 200 and mean["mirror"][1] > 200      # the centre crop sees the green band
+    assert all(mean["squash"][c] > 50 for c in range(3))            # squash sees all three bands
+    assert mean["zoom80"][1] > 200
+    asym = _jpeg([(255, 0, 0), (0, 0, 255)], w=64, h=64)            # red left half, blue right half
+    assert (_view(asym, "mirror")[:, :4, 2] > 200).all() and (_view(asym, "centre")[:, :4, 0] > 200).all()
+    # one decode per geometry: crops 1, 3 and 5 decode each image 1, 2 and 3 times
+    assert [len(view_groups(VIEWS[:n])) for n in (1, 3, 5)] == [1, 3, 3]
+    assert view_groups(VIEWS) == {"centre": [True], "squash": [False, True], "zoom80": [False, True]}
 
-    def rows(self):
-        return {str(i): r for r, i in enumerate(self.ids)}
 
-    def extra(self, name):
-        return None
+def test_the_centre_view_through_the_gallery_decoder_agrees_with_the_stored_row():
+    """One image embedded by the index build and by re-inspection (the same decoder, the centre
+    view): cosine > 0.999; another view of it is measurably different (the check can fail)."""
+    from engine.clip.load import load_clip
+    from engine.clip.towers import ClipTowers
+    from evaluator.cir.jsonl import read_records
 
+    index = load_index(built_index())
+    assert index.meta["decoder"] == "dali-cpu"                      # the CPU build's fast decoder
+    model, spec, _ = load_clip(clip_dirs()["open_clip"])
+    towers = ClipTowers(model, spec, "cpu", "fp32")
+    paths = {str(r.image_id): corpus() / r.path for r in read_records(corpus() / "records.jsonl", print)}
+    rows = list(range(0, len(index.ids), 40))                      # 8 images
+    stored = torch.from_numpy(np.asarray(index.emb)[rows].astype(np.float32))
 
-class _Towers:
-    """Text: always e0. Images: the one-hot of the dominant colour channel (red e0, green e2, blue e1)."""
-    device, precision, trim_text = torch.device("cpu"), "fp32", True
-    spec = SimpleNamespace(embed_dim=4, context_length=77, image=SimpleNamespace(input_size=16,
-                                                                                 interpolation="bicubic"))
+    def reinspector(view):
+        return Reinspector(lambda r: paths[str(index.ids[r])].read_bytes(), towers.encode_images, spec.image, 1,
+                           ReinspectBudget(len(rows)), index.meta["decoder"], batch_size=4, views=(view,))
 
-    def tokenize(self, texts):
-        return torch.zeros(len(texts), 77, dtype=torch.long), [False] * len(texts)
-
-    def encode_tokens(self, tokens):
-        return F.one_hot(torch.zeros(len(tokens), dtype=torch.long), 4).float()
-
-    def encode_images(self, px):
-        dominant = torch.as_tensor(px).float().mean((1, 2)).argmax(1)           # 0 red, 1 green, 2 blue
-        return F.one_hot(torch.tensor([0, 2, 1])[dominant], 4).float()
+    r = reinspector("centre")
+    centre = r.view_sums(rows)
+    cos = [float(F.cosine_similarity(centre[row], stored[i], dim=0)) for i, row in enumerate(rows)]
+    assert min(cos) > 0.999, cos
+    assert r.decoded == len(rows)
+    zoom = reinspector("zoom80").view_sums(rows)
+    assert min(float(F.cosine_similarity(zoom[row], stored[i], dim=0)) for i, row in enumerate(rows)) < 0.999
 
 
 def test_reinspection_changes_the_order_on_a_constructed_case(tmp_path):
@@ -108,11 +127,11 @@ def test_reinspection_changes_the_order_on_a_constructed_case(tmp_path):
     e = torch.eye(4)
     emb = torch.stack([F.normalize(0.9 * e[0] + 0.436 * e[3], dim=0), F.normalize(0.8 * e[0] + 0.6 * e[3], dim=0),
                        e[2]]).numpy().astype(np.float16)
-    index = _Index(emb, ["A", "B", "C"], {"corpus": str(tmp_path), "unreadable": []}, tmp_path)
+    index = FakeIndex(emb, ["A", "B", "C"], {"corpus": str(tmp_path), "unreadable": []}, tmp_path)
     reqs = [Request(1, "q1", None, "x", None), Request(2, "q2", None, "y", None)]
     answers = {}
     for name in ("text-only", "text-only+reinspect:n=2:crops=1"):
-        pipe = QueryPipeline(index, _Towers(), make_method(name), print, Path("q.jsonl"), None, k=3)
+        pipe = QueryPipeline(index, OneHotTowers(), make_method(name), print, Path("q.jsonl"), None, k=3)
         pipe.prepare(reqs)
         answers[name] = pipe.answer(reqs)
         rep = pipe.report()
@@ -121,6 +140,17 @@ def test_reinspection_changes_the_order_on_a_constructed_case(tmp_path):
     assert [j for j, _ in re] == [1, 0, 2]                          # B's views agree with the query, A's do not
     assert re[0][1] == pytest.approx(1.8 / np.sqrt(3.6), abs=2e-3) and re[2] == plain[2]   # C was not inspected
     assert rep["reinspected_per_request_max"] == 2 and rep["reinspected_total"] == 4
+    assert rep["reinspect_decoded"] == 2                            # both requests' views decoded together, once
+
+    # n = 1 < k: A alone is re-inspected and keeps rank 1 (new score 0.9 / sqrt(2)); B and C keep their
+    # order below it, lowered by one offset so that B (stored 0.8) does not pass A
+    pipe = QueryPipeline(index, OneHotTowers(), make_method("text-only+reinspect:n=1:crops=1"), print,
+                         Path("q.jsonl"), None, k=3)
+    pipe.prepare(reqs)
+    block = pipe.answer(reqs)[0]
+    a = 0.9 / np.sqrt(0.9 ** 2 + 0.436 ** 2 + 1)
+    assert [j for j, _ in block] == [0, 1, 2]
+    assert [s for _, s in block] == pytest.approx([a, a, a - 0.8], abs=2e-3)
 
 
 def test_run_never_exceeds_the_limit_and_reports_it(tmp_path, capsys):

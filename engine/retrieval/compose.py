@@ -7,31 +7,34 @@ A `Method` turns it into one unit query vector:
 - `sum`: normalise((1 - w) * image + w * text), w = text weight (0.5: the plain sum baseline).
 - `slerp`: spherical interpolation from the image to the text embedding by w.
 
-Default: `slerp`, the best training-free CLIP-only setting we know of in the literature
-(Jang et al., ECCV 2024, "Spherical Linear Interpolation and Text-Anchoring for
-Zero-shot Composed Image Retrieval", Slerp without training: CIRR test R@1 24.43 with
-ViT-L/14, against 12.4 for the plain image + text sum reported by Saito et al., CVPR
-2023, "Pic2Word"); text weight 0.8 for CIRCO-style requests (those with a
-shared_concept) and 0.9 otherwise, the values Jang et al. report for CIRCO / CIRR.
-See docs/retrieval.md.
+Default, as published: `slerp` (Jang et al., ECCV 2024, "Spherical Linear Interpolation
+and Text-Anchoring for Zero-shot Composed Image Retrieval", Slerp without training), text
+weight 0.8 for requests with a shared_concept (CIRCO-style) and 0.9 otherwise (the values
+Jang et al. report for CIRCO / CIRR), the bare caption as the text (`prompt=plain`, what
+their CLIP-only Slerp encodes), no add-ons. See docs/retrieval.md for sources and figures.
 
-Prompt (the text fed to the text tower): `auto` uses MagicLens's CIRCO template
-"find {shared_concept} but {modification}" when a shared concept is given and the bare
-modification otherwise; `plain` always the bare modification; any other string is a
-template with `{modification}` and optionally `{shared_concept}`. The Slerp weights were
-published without this template: the combination is our choice, not a published number.
+Prompt (the text fed to the text tower): a name of `PROMPTS` (each labelled with its
+source in `PROMPT_SOURCES`: published, or this kit's own variant) or any template with
+`{modification}` and optionally `{shared_concept}`; `auto` is the method's default
+(`plain`; `pic2word` for the pic2word method).
 
 Beyond composition (docs/retrieval_quality.md): `pic2word` composes through a mapping
 learned at build time (engine.retrieval.pic2word), and a method name may add gallery-aware options
-after `+`, each `option[:key=value...]` (engine.retrieval.rescore, engine.retrieval.reinspect):
+after `+`, each `option[:key=value...]` (engine.retrieval.rescore, engine.retrieval.gap,
+engine.retrieval.reinspect):
 
     slerp+gap+qbnorm:beta=20+aqe:n=3      pic2word+csls:k=10+reinspect:n=100:crops=3
 
-- `gap[:text=requests|bank|both]`: modality-gap correction (centre both modalities);
-- one hubness scorer, each with `bank=requests|gallery|both`: `isoftmax[:beta=20]`,
-  `qbnorm[:beta=20]` (dynamic inverted softmax), `dual-softmax[:temp=100]`, `csls[:k=10]`;
-- `aqe[:n=3:alpha=3]` (alpha query expansion), `dba[:n=3:alpha=3]` (database-side
-  augmentation); `reinspect[:n=100:crops=3]` (multi-crop re-scoring, n <= 100).
+- `gap[:text=captions|bank][:shift=L]`: modality-gap shift along the gap vector (Liang et
+  al., NeurIPS 2022); `gap-centre[:text=requests|bank|both|captions]`: this kit's variant,
+  each modality centred on its own mean (transductive with `text=requests`);
+- one hubness scorer: `isoftmax[:beta=20]`, `qbnorm[:beta=20]` (dynamic inverted softmax),
+  `dual-softmax[:temp=100]`, `csls[:k=10]`, each with `bank=gallery|requests|both`
+  (default `gallery`: the index's gallery-derived texts; `requests`, the call's own
+  composed queries, is transductive and used only when named);
+- `aqe[:n=3:alpha=3]` (alpha query expansion with scale-free weights, this kit's variant),
+  `dba[:n=3:alpha=3]` (database-side augmentation); `reinspect[:n=100:crops=3]`
+  (multi-view re-scoring, n <= 100, this kit's variant).
 """
 from __future__ import annotations
 
@@ -43,24 +46,65 @@ import torch
 import torch.nn.functional as F
 
 METHODS = ("slerp", "sum", "text-only", "pic2word")          # the composition (base) names
-PROMPTS = {"plain": "{modification}", "magiclens": "find {shared_concept} but {modification}",
-           "pic2word": "a photo of * that {modification}",
+# where each name comes from: published (with its source) or this kit's own variant (shown by --help)
+METHOD_SOURCES = {
+    "slerp": "published: Slerp without training (Jang et al., ECCV 2024); the default",
+    "sum": "published baseline: image + text sum (as reported by Saito et al., CVPR 2023)",
+    "text-only": "published baseline: the caption alone (as reported by Baldrati et al., ICCV 2023)",
+    "pic2word": "published method (Saito et al., CVPR 2023), mapping trained on the gallery: this kit's variant",
+}
+PROMPTS = {"plain": "{modification}",
+           "pic2word": "a photo of * , {modification}",
+           "searle": "a photo of * that {modification}",
+           "magiclens": "find {shared_concept} but {modification}",
            "pic2word-concept": "a photo of * that is {shared_concept} and {modification}"}
+PROMPT_SOURCES = {
+    "plain": "published: the bare caption, what Slerp's CLIP-only setting encodes (Jang et al., ECCV 2024)",
+    "pic2word": "published: Pic2Word's prompt (Saito et al., CVPR 2023)",
+    "searle": "published: SEARLE's prompt (Baldrati et al., ICCV 2023; its $ written *)",
+    "magiclens": "published for MagicLens (Zhang et al., ICML 2024), a trained model; never with CLIP-only Slerp",
+    "pic2word-concept": "this kit's variant (Pic2Word's pseudo-word with the shared concept)",
+}
+DEFAULT_PROMPTS = {"pic2word": "pic2word"}
+_PSEUDO_WORD_PROMPTS = ("pic2word", "searle", "pic2word-concept")   # the prompt `auto` stands for; every other method: plain
 DEFAULT_WEIGHTS = {"slerp": (0.8, 0.9), "sum": (0.5, 0.5), "text-only": (1.0, 1.0),
                    "pic2word": (1.0, 1.0)}  # (with concept, without)
 HUBNESS = ("isoftmax", "qbnorm", "dual-softmax", "csls")
 BANKS = ("requests", "gallery", "both")      # where a hubness scorer's query bank comes from
-GAP_TEXT = ("requests", "bank", "both")      # where the text mean of gap correction comes from
+GAP_TEXT = ("captions", "bank")              # text-mean sources of the gap shift (none depends on the call)
+GAP_CENTRE_TEXT = ("requests", "bank", "both", "captions")   # ... of the centring variant
 MAX_CROPS = 5
 # option -> {key in the name: Method field}; _SWITCH_ON: the field an option sets by its presence
 _OPTION_KEYS = {
-    "gap": {"text": "gap"},
+    "gap": {"text": "gap", "shift": "gap_shift"}, "gap-centre": {"text": "gap"},
     "isoftmax": {"beta": "beta", "bank": "bank"}, "qbnorm": {"beta": "beta", "bank": "bank"},
     "dual-softmax": {"temp": "temp", "bank": "bank"}, "csls": {"k": "csls_k", "bank": "bank"},
     "aqe": {"n": "aqe", "alpha": "aqe_alpha"}, "dba": {"n": "dba", "alpha": "dba_alpha"},
     "reinspect": {"n": "reinspect", "crops": "crops"},
 }
-_SWITCH_ON = {"gap": ("gap", "requests"), "aqe": ("aqe", 3), "dba": ("dba", 3), "reinspect": ("reinspect", 100)}
+_SWITCH_ON = {"gap": ("gap", "captions"), "gap-centre": ("gap", "requests"), "aqe": ("aqe", 3), "dba": ("dba", 3),
+              "reinspect": ("reinspect", 100)}
+OPTION_SOURCES = {
+    "gap": "published: shift along the modality-gap vector (Liang et al., NeurIPS 2022)",
+    "gap-centre": "this kit's variant: each modality centred on its own mean (transductive with text=requests)",
+    "isoftmax": "published: inverted softmax (Smith et al., ICLR 2017)",
+    "qbnorm": "published: QB-Norm's dynamic inverted softmax (Bogolin et al., CVPR 2022)",
+    "dual-softmax": "published: dual softmax (Cheng et al., 2021); temp 100 is this kit's choice",
+    "csls": "published: CSLS (Conneau et al., ICLR 2018)",
+    "aqe": "alpha-QE (Radenovic et al., TPAMI 2018) with scale-free weights: this kit's variant",
+    "dba": "published: database-side augmentation (Arandjelovic & Zisserman, CVPR 2012)",
+    "reinspect": "this kit's variant: multi-view re-scoring of the top candidates",
+}
+
+
+def prompt_help() -> str:
+    """One line per prompt name with its template and source (for --help)."""
+    return "; ".join(f"{k} = {PROMPTS[k]!r} ({PROMPT_SOURCES[k]})" for k in PROMPTS)
+
+
+def method_help() -> str:
+    """Every base name and option with its source (for --help)."""
+    return "; ".join(f"{k}: {v}" for k, v in {**METHOD_SOURCES, **OPTION_SOURCES}.items())
 
 
 @dataclass(frozen=True)
@@ -68,15 +112,17 @@ class Method:
     name: str = "slerp"            # composition: slerp | sum | text-only | pic2word
     weight_concept: float = 0.8    # text weight for requests with a shared_concept (CIRCO-style)
     weight_plain: float = 0.9      # text weight for requests without one (CIRR-style)
-    prompt: str = "auto"           # auto | plain | magiclens | a template string
-    gap: str = ""                  # modality-gap correction: "" off, else the text-mean source (GAP_TEXT)
+    prompt: str = "plain"          # a PROMPTS name, auto (the method's default) or a template string
+    gap: str = ""                  # modality-gap correction: "" off, else the text-mean source
+    gap_mode: str = "shift"        # shift (Liang et al., GAP_TEXT) | centre (this kit's variant, GAP_CENTRE_TEXT)
+    gap_shift: float = 1.0         # fraction of the gap vector closed (1: the two means meet)
     hubness: str = ""              # "" off, else one of HUBNESS
-    bank: str = "requests"         # query bank of the hubness scorer (BANKS)
+    bank: str = "gallery"          # query bank of the hubness scorer (BANKS); requests only when named
     beta: float = 20.0             # isoftmax / qbnorm inverse temperature (QB-Norm's default)
     temp: float = 100.0            # dual-softmax inverse temperature on cosines (CLIP's logit scale)
     csls_k: int = 10               # CSLS neighbourhood size (Conneau et al.)
     aqe: int = 0                   # alpha-QE neighbours, 0 = off
-    aqe_alpha: float = 3.0
+    aqe_alpha: float = 3.0         # exponent on similarities relative to the best neighbour's
     dba: int = 0                   # database-side augmentation neighbours, 0 = off
     dba_alpha: float = 3.0
     reinspect: int = 0             # candidates re-inspected per request, 0 = off
@@ -88,14 +134,21 @@ class Method:
         for w in (self.weight_concept, self.weight_plain):
             if not 0.0 <= w <= 1.0:
                 raise ValueError(f"text weights must lie in [0, 1], got {w}")
+        template = PROMPTS.get(self.prompt, self.prompt)
         if self.name == "pic2word" and self.prompt != "auto":
-            if "*" not in self.prompt or "{modification}" not in self.prompt:
-                raise ValueError(f"a pic2word prompt must be auto or a template with * and {{modification}}, "
-                                 f"got {self.prompt!r}")
-        elif self.prompt not in ("auto", *PROMPTS) and "{modification}" not in self.prompt:
-            raise ValueError(f"prompt must be auto, plain, magiclens or a template with {{modification}}, "
-                             f"got {self.prompt!r}")
-        checks = [(self.gap in ("", *GAP_TEXT), f"gap text source must be one of {GAP_TEXT}"),
+            if "*" not in template or "{modification}" not in template:
+                raise ValueError(f"a pic2word prompt must be auto, pic2word, searle, pic2word-concept or a template "
+                                 f"with * and {{modification}}, got {self.prompt!r}")
+        elif self.prompt != "auto" and "{modification}" not in template:
+            raise ValueError(f"prompt must be auto, one of {', '.join(PROMPTS)} or a template with "
+                             f"{{modification}}, got {self.prompt!r}")
+        elif self.name != "pic2word" and self.prompt in _PSEUDO_WORD_PROMPTS:
+            raise ValueError(f"prompt {self.prompt!r} holds Pic2Word's pseudo-word *: it needs method pic2word")
+        sources = GAP_TEXT if self.gap_mode == "shift" else GAP_CENTRE_TEXT
+        checks = [(self.gap_mode in ("shift", "centre"), "gap mode must be shift or centre"),
+                  (self.gap in ("", *sources), f"gap{'' if self.gap_mode == 'shift' else '-centre'} text source "
+                                               f"must be one of {sources}"),
+                  (0.0 <= self.gap_shift <= 2.0, "gap shift must lie in [0, 2]"),
                   (self.hubness in ("", *HUBNESS), f"hubness scorer must be one of {HUBNESS}"),
                   (self.bank in BANKS, f"bank must be one of {BANKS}"),
                   (self.beta > 0 and self.temp > 0, "beta and temp must be > 0"),
@@ -115,7 +168,9 @@ class Method:
     def label(self) -> str:
         """The canonical name: base + options with their non-default values (make_method reads it back)."""
         parts = [self.name]
-        on = [("gap", self.gap != ""), (self.hubness, self.hubness != ""), ("aqe", self.aqe > 0),
+        on = [("gap", self.gap != "" and self.gap_mode == "shift"),
+              ("gap-centre", self.gap != "" and self.gap_mode == "centre"),
+              (self.hubness, self.hubness != ""), ("aqe", self.aqe > 0),
               ("dba", self.dba > 0), ("reinspect", self.reinspect > 0)]
         for opt in (o for o, enabled in on if enabled):
             keys = []
@@ -131,7 +186,8 @@ class Method:
     @property
     def uses_bank(self) -> bool:
         """Whether the call's own requests must be encoded before any is answered."""
-        return self.gap in ("requests", "both") or (self.hubness != "" and self.bank in ("requests", "both"))
+        return (self.gap_mode == "centre" and self.gap in ("requests", "both")) or (
+            self.hubness != "" and self.bank in ("requests", "both"))
 
 
 def _parse_value(field: str, raw: str):
@@ -153,6 +209,10 @@ def parse_options(spec: str, say=None, max_reinspect: int | None = None) -> dict
         head, *pairs = opt.split(":")
         if head not in _OPTION_KEYS:
             raise ValueError(f"{spec!r}: unknown option {head!r} (one of {sorted(_OPTION_KEYS)})")
+        if head in ("gap", "gap-centre"):
+            if out.get("gap"):
+                raise ValueError(f"{spec!r}: one gap correction at a time (gap or gap-centre)")
+            out["gap_mode"] = "shift" if head == "gap" else "centre"
         if head in HUBNESS:
             if out.get("hubness"):
                 raise ValueError(f"{spec!r}: one hubness scorer at a time ({out['hubness']} and {head})")
@@ -185,20 +245,20 @@ def make_method(name: str = "slerp", text_weight: float | None = None, prompt: s
     wc, wp = DEFAULT_WEIGHTS[fields["name"]]
     if text_weight is not None:
         wc = wp = float(text_weight)
-    return Method(weight_concept=wc, weight_plain=wp, prompt=prompt or "auto", **fields)
+    if prompt in (None, "", "auto"):
+        prompt = DEFAULT_PROMPTS.get(fields["name"], "plain")
+    return Method(weight_concept=wc, weight_plain=wp, prompt=prompt, **fields)
 
 
 def prompt_text(method: Method, modification: str, shared_concept: str | None) -> str:
     """The string the text tower encodes for one request (pic2word: with the `*` placeholder,
     the requests' own `*` characters blanked so the placeholder stays the first one)."""
     template = method.prompt
+    if template == "auto":
+        template = DEFAULT_PROMPTS.get(method.name, "plain")
     if method.name == "pic2word":
         modification = modification.replace("*", " ")
         shared_concept = shared_concept.replace("*", " ") if shared_concept else shared_concept
-        if template == "auto":
-            template = "pic2word-concept" if shared_concept else "pic2word"
-    elif template == "auto":
-        template = "magiclens" if shared_concept else "plain"
     template = PROMPTS.get(template, template)
     if "{shared_concept}" in template and not shared_concept:
         template = PROMPTS["pic2word" if method.name == "pic2word" else "plain"]  # needs a concept it lacks

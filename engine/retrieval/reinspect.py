@@ -5,20 +5,29 @@ query time. `ReinspectBudget` is the one place such a limit is enforced: every c
 image that is decoded and re-embedded for a request is taken from it first, and taking
 more than the limit raises `ReinspectLimitError` (a bug, never a silent cut).
 
-Views of a candidate (`candidate_views`, PIL, the reference decoder's `open_rgb`; each
-resized with the spec's interpolation to the tower's S x S), in this order, the first
-`crops` of them:
+Views are made by the decoder that built the gallery (engine.decoders, by name: dali-cpu,
+dali-gpu or pil), each view a variant of the CLIP spec, so the view pipeline is the
+gallery's own: `view_spec(spec, "centre")` is the spec itself and reproduces the stored
+row (tested: cosine > 0.999). The first `crops` of VIEWS are used:
 
-1. the whole image squashed to S x S (what the centre crop cut off at the sides);
-2. the first square along the long side (left or top), 3. the last one (right or bottom);
-4. a centre crop of 80 % of the short side (a closer look), 5. the mirrored centre crop.
+1. `mirror`: the centre crop, mirrored (the stored view's twin);
+2. `squash`: the whole image squashed to S x S (what the centre crop cut off at the sides);
+3. `zoom80`: the centre 80 % of the short side, resized to S (a closer look);
+4. `squash-mirror`, 5. `zoom80-mirror`.
 
-The stored gallery row is the CLIP centre crop itself; the re-inspected embedding is
-normalise(mean(stored row, view embeddings)), i.e. test-time multi-crop averaging. How
-the pipeline turns it into a score: evaluator.cir.query (same scorer, new vector).
+A geometry is decoded once per image (mirroring is a flip of the decoded pixels), so
+crops = 1, 2..3, 4..5 cost 1, 2, 3 decodes of each image. The re-inspected embedding is
+normalise(stored row + sum of the view embeddings), i.e. test-time multi-view averaging.
+
+`Reinspector.embed_many` serves every request of a batch at once: each request's
+candidates are taken from the budget first (nothing is read past the limit), then the
+images not in the cache are read on reader threads, decoded by the decoder's own thread
+pool (the thread budget, engine.threads) and embedded in batches that mix requests.
+How the pipeline turns the rows into scores: evaluator.cir.query.
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Callable, Hashable
 
@@ -26,8 +35,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-VIEWS = ("squash", "start", "end", "zoom80", "mirror")
-_FILTERS = {"bicubic": 3, "bilinear": 2, "nearest": 0}   # PIL.Image.Resampling values
+from engine.spec import Spec
+
+VIEWS = ("mirror", "squash", "zoom80", "squash-mirror", "zoom80-mirror")
+ZOOM = 0.8   # zoom80: the share of the short side kept
 
 
 class ReinspectLimitError(RuntimeError):
@@ -60,65 +71,133 @@ class ReinspectBudget:
         return sum(self.used.values())
 
 
-def candidate_views(blob: bytes, size: int, crops: int, interpolation: str = "bicubic") -> np.ndarray:
-    """[crops, S, S, 3] uint8: the first `crops` of VIEWS of one encoded image."""
-    from engine.decoders.pil import open_rgb
+def view_spec(spec: Spec, view: str) -> Spec:
+    """The decoder spec that makes `view` (a VIEWS name or `centre`, the stored row's view)."""
+    geometry = "centre" if view in ("centre", "mirror") else view.removesuffix("-mirror")
+    if geometry == "centre":
+        return spec
+    if geometry == "squash":
+        return dataclasses.replace(spec, crop_mode="squash", crop_pct=1.0)
+    if geometry == "zoom80":
+        return dataclasses.replace(spec, crop_mode="center", crop_pct=spec.crop_pct * ZOOM)
+    raise ValueError(f"unknown view {view!r}; one of centre, {', '.join(VIEWS)}")
 
-    if not 1 <= crops <= len(VIEWS):
-        raise ValueError(f"crops must lie in 1..{len(VIEWS)}, got {crops}")
-    im = open_rgb(blob)
-    w, h = im.size
-    s = min(w, h)
-    z = max(1, round(0.8 * s))
-    boxes = {"squash": (0, 0, w, h),
-             "start": (0, 0, s, s),
-             "end": (w - s, h - s, w, h),
-             "zoom80": ((w - z) // 2, (h - z) // 2, (w - z) // 2 + z, (h - z) // 2 + z),
-             "mirror": ((w - s) // 2, (h - s) // 2, (w - s) // 2 + s, (h - s) // 2 + s)}
-    out = np.empty((crops, size, size, 3), np.uint8)
-    for i, name in enumerate(VIEWS[:crops]):
-        v = im.resize((size, size), _FILTERS[interpolation], box=boxes[name])
-        if name == "mirror":
-            v = v.transpose(0)   # PIL.Image.Transpose.FLIP_LEFT_RIGHT
-        out[i] = np.asarray(v, np.uint8)
+
+def view_groups(views: tuple[str, ...]) -> dict[str, list[bool]]:
+    """geometry -> [mirrored?] per view of that geometry, in order (one decode per geometry)."""
+    out: dict[str, list[bool]] = {}
+    for v in views:
+        geometry = "centre" if v in ("centre", "mirror") else v.removesuffix("-mirror")
+        out.setdefault(geometry, []).append(v == "mirror" or v.endswith("-mirror"))
     return out
 
 
-class Reinspector:
-    """Multi-view embeddings of gallery rows, decoded and embedded on demand (cached per call)."""
+def _mirrored(arr):
+    """[m, S, S, 3] uint8 flipped left-right (numpy or torch)."""
+    if isinstance(arr, np.ndarray):
+        return np.ascontiguousarray(arr[:, :, ::-1])
+    return arr.flip(2)
 
-    def __init__(self, read: Callable[[int], bytes], encode: Callable, size: int, crops: int,
-                 budget: ReinspectBudget, interpolation: str = "bicubic", cache_rows: int = 50_000):
-        self.read, self.encode, self.size, self.crops = read, encode, size, crops
-        self.budget, self.interpolation, self.cache_rows = budget, interpolation, cache_rows
+
+def _cat(parts):
+    return np.concatenate(parts) if isinstance(parts[0], np.ndarray) else torch.cat(parts)
+
+
+class Reinspector:
+    """Multi-view embeddings of gallery rows, decoded and embedded on demand (cached per call).
+
+    read(row) -> encoded bytes; encode(uint8 [B, S, S, 3]) -> [B, D] unit rows; `spec` the
+    CLIP image spec; `decoder` the engine decoder name the gallery was built with."""
+
+    def __init__(self, read: Callable[[int], bytes], encode: Callable, spec: Spec, crops: int,
+                 budget: ReinspectBudget, decoder: str = "pil", batch_size: int = 64, readers: int = 8,
+                 isolate: bool = False, cache_rows: int = 50_000, views: tuple[str, ...] | None = None):
+        if views is None and not 1 <= crops <= len(VIEWS):
+            raise ValueError(f"crops must lie in 1..{len(VIEWS)}, got {crops}")
+        self.read, self.encode, self.spec, self.budget = read, encode, spec, budget
+        self.views = tuple(views) if views is not None else VIEWS[:crops]
+        self.crops = len(self.views)
+        self.decoder_name, self.batch_size, self.readers, self.isolate = decoder, batch_size, readers, isolate
+        self.cache_rows = cache_rows
         self.cache: dict[int, torch.Tensor | None] = {}     # gallery row -> [D] views' sum (None: unreadable)
         self.failed: dict[int, str] = {}
+        self._decoders: dict[str, object] = {}
+        self.decoded = 0                                      # images decoded (each geometry counts once)
 
-    def embed(self, request: Hashable, rows: list[int], stored: torch.Tensor) -> torch.Tensor:
-        """[C, D] unit rows: normalise(mean(stored [C, D], views)) for the gallery `rows` of one request.
-        A candidate whose image cannot be read keeps its stored row (said once on stderr)."""
-        self.budget.take(request, len(rows))
-        todo = [r for r in dict.fromkeys(rows) if r not in self.cache]
+    def _decoder(self, geometry: str):
+        if geometry not in self._decoders:
+            from engine.decoders import make_decoder
+
+            spec = view_spec(self.spec, "centre" if geometry == "centre" else geometry)
+            self._decoders[geometry] = make_decoder(self.decoder_name, spec, self.batch_size, isolate=self.isolate)
+        return self._decoders[geometry]
+
+    def close(self) -> None:
+        for d in self._decoders.values():
+            close = getattr(d, "close", None)
+            if close is not None:
+                close()
+        self._decoders.clear()
+
+    def view_sums(self, rows: list[int]) -> dict[int, torch.Tensor | None]:
+        """{row: [D] float32 sum of its view embeddings, or None when unreadable} for `rows`
+        (no budget: embed_many takes it); also fills the cache."""
+        from engine.retrieval.embed import embed_images
+
+        uniq = list(dict.fromkeys(rows))
+        todo = [r for r in uniq if r not in self.cache]
         if len(self.cache) + len(todo) > self.cache_rows:
             self.cache.clear()   # bounded memory: a later request may decode the same image again
-        pix, owners = [], []
+            todo = uniq
+        acc: dict[int, torch.Tensor] = {}
+        bad: dict[int, str] = {}
+        for geometry, flips in (view_groups(self.views).items() if todo else ()):
+            def encode(arr, flips=flips):
+                x = _cat([_mirrored(arr) if f else arr for f in flips]) if len(flips) > 1 else (
+                    _mirrored(arr) if flips[0] else arr)
+                e = self.encode(x).float()                                   # [len(flips) * m, D]
+                return e.view(len(flips), -1, e.shape[-1]).sum(0)            # [m, D]
+
+            for b in embed_images(self.read, todo, self._decoder(geometry), encode, self.batch_size,
+                                  self.readers):
+                k = 0
+                for j, row in enumerate(b.items):
+                    if not b.ok[j]:
+                        bad.setdefault(row, b.failed[row])
+                        continue
+                    e = torch.from_numpy(b.emb[k].astype(np.float32))
+                    acc[row] = acc[row] + e if row in acc else e
+                    k += 1
+                self.decoded += len(b.items)
         for r in todo:
-            try:
-                pix.append(candidate_views(self.read(r), self.size, self.crops, self.interpolation))
-                owners.append(r)
-            except Exception as e:  # noqa: BLE001 - one unreadable candidate keeps its stored row
+            if r in bad:
                 self.cache[r] = None
-                self.failed[r] = f"{type(e).__name__}: {e}"
-                print(f"[reinspect] gallery row {r}: cannot read its image ({self.failed[r]}); "
+                self.failed[r] = bad[r]
+                print(f"[reinspect] gallery row {r}: cannot read its image ({bad[r]}); "
                       "it keeps its stored embedding", file=sys.stderr)
-        if pix:
-            emb = self.encode(np.concatenate(pix)).float()                # [len(owners) * crops, D]
-            emb = emb.view(len(owners), self.crops, -1).sum(1)             # [len(owners), D]
-            for r, e in zip(owners, emb):
-                self.cache[r] = e
-        out = stored.float().clone()
-        for i, r in enumerate(rows):
-            views = self.cache.get(r)
-            if views is not None:
-                out[i] = (out[i] + views.to(out.device)) / (1 + self.crops)
-        return F.normalize(out, dim=-1)
+            else:
+                self.cache[r] = acc[r]
+        return {r: self.cache.get(r) for r in rows}
+
+    def embed_many(self, requests: list[tuple[Hashable, list[int]]], stored: list[torch.Tensor]
+                   ) -> list[torch.Tensor]:
+        """[C_i, D] unit rows normalise(stored_i + views) per (request, gallery rows) pair, stored_i
+        [C_i, D] the rows' stored embeddings. Every request's count is taken from the budget before
+        any image is read; the union of the rows is decoded and embedded together. A candidate
+        whose image cannot be read keeps its stored row (said once on stderr)."""
+        for key, rows in requests:
+            self.budget.take(key, len(rows))
+        sums = self.view_sums([r for _, rows in requests for r in rows])
+        out = []
+        for (_, rows), st in zip(requests, stored):
+            o = st.float().clone()
+            for i, r in enumerate(rows):
+                v = sums.get(r)
+                if v is not None:
+                    o[i] = o[i] + v.to(o.device)
+            out.append(F.normalize(o, dim=-1))
+        return out
+
+    def embed(self, request: Hashable, rows: list[int], stored: torch.Tensor) -> torch.Tensor:
+        """embed_many for one request."""
+        return self.embed_many([(request, rows)], [stored])[0]

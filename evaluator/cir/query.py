@@ -1,13 +1,15 @@
 """One CIR call's query pipeline: encode -> compose -> gallery-aware scores -> top k [-> re-inspect].
 
     q = compose(image, text)                      engine.retrieval.compose (pic2word: the pseudo-word prompt)
-    gap:      image, text and gallery centred on their modality's mean before composing
+    gap:      image, text and gallery shifted along the gap vector before composing  engine.retrieval.gap
+              (gap-centre: each centred on its modality's mean)
     hubness:  scores = scorer(q . G, per-item bank statistics)      engine.retrieval.rescore
-    aqe:      q <- alpha_qe(q, its top n), scored again
+    aqe:      q <- alpha_qe(q, its top n, similarities relative to the best one), scored again
     dba:      G <- DBA rows (stored at build time, else computed here)
     reinspect: the top R candidates re-scored with multi-view rows  engine.retrieval.reinspect
+              (views of every request of a batch decoded and embedded together)
 
-Methods that need the call's own requests (gap with the requests' text mean, a hubness
+Methods that need the call's own requests (gap-centre with the requests' text mean, a hubness
 scorer with a requests bank) encode every request of the call first (`prepare`), so the
 answers do not depend on batching or on where a killed call resumed. Plain methods encode
 batch by batch, as before. `report()` says what was used (bank source and size, means,
@@ -59,9 +61,13 @@ class QueryPipeline:
         self.mapping = self._load_mapping() if method.name == "pic2word" else None
         self.text_bank = self._load_text_bank() if method.gap in ("bank", "both") or (
             method.hubness and method.bank in ("gallery", "both")) else None
-        self.base = self._dba() if method.dba else self.raw             # gallery before gap centring
-        self.image_mean = self.text_mean = None
-        if method.gap:
+        self.base = self._dba() if method.dba else self.raw             # gallery before gap correction
+        self.image_mean = self.text_mean = self.delta = None
+        if method.gap and method.gap_mode == "shift":
+            self.image_mean = self._image_mean()
+            self.delta = self._gap_vector()
+            self.gallery = self.image_side(self.base)
+        elif method.gap:
             self.image_mean = self._image_mean()
             self.gallery = center(self.base, self.image_mean)
         else:
@@ -85,8 +91,7 @@ class QueryPipeline:
     def _load_text_bank(self) -> torch.Tensor | None:
         path = self.index.extra("text_bank")
         if path is None:
-            _log("the index has no gallery-derived text bank (build with --mapping pic2word); "
-                 "using the call's own requests instead")
+            _log("the index has no gallery-derived text bank (build with --mapping pic2word)")
             return None
         return torch.from_numpy(np.load(path).astype(np.float32)).to(self.towers.device)
 
@@ -114,6 +119,41 @@ class QueryPipeline:
             _log("the index has no stored gallery mean (built before it was recorded): computing it")
         return self.base.mean(0)
 
+    def _gap_vector(self) -> torch.Tensor:
+        """[D] image mean - text mean for the gap shift; neither depends on the call's requests."""
+        from engine.retrieval.gap import CAPTIONS, gap_vector
+
+        if self.method.gap == "bank" and self.text_bank is not None:
+            self.text_mean = self.text_bank.mean(0)
+            self.info["text_mean"] = f"{len(self.text_bank)} gallery-derived texts"
+        else:
+            if self.method.gap == "bank":
+                _log("gap shift: no gallery-derived text bank; using the fixed caption set's text mean")
+            tokens, _ = self.towers.tokenize(list(CAPTIONS))
+            self.text_mean = self.towers.encode_tokens(tokens).float().mean(0)
+            self.info["text_mean"] = f"{len(CAPTIONS)} fixed captions (engine.retrieval.gap)"
+        delta = gap_vector(self.image_mean, self.text_mean)
+        self.info["gap_norm"] = round(float(delta.norm()), 4)
+        return delta
+
+    def image_side(self, x: torch.Tensor) -> torch.Tensor:
+        """Image rows [*, D] as the method compares them (gap-corrected when asked)."""
+        from engine.retrieval.gap import shift
+        from engine.retrieval.rescore import center
+
+        if self.delta is not None:
+            return shift(x, self.delta, toward_text=True, lam=self.method.gap_shift)
+        return center(x, self.image_mean) if self.image_mean is not None else x
+
+    def text_side(self, t: torch.Tensor) -> torch.Tensor:
+        """Text rows [*, D] as the method compares them (gap-corrected when asked)."""
+        from engine.retrieval.gap import shift
+        from engine.retrieval.rescore import center
+
+        if self.delta is not None:
+            return shift(t, self.delta, toward_text=False, lam=self.method.gap_shift)
+        return center(t, self.text_mean) if self.text_mean is not None else t
+
     def _reinspector(self, corpus: Path | None):
         from engine.retrieval.reinspect import ReinspectBudget, Reinspector
         from evaluator.cir.jsonl import read_records, record_reader
@@ -138,10 +178,19 @@ class QueryPipeline:
         def read(row: int) -> bytes:
             return read_path(str(ids[row]))
 
-        spec = self.towers.spec.image
-        self.info["reinspection"] = f"{self.method.reinspect} candidates x {self.method.crops} views, corpus {root}"
-        return Reinspector(read, self.towers.encode_images, spec.input_size, self.method.crops,
-                           ReinspectBudget(self.method.reinspect, MAX_REINSPECT), spec.interpolation)
+        from engine import settings as engine_settings
+        from engine import threads
+        from engine.decoders import default_decoder
+
+        # the decoder that built the gallery, so a view and a stored row come from the same pixels
+        decoder = self.index.meta.get("decoder") or default_decoder(self.towers.device.type)
+        budget = threads.budget(self.towers.device.type)
+        self.info["reinspection"] = (f"{self.method.reinspect} candidates x {self.method.crops} views, "
+                                     f"decoder {decoder}, corpus {root}")
+        return Reinspector(read, self.towers.encode_images, self.towers.spec.image, self.method.crops,
+                           ReinspectBudget(self.method.reinspect, MAX_REINSPECT), decoder,
+                           batch_size=256 if self.towers.device.type == "cuda" else 64,
+                           readers=budget.readers, isolate=engine_settings.decoder_isolate())
 
     # ------------------------------------------------------------ encoding
     def _refs(self, batch) -> torch.Tensor:
@@ -183,23 +232,25 @@ class QueryPipeline:
 
     def _compose(self, batch, text: torch.Tensor, ref_t: torch.Tensor) -> torch.Tensor:
         from engine.retrieval.compose import compose, text_weight
-        from engine.retrieval.rescore import center
 
         image = self.raw[ref_t.clamp(min=0)] if len(self.raw) else torch.zeros_like(text)
         if self.method.gap:
-            image = center(image, self.image_mean)
-            if self.text_mean is not None:
-                text = center(text, self.text_mean)
+            image, text = self.image_side(image), self.text_side(text)
         weights = torch.tensor([text_weight(self.method, r.shared_concept) for r in batch], device=text.device)
         return compose(self.method, image, ref_t >= 0, text, weights)          # [B, D] unit rows
 
     def prepare(self, requests) -> None:
         """Per-call statistics: the text mean, the hubness bank (encoding every request when needed)."""
-        from engine.retrieval.rescore import bank_stats, center
+        from engine.retrieval.rescore import bank_stats
 
         m, bank = self.method, self.text_bank
-        use_requests_mean = m.gap in ("requests", "both") or (m.gap == "bank" and bank is None)
-        use_requests_bank = bool(m.hubness) and (m.bank in ("requests", "both") or bank is None)
+        centre = m.gap_mode == "centre"
+        use_requests_mean = centre and (m.gap in ("requests", "both") or (m.gap == "bank" and bank is None))
+        if m.hubness and m.bank in ("gallery", "both") and bank is None:
+            raise PipelineError(f"{m.hubness}: bank={m.bank} needs the index's gallery-derived text bank, which "
+                                f"{self.index.dir} lacks (build it with --mapping pic2word), or name bank=requests "
+                                "(transductive: each answer then depends on the call's other requests)")
+        use_requests_bank = bool(m.hubness) and m.bank in ("requests", "both")   # only when named: transductive
         text_all = ref_all = None
         if (use_requests_mean or use_requests_bank) and requests:
             t0 = time.perf_counter()
@@ -209,7 +260,7 @@ class QueryPipeline:
                 texts.append(self._texts(requests[lo:lo + 256], refs[-1]))
             text_all, ref_all = torch.cat(texts), torch.cat(refs)       # [M, D], [M]
             self.info["prepare_s"] = round(time.perf_counter() - t0, 3)
-        if m.gap:
+        if m.gap and centre:
             means, src = [], []
             if use_requests_mean and text_all is not None and len(text_all) >= GAP_MIN_TEXTS:
                 means.append(text_all.mean(0))
@@ -220,6 +271,11 @@ class QueryPipeline:
             if m.gap in ("bank", "both") and bank is not None:
                 means.append(bank.mean(0))
                 src.append(f"{len(bank)} gallery-derived texts")
+            if m.gap == "captions":
+                from engine.retrieval.gap import CAPTIONS
+
+                means.append(self.towers.encode_tokens(self.towers.tokenize(list(CAPTIONS))[0]).float().mean(0))
+                src.append(f"{len(CAPTIONS)} fixed captions (engine.retrieval.gap)")
             self.text_mean = torch.stack(means).mean(0) if means else None
             self.info["text_mean"] = " + ".join(src) or "none"
         q_all = None
@@ -233,9 +289,14 @@ class QueryPipeline:
                 ex.append(ref_all)
                 src.append(f"{len(q_all)} request queries")
             if bank is not None and m.bank in ("gallery", "both"):
-                tb = center(bank, self.text_mean) if self.text_mean is not None else bank
+                tb = self.text_side(bank) if m.gap else bank
                 parts.append(tb)
-                ex.append(torch.full((len(tb),), -1, dtype=torch.int64, device=tb.device))
+                rows = (self.index.meta.get("text_bank") or {}).get("rows")   # each text's own gallery row
+                if not isinstance(rows, list) or len(rows) != len(tb):
+                    _log("the gallery text bank does not record its gallery rows (an older build: rebuild "
+                         "the extras to mask them); its self-matches are not masked")
+                    rows = [-1] * len(tb)
+                ex.append(torch.tensor(rows, dtype=torch.int64, device=tb.device))
                 src.append(f"{len(tb)} gallery-derived texts")
             if not parts:
                 raise PipelineError(f"{m.hubness}: no query bank (no requests and no stored text bank)")
@@ -269,7 +330,12 @@ class QueryPipeline:
         if m.aqe:
             _, nb = topk(scores, min(m.aqe, self.k), ref_t)                 # [B, n] (-1 padded)
             ok = (nb >= 0).unsqueeze(-1)
-            sims = cos.gather(1, nb.clamp(min=0)) * ok.squeeze(-1)
+            sims = cos.gather(1, nb.clamp(min=0)).clamp(min=0) * ok.squeeze(-1)
+            # scale-free weights: each neighbour's cosine relative to the best one's. alpha-QE's raw
+            # s^alpha (alpha = 3, set for image-image cosines ~0.7-0.9) is a near no-op on composed
+            # (cross-modal) cosines ~0.2-0.5 (0.3^3 = 0.027); relative, the best neighbour weighs as
+            # much as the query and one at 0.3 against a best of 0.5 weighs (0.6)^3 = 0.22
+            sims = sims / sims.amax(1, keepdim=True).clamp(min=1e-6)
             q = alpha_qe(q, self.gallery[nb.clamp(min=0)] * ok, sims, m.aqe_alpha)
             cos, scores, state = self._score(q, ref_t)
         depth = min(max(self.k, m.reinspect if self.reinspector else 0), len(self.index.ids))
@@ -282,24 +348,34 @@ class QueryPipeline:
         return out
 
     def _reinspect(self, batch, q, vals, idx, state):
-        """Re-score each row's top R candidates with multi-view rows (same scorer), then re-sort."""
-        from engine.retrieval.rescore import RowState, center, score_cos
+        """Re-score each row's top R candidates with multi-view rows (same scorer).
+
+        Mixing rule: the R re-inspected candidates keep their rank block (ranks 1..R), re-ordered
+        by their new scores; the candidates below keep their order, their scores lowered by one
+        offset so that none passes the block's lowest new score (the output stays non-increasing).
+        Every request's views are decoded and embedded together (Reinspector.embed_many)."""
+        from engine.retrieval.rescore import RowState, score_cos
 
         m = self.method
         vals, idx = vals.clone(), idx.clone()
-        for b, r in enumerate(batch):
-            cand = [j for j in idx[b, :m.reinspect].tolist() if j >= 0]
-            if not cand:
+        cands = [[j for j in idx[b, :m.reinspect].tolist() if j >= 0] for b in range(len(batch))]
+        cols = [torch.tensor(c, dtype=torch.int64, device=idx.device) for c in cands]
+        rows = self.reinspector.embed_many([(str(r.query_id), c) for r, c in zip(batch, cands)],
+                                           [self.base[c] for c in cols])          # [C_b, D] each
+        for b, (c, v) in enumerate(zip(cols, rows)):
+            n = len(c)
+            if not n:
                 continue
-            cols = torch.tensor(cand, device=idx.device)
-            v = self.reinspector.embed(str(r.query_id), cand, self.base[cols])   # [C, D]
-            if self.image_mean is not None:
-                v = center(v, self.image_mean)
-            cos = (v @ q[b]).unsqueeze(0)                                  # [1, C]
+            if self.method.gap:
+                v = self.image_side(v.to(q.device))
+            cos = (v.to(q.device) @ q[b]).unsqueeze(0)                      # [1, C]
             st = RowState(*(None if t is None else t[b:b + 1] for t in (state.normalised, state.r_q)))
-            vals[b, :len(cand)] = score_cos(m.hubness, cos, self.stats, st, cols.unsqueeze(0), m.beta, m.temp)[0]
-            order = torch.sort(vals[b], descending=True, stable=True).indices
-            vals[b], idx[b] = vals[b, order], idx[b, order]
+            new = score_cos(m.hubness, cos, self.stats, st, c.unsqueeze(0), m.beta, m.temp)[0]
+            order = torch.sort(new, descending=True, stable=True).indices
+            vals[b, :n], idx[b, :n] = new[order], idx[b, :n][order]
+            if n < vals.shape[1]:
+                offset = (vals[b, n:].max() - vals[b, n - 1]).clamp(min=0)
+                vals[b, n:] -= offset
         return vals, idx
 
     def report(self) -> dict:
@@ -307,4 +383,5 @@ class QueryPipeline:
         return {**self.info, "reinspected_per_request_max": r.budget.max_used if r else 0,
                 "reinspected_total": r.budget.total if r else 0,
                 "reinspect_limit": r.budget.per_request if r else 0,
-                "reinspect_unreadable": len(r.failed) if r else 0}
+                "reinspect_unreadable": len(r.failed) if r else 0,
+                "reinspect_decoded": r.decoded if r else 0}

@@ -68,6 +68,7 @@ class RunConfig:
 
 def parse_args(argv: list[str] | None) -> RunConfig:
     from engine.cli import ArgumentParser
+    from engine.retrieval.compose import method_help, prompt_help
 
     p = ArgumentParser(prog="scripts/run.sh", description=__doc__.split("\n\n")[0])
     p.add_argument("--index-dir", type=Path, required=True)
@@ -77,11 +78,12 @@ def parse_args(argv: list[str] | None) -> RunConfig:
     p.add_argument("--model-name", default=None, help="architecture for a bare state dict (env CLIP_MODEL_NAME)")
     p.add_argument("--method", default=evaluator_settings.cir_method(),
                    help="slerp | sum | text-only | pic2word, optionally +options, e.g. slerp+gap+qbnorm "
-                        "(env CIR_METHOD; default: the index's, else slerp)")
+                        "(env CIR_METHOD; default: the index's, else slerp). Sources: " + method_help())
     p.add_argument("--text-weight", type=float, default=evaluator_settings.cir_text_weight(),
                    help="text weight for every request (env CIR_TEXT_WEIGHT; default per method)")
     p.add_argument("--prompt", default=evaluator_settings.cir_prompt(),
-                   help="auto | plain | magiclens | template with {modification} (env CIR_PROMPT)")
+                   help="auto (the method's default: plain; pic2word for pic2word), a name, or a template "
+                        "with {modification} (env CIR_PROMPT). Names: " + prompt_help())
     p.add_argument("--batch-size", type=int, default=256, help="requests per batch")
     p.add_argument("--k", type=int, default=TOP_K, help=f"results per query (at most {TOP_K})")
     p.add_argument("--device", default=None)
