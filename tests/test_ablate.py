@@ -66,7 +66,8 @@ def test_default_set_runs_what_an_index_without_extras_supports(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(out_json.read_text())
     ran = [m["method"] for m in report["methods"]]
-    needs_extras = {"pic2word", "pic2word+qbnorm", "slerp+qbnorm:bank=gallery"}   # a mapping / a text bank
+    needs_extras = {"pic2word", "pic2word+qbnorm", "slerp+isoftmax", "slerp+qbnorm", "slerp+dual-softmax",
+                    "slerp+csls"}                               # a mapping / a text bank (the default hubness bank)
     assert ran == [m for m in DEFAULT_METHODS if m not in needs_extras]
     assert "slerp+reinspect:n=20" in ran                              # the corpus is recorded in the index
     assert all(m["run"]["answered"] == 40 and m["score"] is not None for m in report["methods"])

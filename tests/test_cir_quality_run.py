@@ -25,8 +25,10 @@ from evaluator.cir import build as cir_build
 from evaluator.cir import run as cir_run
 from evaluator.cir.index import load_index
 
-OPTIONS = ["slerp+gap", "slerp+isoftmax", "slerp+qbnorm", "slerp+dual-softmax", "slerp+csls", "slerp+aqe",
-           "slerp+dba", "sum+gap:text=both+csls:k=5+aqe:n=2+dba:n=2"]
+# hubness scorers with the call's own requests as the bank (named: the reference index has no text bank)
+OPTIONS = ["slerp+gap", "slerp+isoftmax:bank=requests", "slerp+qbnorm:bank=requests",
+           "slerp+dual-softmax:bank=requests", "slerp+csls:bank=requests", "slerp+aqe",
+           "slerp+dba", "sum+gap-centre:text=both+csls:k=5:bank=requests+aqe:n=2+dba:n=2"]
 
 
 def _run(tmp_path, method, *extra, name=None):
@@ -41,8 +43,10 @@ def test_each_option_keeps_the_abi_and_reports_what_it_used(method, tmp_path):
     rows, report = _run(tmp_path, method)
     check_abi(rows, requests_of(corpus() / "requests.jsonl"), load_index(built_index()).ids)
     assert report["method_label"] == method
-    if "gap" in method:
+    if "gap-centre" in method:                                     # this kit's transductive variant
         assert report["text_mean"] == "40 request texts" and report["image_mean"].startswith(("stored", "computed"))
+    elif "gap" in method:                                          # the shift: no statistic from the requests
+        assert report["text_mean"].endswith("fixed captions (engine.retrieval.gap)") and report["gap_norm"] > 0
     if any(h in method for h in ("softmax", "qbnorm", "csls")):
         assert report["bank"] == "40 request queries"
     if "dba" in method:
@@ -51,7 +55,7 @@ def test_each_option_keeps_the_abi_and_reports_what_it_used(method, tmp_path):
 
 
 def test_bank_statistics_do_not_depend_on_batching_resume_or_streaming(tmp_path):
-    method = "slerp+gap+qbnorm"
+    method = "slerp+gap+qbnorm:bank=requests"
     whole, _ = _run(tmp_path, method, name="whole")
     one, _ = _run(tmp_path, method, "--batch-size", "1", name="one")
     # batch 1 vs 256: the same queries and statistics; only matmul rounding (ulps) differs, which may
@@ -66,7 +70,7 @@ def test_bank_statistics_do_not_depend_on_batching_resume_or_streaming(tmp_path)
 
 
 def test_streamed_bank_statistics_match_their_reference_twin(tmp_path, monkeypatch):
-    for method in ("slerp+csls", "slerp+dual-softmax", "slerp+dba"):
+    for method in ("slerp+csls:bank=requests", "slerp+dual-softmax:bank=requests", "slerp+dba"):
         fast, _ = _run(tmp_path, method, name=f"fast-{method}")   # one output per method: never a resume
         ref, _ = _run(tmp_path, method, "--bank-chunk", "0", name=f"ref-{method}")   # off switch: one [M, N] matrix
         _same_lists(fast, ref, atol=1e-5, swaps=0.01)
@@ -89,7 +93,7 @@ def test_a_method_set_at_build_time_is_recorded_and_used(tmp_path, capsys):
     shutil.copytree(built_index(), d)
     emb_before = np.asarray(load_index(d).emb).copy()
     args = build_args(d, "--model-dir", str(clip_dirs()["open_clip"]), "--device", "cpu",
-                      "--method", "slerp+gap+csls:k=5")
+                      "--method", "slerp+gap+csls:k=5:bank=requests")
     assert cir_build.main(args) == 0
     assert "recomputing the extras only" in capsys.readouterr().err
     idx = load_index(d)
@@ -100,5 +104,5 @@ def test_a_method_set_at_build_time_is_recorded_and_used(tmp_path, capsys):
     run = run_args(corpus() / "requests.jsonl", out, "--report", str(rep))
     run[run.index("--index-dir") + 1] = str(d)
     assert cir_run.main(run) == 0
-    assert json.loads(rep.read_text())["method_label"] == "slerp+gap+csls:k=5"
+    assert json.loads(rep.read_text())["method_label"] == "slerp+gap+csls:k=5:bank=requests"
     assert len(list(d.glob("embeddings-*.npy"))) == 1

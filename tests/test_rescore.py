@@ -83,6 +83,71 @@ def test_dual_softmax_with_a_bank_that_lacks_the_query_stays_finite():
     assert torch.isfinite(s).all() and (s.argmax(1) == torch.arange(3)).all()
 
 
+def _reused_reference_case(m=30, n=200, d=64):
+    """Request 0's reference R (row refs[0]) is request 1's target (CIRR reuses images that way);
+    each query sits far closer to its own reference than to anything else, and request 1 also
+    sees a distractor D below R. Returns (q, gallery, refs, R, D)."""
+    g = torch.Generator().manual_seed(20)
+    gallery = _unit(n, d, seed=21)
+    perm = torch.randperm(n, generator=g)
+    refs, targets, big_r, big_d = perm[:m].clone(), perm[m:2 * m].clone(), int(perm[0]), int(perm[-1])
+    targets[1] = big_r
+    noise = 0.03 * torch.randn(m, d, generator=g)
+    q = 0.6 * gallery[refs] + 0.45 * gallery[targets] + noise
+    q[1] += 0.44 * gallery[big_d]
+    return F.normalize(q, dim=-1), gallery, refs, big_r, big_d
+
+
+@pytest.mark.parametrize("scorer", SCORERS)
+@pytest.mark.parametrize("chunk", (0, 7))
+def test_a_bank_querys_own_reference_is_not_pushed_down_for_other_requests(scorer, chunk):
+    q, gallery, refs, big_r, big_d = _reused_reference_case()
+    cos = q @ gallery.T
+    assert cos[0, big_r] > 0.7 and cos[1, big_r] > cos[1, big_d]   # raw: R above D for request 1
+
+    def margin(exclude):                                # R's lead over D for request 1
+        # qbnorm: counted as a bank apart from the scored rows (has_queries=False), so one bank query's
+        # top-1 activates R either way and the test sees R's log-sum-exp
+        stats = bank_stats(scorer, q, gallery, k=2, exclude=exclude, has_queries=scorer != "qbnorm", chunk=chunk)
+        s = score_cos(scorer, cos, stats, row_state(scorer, cos, stats, 2, refs))
+        assert torch.isfinite(s[:, big_d]).all()
+        return float(s[1, big_r] - s[1, big_d])
+
+    # without the mask request 0's own term (cos > 0.7 to R) dominates R's bank statistic and buries R
+    assert margin(None) < 0, scorer
+    assert margin(refs) > 0, scorer                     # masked: R keeps its place for the request aiming at it
+
+
+def test_qbnorm_differs_from_isoftmax_when_the_bank_holds_the_queries():
+    """A row whose top-1 no other bank query shares keeps its raw cosines (leave-one-out): with the
+    call's own requests as the bank, QB-Norm is no longer the plain inverted softmax."""
+    q_hub, gallery, _ = _hub_case()
+    lone = F.normalize(gallery[45:55] + 0.02 * _unit(10, gallery.shape[1], seed=30), dim=-1)
+    q = torch.cat([q_hub, lone])                               # 40 rows on the hub + 10 rows alone
+    cos = q @ gallery.T
+    qb, iso = bank_stats("qbnorm", q, gallery), bank_stats("isoftmax", q, gallery)
+    state = row_state("qbnorm", cos, qb)
+    assert state.normalised[:40].all() and not state.normalised[40:].any()
+    s_qb = score_cos("qbnorm", cos, qb, state)
+    s_iso = score_cos("isoftmax", cos, iso, row_state("isoftmax", cos, iso))
+    torch.testing.assert_close(s_qb[:40], s_iso[:40])
+    torch.testing.assert_close(s_qb[40:], cos[40:])
+    # a bank without the scored queries (has_queries=False): one other bank query activates a row
+    lone_bank = bank_stats("qbnorm", lone, gallery, has_queries=False)
+    assert row_state("qbnorm", cos[40:], lone_bank).normalised.all()
+
+
+def test_a_gallery_text_banks_self_matches_do_not_seed_the_activation_set():
+    gallery = _unit(50, 32, seed=31)
+    rows = torch.arange(10, 20)
+    bank = F.normalize(gallery[rows] + 0.02 * _unit(10, 32, seed=32), dim=-1)   # each aimed at its own row
+    assert bank_stats("qbnorm", bank, gallery).active[rows].all()                # unmasked: seeded with them
+    masked = bank_stats("qbnorm", bank, gallery, exclude=rows, has_queries=False)
+    s = bank @ gallery.T
+    s[torch.arange(10), rows] = float("-inf")
+    assert masked.active.nonzero().flatten().tolist() == s.argmax(1).unique().tolist()   # each one's nearest other
+
+
 @pytest.mark.parametrize("scorer,chunk", itertools.product(SCORERS, (1, 7, 256)))
 def test_streamed_bank_stats_match_the_reference(scorer, chunk):
     bank, gallery = _unit(23, 32, seed=6), _unit(41, 32, seed=7)
@@ -93,7 +158,7 @@ def test_streamed_bank_stats_match_the_reference(scorer, chunk):
         if getattr(want, name) is not None:
             torch.testing.assert_close(getattr(got, name), getattr(want, name))
     if want.active is not None:
-        assert torch.equal(got.active, want.active)
+        assert torch.equal(got.active, want.active) and torch.equal(got.hits, want.hits)
     assert bank_stats(scorer, bank, gallery, k=5, exclude=ex, chunk=0).size == 23   # chunk 0: the twin
 
 
@@ -140,15 +205,16 @@ def test_alpha_qe_and_dba_pull_in_the_second_positive():
 
 def test_method_names_round_trip_and_defaults(capsys):
     m = make_method("slerp+gap+qbnorm+aqe+dba:n=5+reinspect")
-    assert (m.gap, m.hubness, m.beta, m.bank, m.aqe, m.aqe_alpha, m.dba, m.reinspect, m.crops) == \
-        ("requests", "qbnorm", 20.0, "requests", 3, 3.0, 5, 100, 3)
+    assert (m.hubness, m.beta, m.bank, m.aqe, m.aqe_alpha, m.dba, m.reinspect, m.crops) == \
+        ("qbnorm", 20.0, "gallery", 3, 3.0, 5, 100, 3)   # the default bank never depends on the call's requests
     assert m.label == "slerp+gap+qbnorm+aqe+dba:n=5+reinspect"
-    for name in ("slerp", "pic2word+csls:k=5:bank=gallery", "sum+gap:text=both+dual-softmax:temp=50",
+    for name in ("slerp", "pic2word+csls:k=5:bank=requests", "sum+dual-softmax:temp=50",
                  "text-only+isoftmax:beta=30:bank=both+aqe:n=2:alpha=1"):
         assert make_method(name).label == name
         assert Method(**make_method(name).to_dict()) == make_method(name)
-    assert make_method("slerp").uses_bank is False and make_method("slerp+csls").uses_bank is True
-    assert make_method("slerp+csls:bank=gallery").uses_bank is False
+    assert make_method("slerp").uses_bank is False and make_method("slerp+csls").uses_bank is False
+    assert make_method("slerp+csls:bank=requests").uses_bank is True and make_method("slerp+csls:bank=gallery") \
+        == make_method("slerp+csls")
     assert task.method("slerp+reinspect:n=500").reinspect == 100                  # clamped to the task's limit ...
     assert "clamped to 100" in capsys.readouterr().err                            # ... and said
 

@@ -12,12 +12,22 @@ s_xj = cos(x, G_j).
   uses per-item statistics of the bank (`bank_stats`), so a hub pays for its popularity:
   `isoftmax`  beta * s_qj - log sum_b exp(beta * s_bj)   (inverted softmax, log form)
   `qbnorm`    the same, only in rows whose raw top-1 is in the activation set (items that
-              are some bank query's top-1); other rows keep s_qj (dynamic inverted softmax)
+              are some bank query's top-1); other rows keep s_qj (QB-Norm's dynamic inverted
+              softmax, k = 1). When the bank holds the scored queries themselves, a row's own
+              bank entry does not activate its top-1 (leave-one-out: another bank query must),
+              else every row would be normalised and qbnorm would equal isoftmax
   `dual-softmax` s_qj * exp(temp * s_qj - log sum_b exp(temp * s_bj)) (prior over queries)
   `csls`      2 s_qj - r_j - r_q, r_j = mean of the k largest s_bj, r_q = mean of q's k
               largest s_qj (constant in a row: it keeps the score's scale, not the order)
 - `alpha_qe`: q' = normalise(q + sum_i max(s_qi, 0)^alpha g_i) over q's top n.
 - `dba`: g'_j = normalise(g_j + sum_i max(s_ji, 0)^alpha g_i) over g_j's n nearest others.
+
+Each bank query's own match is masked out of every statistic (`exclude`: a request's
+reference image, a gallery-derived text's own gallery row): a composed query sits far
+closer to its own reference (cosine ~0.49 with ViT-L/14) than to anything else (~0.25), and
+under exp(100 * s) that one term would outweigh the whole bank and push every reference
+image of the call down for every other request (CIRR reuses one request's reference as
+another's target).
 
 Fast path and twin: `bank_stats` and `dba` stream the bank / gallery in row chunks (the
 full [M, N] matrix is 1 GB at M = 2,200, N = 125k); `chunk=0` runs the reference (one
@@ -55,6 +65,7 @@ class BankStats:
     has_queries: bool                    # the bank holds the queries being scored (dual-softmax)
     lse: torch.Tensor | None = None      # [N] log sum_b exp(scale * s_bj)  (isoftmax, qbnorm, dual-softmax)
     active: torch.Tensor | None = None   # [N] bool: some bank query's top-1 (qbnorm)
+    hits: torch.Tensor | None = None     # [N] int64: how many bank queries have it as top-1 (qbnorm)
     knn: torch.Tensor | None = None      # [N] mean of the k largest s_bj (csls)
 
 
@@ -66,7 +77,8 @@ def bank_stats(scorer: str, bank: torch.Tensor, gallery: torch.Tensor, beta: flo
                temp: float = 100.0, k: int = 10, exclude: torch.Tensor | None = None,
                has_queries: bool = True, chunk: int = 256) -> BankStats:
     """Per-gallery-item statistics of the bank [M, D] for `scorer`; `exclude` [M] is each bank
-    query's own reference row (-1 = none), left out of its top-1. chunk=0: the reference."""
+    query's own match (its reference row; -1 = none), left out of every statistic: the
+    log-sum-exp, the top-1 and the k nearest. chunk=0: the reference."""
     if scorer not in SCORERS[1:]:
         raise ValueError(f"scorer must be one of {SCORERS[1:]}, got {scorer!r}")
     m, n = bank.shape[0], gallery.shape[0]
@@ -78,22 +90,33 @@ def bank_stats(scorer: str, bank: torch.Tensor, gallery: torch.Tensor, beta: flo
     k = min(k, m)
     out = BankStats(scorer, m, has_queries)
     lse = torch.full((n,), float("-inf"), device=gallery.device)
-    active = torch.zeros(n, dtype=torch.bool, device=gallery.device)
+    hits = torch.zeros(n, dtype=torch.int64, device=gallery.device)
     best = torch.empty(0, n, device=gallery.device)                    # [<=k, N] running top-k over the bank
     for lo in range(0, m, chunk):
-        s = bank[lo:lo + chunk] @ gallery.T                             # [m', N]
+        ex = None if exclude is None else exclude[lo:lo + chunk]
+        s = _masked(bank[lo:lo + chunk] @ gallery.T, ex)                # [m', N], own matches at -inf
         if scorer == "csls":
             best = torch.cat([best, s]).topk(min(k, best.shape[0] + s.shape[0]), dim=0).values
             continue
         lse = torch.logaddexp(lse, torch.logsumexp(a * s, dim=0))
         if scorer == "qbnorm":
-            ex = None if exclude is None else exclude[lo:lo + chunk]
-            active[_masked(s, ex).argmax(dim=1)] = True
+            hits.index_add_(0, s.argmax(dim=1), torch.ones(s.shape[0], dtype=torch.int64, device=s.device))
+    return _finish(out, scorer, a, lse, hits, best)
+
+
+def _finish(out: BankStats, scorer: str, a: float, lse: torch.Tensor, hits: torch.Tensor,
+            best: torch.Tensor) -> BankStats:
+    """Fill `out` from the reduced statistics. An item every bank query masked has no bank
+    evidence: its log-sum-exp is floored at -a (one bank query at cosine -1, below any real
+    sum) and its k-NN mean is taken over the finite entries (0 when none)."""
     if scorer == "csls":
-        out.knn = best.mean(0)
-    else:
-        out.lse = lse
-        out.active = active if scorer == "qbnorm" else None
+        ok = torch.isfinite(best)
+        out.knn = best.masked_fill(~ok, 0.0).sum(0) / ok.sum(0).clamp(min=1)
+        return out
+    out.lse = lse.clamp(min=-a)
+    if scorer == "qbnorm":
+        out.hits = hits
+        out.active = hits > 0
     return out
 
 
@@ -101,16 +124,12 @@ def bank_stats_reference(scorer: str, bank: torch.Tensor, gallery: torch.Tensor,
                          temp: float = 100.0, k: int = 10, exclude: torch.Tensor | None = None,
                          has_queries: bool = True) -> BankStats:
     """`bank_stats` from the whole [M, N] similarity matrix at once (the twin of the streamed path)."""
-    s = bank @ gallery.T                                                # [M, N]
+    s = _masked(bank @ gallery.T, exclude)                              # [M, N], own matches at -inf
     out = BankStats(scorer, bank.shape[0], has_queries)
-    if scorer == "csls":
-        out.knn = s.topk(min(k, s.shape[0]), dim=0).values.mean(0)
-        return out
-    out.lse = torch.logsumexp(_scale(scorer, beta, temp) * s, dim=0)
-    if scorer == "qbnorm":
-        out.active = torch.zeros(gallery.shape[0], dtype=torch.bool, device=gallery.device)
-        out.active[_masked(s, exclude).argmax(dim=1)] = True
-    return out
+    a = _scale(scorer, beta, temp)
+    best = s.topk(min(k, s.shape[0]), dim=0).values if scorer == "csls" else s[:0]
+    hits = torch.bincount(s.argmax(dim=1), minlength=gallery.shape[0])
+    return _finish(out, scorer, a, torch.logsumexp(a * s, dim=0), hits, best)
 
 
 @dataclass
@@ -122,9 +141,12 @@ class RowState:
 
 def row_state(scorer: str, cos: torch.Tensor, stats: BankStats | None, k: int = 10,
               exclude: torch.Tensor | None = None) -> RowState:
-    """Per-row decisions from raw cosines cos [B, N] (the reference column excluded)."""
+    """Per-row decisions from raw cosines cos [B, N] (the reference column excluded). qbnorm: a
+    bank that holds the scored queries counts each row's own entry once, so its top-1 must be
+    some other bank query's top-1 too (a row moved by query expansion is held to the same rule)."""
     if scorer == "qbnorm":
-        return RowState(normalised=stats.active[_masked(cos, exclude).argmax(dim=1)])
+        need = 2 if stats.has_queries else 1
+        return RowState(normalised=stats.hits[_masked(cos, exclude).argmax(dim=1)] >= need)
     if scorer == "csls":
         kk = max(1, min(k, cos.shape[1] - (exclude is not None)))
         return RowState(r_q=_masked(cos, exclude).topk(kk, dim=1).values.mean(1))

@@ -31,8 +31,10 @@ from evaluator.cir.score import CIRCO_KS, CIRR_KS
 
 PROG = "python -m evaluator.ablate"
 # the default set, in table order; entries the index cannot run are left out (said on stderr)
-DEFAULT_METHODS = ("text-only", "sum", "slerp", "slerp+gap", "slerp+isoftmax", "slerp+qbnorm",
-                   "slerp+dual-softmax", "slerp+csls", "slerp+aqe", "slerp+dba", "slerp+qbnorm:bank=gallery",
+# (hubness scorers: the default gallery bank, then the call's own requests, transductive, named as such)
+DEFAULT_METHODS = ("text-only", "sum", "slerp", "slerp+gap", "slerp+gap-centre", "slerp+isoftmax", "slerp+qbnorm",
+                   "slerp+dual-softmax", "slerp+csls", "slerp+isoftmax:bank=requests", "slerp+qbnorm:bank=requests",
+                   "slerp+dual-softmax:bank=requests", "slerp+csls:bank=requests", "slerp+aqe", "slerp+dba",
                    "slerp+reinspect:n=20", "pic2word", "pic2word+qbnorm")
 WARMUP = 32   # requests of the untimed warm-up
 
@@ -85,7 +87,7 @@ def parse_args(argv: list[str] | None) -> AblateConfig:
 def unsupported(name: str, meta: dict, corpus: Path | None) -> str | None:
     """Why the index (its meta.json) cannot run method `name`, or None. A name that does not
     parse is left to the run, which reports it."""
-    from engine.retrieval.compose import parse_options
+    from engine.retrieval.compose import Method, parse_options
 
     try:
         fields = parse_options(name)
@@ -93,8 +95,8 @@ def unsupported(name: str, meta: dict, corpus: Path | None) -> str | None:
         return None
     if fields["name"] == "pic2word" and not meta.get("pic2word"):
         return "the index has no Pic2Word mapping (build with --mapping pic2word)"
-    if (fields.get("bank") in ("gallery", "both") or fields.get("gap") in ("bank", "both")) \
-            and not meta.get("text_bank"):
+    bank = fields.get("bank", Method.bank) if fields.get("hubness") else None
+    if (bank in ("gallery", "both") or fields.get("gap") in ("bank", "both")) and not meta.get("text_bank"):
         return "the index has no gallery text bank (build with --mapping pic2word)"
     if fields.get("reinspect"):
         root = corpus or (Path(meta["corpus"]) if meta.get("corpus") else None)

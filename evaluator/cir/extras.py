@@ -103,7 +103,8 @@ def build_extras(cfg: ExtrasConfig, emb: np.ndarray, towers, model_digest: str, 
                                            [pic2word.TRAIN_PROMPT] * n_bank)
             files["text_bank"] = (".f16.npy", _npy(bank.cpu().numpy().astype(np.float16)))
             meta["text_bank"] = {"count": n_bank, "seed": cfg.p2w.seed,
-                                 "source": f"pic2word {pic2word.TRAIN_PROMPT!r} of {n_bank} seeded gallery rows"}
+                                 "source": f"pic2word {pic2word.TRAIN_PROMPT!r} of {n_bank} seeded gallery rows",
+                                 "rows": rows.tolist()}   # each text's own gallery row: masked in bank statistics
     elif cfg.bank_size():
         _log("no text bank: gallery-derived texts need a mapping (--mapping pic2word)")
     if cfg.dba:
