@@ -170,3 +170,34 @@ def test_pic2word_needs_a_mapping(tmp_path, capsys):
     assert "has no mapping" in capsys.readouterr().err
     assert cir_build.main(build_args(tmp_path / "i", "--method", "pic2word")) == 2
     assert "--mapping pic2word" in capsys.readouterr().err
+
+
+def test_learning_rate_warms_up_then_decays_and_is_a_function_of_the_step():
+    from engine.retrieval.pic2word import lr_at
+
+    total, base = 100, 1e-3
+    warm = Pic2WordConfig(steps=total).warmup_steps(total)
+    assert warm == 10 and Pic2WordConfig(warmup=0).warmup_steps(total) == 0
+    lrs = [lr_at(s, total, warm, base) for s in range(total)]
+    assert lrs[0] == pytest.approx(base / warm) and lrs[warm - 1] == pytest.approx(base)   # linear warm-up
+    assert all(a < b for a, b in zip(lrs[:warm - 1], lrs[1:warm]))
+    assert all(a >= b for a, b in zip(lrs[warm:], lrs[warm + 1:])) and lrs[-1] < 0.01 * base   # cosine decay
+    assert lr_at(0, total, 0, base) == pytest.approx(base)         # no warm-up: the peak from the first step
+
+
+def test_the_gallery_text_bank_is_the_default_hubness_bank_with_its_self_matches_masked(tmp_path, capsys):
+    idx = load_index(p2w_index())
+    assert idx.meta["text_bank"]["rows"] == list(range(len(idx.ids)))   # 320 rows, each text's own image
+    out, rep = tmp_path / "o.jsonl", tmp_path / "r.json"
+    args = ["--index-dir", str(p2w_index()), "--queries", str(corpus() / "requests.jsonl"), "--output", str(out),
+            "--model-dir", str(clip_dirs()["open_clip"]), "--device", "cpu", "--report", str(rep)]
+    capsys.readouterr()
+    assert cir_run.main([*args, "--method", "slerp+qbnorm"]) == 0
+    assert json.loads(rep.read_text())["bank"] == "320 gallery-derived texts"
+    assert "not masked" not in capsys.readouterr().err
+    check_abi(read_rows(out), requests_of(corpus() / "requests.jsonl"), idx.ids)
+    # an index without a text bank: the default bank never falls back to the call's own requests
+    plain = ["--index-dir", str(built_index()), *args[2:]]
+    assert cir_run.main([*plain, "--method", "slerp+qbnorm", "--fresh"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("scripts/run.sh: error: ") and "--mapping pic2word" in err and "bank=requests" in err

@@ -9,12 +9,21 @@ Training data here: the gallery's stored image embeddings only (no captions, lab
 other data), so no image is decoded again. At query time the request becomes a prompt
 with the pseudo-word (engine.retrieval.compose PROMPTS `pic2word*`) and its text embedding is the query.
 
+Deviations from Pic2Word, stated: (1) it trains on the evaluation gallery's images (an
+image-only corpus, no labels; Pic2Word trains on CC3M images), since no other data is
+allowed; (2) the mapping's input is the stored unit-normalised image embedding, where
+Pic2Word feeds the raw one and normalises only inside the loss: the index keeps unit rows
+only, and a row's norm carries no retrieval information (a constant scale is absorbed by
+the first linear layer). As in Pic2Word, the loss normalises both sides, and the learning
+rate warms up linearly, then follows a cosine decay (`lr_at`).
+
 Mapping (`Im2Token`, Pic2Word's IM2TEXT shape): `layers` x (Linear, Dropout, ReLU) at
 width `hidden`, then Linear to the token width.
 
 Training (`train`): seeded (init, data order, dropout), `steps` (default: `epochs` passes
-over the gallery), AdamW, bf16 autocast on CUDA (fp32 on CPU); a checkpoint every `ckpt_every` steps (mapping, optimiser, RNG
-state, loss log; temp name + rename) in a folder the caller names, under a key (config,
+over the gallery), AdamW with a warm-up and cosine schedule, bf16 autocast on CUDA (fp32 on
+CPU); a checkpoint every `ckpt_every` steps (mapping, optimiser, RNG state, loss log; temp
+name + rename) in a folder the caller names, under a key (config,
 embeddings digest, model digest): a killed training resumes from its last checkpoint and
 ends with the same weights as an uninterrupted one; a changed key starts over (said on
 stderr). A wall-clock budget (`time_budget_s`) stops early, recorded in the result.
@@ -48,6 +57,7 @@ class Pic2WordConfig:
     steps: int = 0                 # optimiser steps; 0: epochs * (N // batch_size)
     batch_size: int = 256          # InfoNCE negatives = batch_size - 1
     lr: float = 1e-4
+    warmup: int = -1               # linear warm-up steps; -1: a tenth of the run (Pic2Word warms up too)
     weight_decay: float = 0.1
     seed: int = 0
     ckpt_every: int = 200          # steps between checkpoints
@@ -55,6 +65,19 @@ class Pic2WordConfig:
 
     def total_steps(self, n: int) -> int:
         return self.steps or self.epochs * max(1, n // self.batch_size)
+
+    def warmup_steps(self, total: int) -> int:
+        return min(total, total // 10 if self.warmup < 0 else self.warmup)
+
+
+def lr_at(step: int, total: int, warmup: int, base: float) -> float:
+    """Learning rate of 0-based `step`: linear warm-up to `base` over `warmup` steps, then a
+    cosine decay towards 0 at `total` (open_clip's cosine_lr, which Pic2Word trains with). A
+    function of the step alone, so a resumed run follows the same schedule."""
+    if step < warmup:
+        return base * (step + 1) / warmup
+    span = max(1, total - warmup)
+    return 0.5 * (1 + math.cos(math.pi * (step - warmup) / span)) * base
 
 
 class Im2Token(nn.Module):
@@ -195,7 +218,10 @@ def train(towers, emb: np.ndarray, cfg: Pic2WordConfig, ckpt_dir: Path, key: dic
     from engine.progress import Progress
 
     bar = Progress(total - start, "pic2word: training", unit="steps")
+    warmup = cfg.warmup_steps(total)
     while step < total:
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, total, warmup, cfg.lr)
         rows = _batch_rows(step, n, cfg).to(dev)
         img = x_all[rows]                                              # [b, D] unit image rows
         with _autocast(towers, training=True):

@@ -63,6 +63,7 @@ class BuildConfig:
     p2w_steps: int = 0
     p2w_batch_size: int = 256
     p2w_lr: float = 1e-4
+    p2w_warmup: int = -1           # warm-up steps; -1: a tenth of the run
     p2w_hidden: int = 512
     p2w_seed: int = 0
     p2w_ckpt_every: int = 200
@@ -80,8 +81,8 @@ class BuildConfig:
         from evaluator.cir.extras import ExtrasConfig
 
         p2w = Pic2WordConfig(hidden=self.p2w_hidden, epochs=self.p2w_epochs, steps=self.p2w_steps,
-                             batch_size=self.p2w_batch_size, lr=self.p2w_lr, seed=self.p2w_seed,
-                             ckpt_every=self.p2w_ckpt_every, time_budget_s=self.p2w_time_budget)
+                             batch_size=self.p2w_batch_size, lr=self.p2w_lr, warmup=self.p2w_warmup,
+                             seed=self.p2w_seed, ckpt_every=self.p2w_ckpt_every, time_budget_s=self.p2w_time_budget)
         return ExtrasConfig(self.mapping, p2w, self.text_bank, self.dba, self.dba_alpha, self.dba_chunk,
                             self.p2w_stop_after)
 
@@ -132,7 +133,9 @@ def parse_args(argv: list[str] | None) -> BuildConfig:
     x.add_argument("--p2w-epochs", type=int, default=20, help="passes over the gallery (when --p2w-steps is 0)")
     x.add_argument("--p2w-steps", type=int, default=0, help="optimiser steps (0: epochs x N / batch)")
     x.add_argument("--p2w-batch-size", type=int, default=256)
-    x.add_argument("--p2w-lr", type=float, default=1e-4)
+    x.add_argument("--p2w-lr", type=float, default=1e-4, help="peak learning rate (after the warm-up)")
+    x.add_argument("--p2w-warmup", type=int, default=-1,
+                   help="linear warm-up steps before the cosine decay (-1: a tenth of the run)")
     x.add_argument("--p2w-hidden", type=int, default=512)
     x.add_argument("--p2w-seed", type=int, default=0)
     x.add_argument("--p2w-ckpt-every", type=int, default=200, help="steps between training checkpoints")
@@ -157,8 +160,9 @@ def parse_args(argv: list[str] | None) -> BuildConfig:
     if (a.batch_size is not None and a.batch_size < 1) or a.chunk_size < 1 or a.readers < 1:
         p.error("--batch-size, --chunk-size and --readers must be >= 1")
     if min(a.p2w_epochs, a.p2w_batch_size, a.p2w_ckpt_every, a.p2w_hidden) < 1 or min(a.p2w_steps, a.dba,
-                                                                                        a.dba_chunk) < 0:
-        p.error("--p2w-* sizes must be >= 1 (--p2w-steps, --dba >= 0)")
+                                                                                        a.dba_chunk) < 0 \
+            or a.p2w_warmup < -1:
+        p.error("--p2w-* sizes must be >= 1 (--p2w-steps, --dba >= 0; --p2w-warmup >= -1)")
     return BuildConfig(**vars(a))
 
 
