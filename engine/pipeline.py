@@ -73,14 +73,107 @@ class Result:
     first_batch_at: float | None = None               # clock value when the first batch finished
 
 
+class ReadAhead:
+    """Items 0..n-1 read in order on `readers` threads ahead of the consumer, bounded by bytes.
+
+    `read_one(i) -> (bytes | None, error | None)`. At most `max_files` items are read and not
+    yet taken; a read starts only while the bytes read and not taken, plus the largest file
+    seen so far for each read in flight, stay within `max_bytes`, or when nothing at all is
+    outstanding (a file larger than the budget is read alone; the first file too, before any
+    size is known). `take(i)` blocks until item i is read; items are taken in order.
+    """
+
+    def __init__(self, read_one: Callable[[int], tuple], n: int, readers: int, max_files: int, max_bytes: int):
+        self._read_one, self.n = read_one, n
+        self.readers, self.max_files, self.max_bytes = max(1, readers), max(1, max_files), max_bytes
+        self._cond = threading.Condition()
+        self._done: dict[int, tuple] = {}
+        self._held = 0          # bytes read and not taken
+        self._flight = 0        # reads running
+        self._largest = 0       # largest file read so far (0: none yet)
+        self._next = 0          # next item to start reading
+        self._taken = 0         # next item the consumer takes
+        self._closed = False
+        self._pool = ThreadPoolExecutor(max_workers=self.readers, thread_name_prefix="reader")
+        with self._cond:
+            self._fill()
+
+    def _fill(self) -> None:
+        """Start every read the budget allows (called with the lock held)."""
+        while (not self._closed and self._next < self.n and self._flight < self.readers
+               and self._next - self._taken < self.max_files
+               and (self._next == self._taken
+                    or (self._largest and self._held + (self._flight + 1) * self._largest <= self.max_bytes))):
+            self._flight += 1
+            self._pool.submit(self._work, self._next)
+            self._next += 1
+
+    def _work(self, i: int) -> None:
+        got = self._read_one(i)
+        size = len(got[0]) if got[0] else 0
+        with self._cond:
+            self._flight -= 1
+            self._done[i] = got
+            self._held += size
+            self._largest = max(self._largest, size, 1)
+            self._fill()
+            self._cond.notify_all()
+
+    def take(self, i: int) -> tuple:
+        with self._cond:
+            while i not in self._done:
+                self._cond.wait()
+            got = self._done.pop(i)
+            self._held -= len(got[0]) if got[0] else 0
+            self._taken = i + 1
+            self._fill()
+        return got
+
+    def close(self) -> None:
+        """No new reads; waits for the running ones (each bounded by the file size cap)."""
+        with self._cond:
+            self._closed = True
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _concat(parts: list):
+    """One batch from its chunks (numpy or torch)."""
+    if len(parts) == 1:
+        return parts[0]
+    if isinstance(parts[0], np.ndarray):
+        return np.concatenate(parts)
+    import torch
+
+    return torch.cat(parts)
+
+
+def _decode_into(decoder, chunk: list[tuple], parts: list, failed: dict, clock, busy: dict) -> None:
+    """Decode `chunk` [(bytes | None, read error | None)]; its array goes to `parts`, its reasons
+    (a read error before the decoder's "not read") to `failed`, numbered from the batch's start."""
+    t = clock()
+    arr, f = decoder.decode([d for d, _ in chunk])
+    busy["decode"] += clock() - t
+    first = sum(len(p) for p in parts)          # row of the chunk's first image in the batch
+    parts.append(arr)
+    failed.update({first + j: why for j, why in f.items()})
+    failed.update({first + j: err for j, (_, err) in enumerate(chunk) if err is not None})
+
+
 def decoded_batches(read, n, bsz, decoder, readers: int = 8, ahead_batches: int = 2,
                     clock: Callable[[], float] = time.perf_counter, busy: dict | None = None,
-                    timeline: list | None = None) -> Iterator[tuple]:
+                    timeline: list | None = None, max_bytes: int | None = None) -> Iterator[tuple]:
     """Yields (batch index, lo, hi, uint8 [hi-lo, S, S, 3], {row in batch: reason}) for items 0..n-1.
 
-    `read(i)` runs on reader threads, `ahead_batches` batches ahead of the decoder; `busy`
-    (seconds per stage) and `timeline` (decode intervals) are filled when given.
+    `read(i)` runs on reader threads, up to `ahead_batches` batches ahead of the decoder and
+    within `max_bytes` of encoded bytes (ENGINE_READAHEAD_BYTES, see ReadAhead); a batch whose
+    files hold more than `max_bytes` goes to the decoder in chunks of at most that (one file
+    at least), so memory follows the byte budget, not the file count. `busy` (seconds per
+    stage) and `timeline` (decode intervals) are filled when given.
     """
+    if max_bytes is None:
+        from engine import settings
+
+        max_bytes = settings.readahead_bytes()
     busy = {"read": 0.0, "decode": 0.0} if busy is None else busy
     timeline = [] if timeline is None else timeline
 
@@ -93,24 +186,28 @@ def decoded_batches(read, n, bsz, decoder, readers: int = 8, ahead_batches: int 
         finally:
             busy["read"] += clock() - t  # summed over reader threads
 
-    window = bsz * (ahead_batches + 1)  # files read ahead of the decoder
-    with ThreadPoolExecutor(max_workers=readers, thread_name_prefix="reader") as pool:
-        pending = [pool.submit(read_one, i) for i in range(min(n, window))]
-        nxt = len(pending)
+    ahead = ReadAhead(read_one, n, readers, bsz * (ahead_batches + 1), max_bytes)
+    try:
         for b in range((n + bsz - 1) // bsz):
             lo, hi = b * bsz, min(n, (b + 1) * bsz)
-            got = [f.result() for f in pending[: hi - lo]]
-            pending = pending[hi - lo:]
-            while nxt < n and len(pending) < window:
-                pending.append(pool.submit(read_one, nxt))
-                nxt += 1
-            t = clock()
-            arr, failed = decoder.decode([g[0] for g in got])
-            t2 = clock()
-            busy["decode"] += t2 - t
-            timeline.append({"stage": "decode", "batch": b, "start": t, "end": t2})
-            failed.update({j: err for j, (_, err) in enumerate(got) if err is not None})
-            yield b, lo, hi, arr, failed
+            parts, failed, chunk, chunk_bytes, start = [], {}, [], 0, clock()
+            for i in range(lo, hi):
+                got = ahead.take(i)
+                size = len(got[0]) if got[0] else 0
+                if chunk and chunk_bytes + size > max_bytes:
+                    _decode_into(decoder, chunk, parts, failed, clock, busy)
+                    chunk, chunk_bytes = [], 0
+                chunk.append(got)
+                chunk_bytes += size
+            _decode_into(decoder, chunk, parts, failed, clock, busy)
+            chunk = []
+            timeline.append({"stage": "decode", "batch": b, "start": start, "end": clock()})
+            yield b, lo, hi, _concat(parts), failed
+    finally:
+        ahead.close()
+
+
+LEAVE_S = 0.5   # how long a consumer that stops waits for the decode worker
 
 
 def in_thread(gen: Iterator, depth: int) -> Iterator:
@@ -119,15 +216,23 @@ def in_thread(gen: Iterator, depth: int) -> Iterator:
     stop = threading.Event()
     done = object()
 
+    def put(item) -> bool:
+        while not stop.is_set():           # a consumer that left is not waited for
+            try:
+                q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                pass
+        return False
+
     def work() -> None:
         try:
             for item in gen:
-                q.put(item)
-                if stop.is_set():
+                if not put(item):
                     return
-            q.put(done)
+            put(done)
         except BaseException as e:  # noqa: BLE001 - hand the error to the consumer
-            q.put(e)
+            put(e)
 
     worker = threading.Thread(target=work, name="decode", daemon=True)
     worker.start()
@@ -137,12 +242,11 @@ def in_thread(gen: Iterator, depth: int) -> Iterator:
                 raise item
             yield item
     finally:
+        # the worker stops at its next item; one busy in a long decode is not waited for past
+        # LEAVE_S (it is a daemon; an isolated decoder's child leaves with the process), so a
+        # signal ends the run at once whatever the decoder is doing
         stop.set()
-        while worker.is_alive():  # unblock a producer waiting on a full queue
-            try:
-                q.get_nowait()
-            except queue.Empty:
-                worker.join(0.05)
+        worker.join(LEAVE_S)
 
 
 def classify(read: Callable[[int], bytes], n: int, decoder, runtime, readers: int = 8, depth: int = 2,

@@ -105,3 +105,31 @@ def hostile_cohort(src: Path, dst: Path, batch: int, seed: int = 0) -> dict[str,
                 g += 1
     (dst / "manifest.tsv").write_text("\n".join(rows) + "\n")
     return kinds
+
+
+def many_scans(side: int = 4096, copies: int = 5000) -> bytes:
+    """A progressive grey JPEG of side x side px whose first AC scan is repeated `copies` times.
+
+    libjpeg only warns about the repeated scans (a bogus progression) and decodes every one: each
+    visits all (side / 8)^2 blocks, ~6 ms at 4096 px, so 5000 copies keep PIL busy ~30 s for
+    a file of ~240 KB (a flat image: each scan is a few end-of-band runs). More than DALI's 256
+    scans, so the router sends it to the reference. The 20,000-scan JPEG of a hostile cohort,
+    at test size.
+    """
+    import io
+    import re
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("L", (side, side), 128).save(buf, "JPEG", progressive=True, quality=90)
+    blob = buf.getvalue()
+    pos = 0
+    while True:                                       # the first scan with Ss > 0 (an AC scan)
+        sos = blob.index(b"\xff\xda", pos)
+        head = 2 + int.from_bytes(blob[sos + 2:sos + 4], "big")
+        end = re.compile(rb"\xff[^\x00\xd0-\xd7\xff]").search(blob, sos + head).start()
+        if blob[sos + 4 + 1 + 2 * blob[sos + 4]] > 0:
+            break
+        pos = end
+    return blob[:end] + blob[sos:end] * copies + blob[end:]

@@ -1,12 +1,20 @@
 """The contest manifest: one `request_id<TAB>relative/path` row per image, in output order.
 
+Rows are counted as Python's own text reading counts them (`for line in open(path)`,
+universal newlines): `\\n`, `\\r\\n` and `\\r` each end a row. A blank (or whitespace-only)
+line is not a row, for the reference either: it is skipped and its line number kept, so
+the caller can say so. A line without a tab, or bytes that are not UTF-8, refuse the
+whole manifest (the line is named). Empty fields are not a parse error: an empty path is
+a row the reader cannot open (a prediction and a stderr line), and the request id is not
+part of the output.
+
 The manifest is read like every input: a regular file only (a FIFO or a directory is an
 error, never a hang), at most MAX_BYTES.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 MAX_BYTES = 1 << 30   # 10,000 rows take ~0.5 MB: anything near this is not a manifest
@@ -23,8 +31,22 @@ class Row:
     line: int
 
 
-def read_manifest(path: str | os.PathLike) -> list[Row]:
-    """Rows of a manifest. CRLF and a trailing newline are fine; anything else malformed is an error."""
+@dataclass(frozen=True)
+class Manifest:
+    rows: list[Row]
+    blank: list[int] = field(default_factory=list)   # line numbers of skipped blank lines
+
+
+def _lines(text: str) -> list[str]:
+    """Lines as universal newlines split them (only \\n, \\r\\n, \\r; not str.splitlines' others)."""
+    lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+    if lines[-1] == "":
+        lines.pop()  # the last line's end, or an empty file
+    return lines
+
+
+def parse_manifest(path: str | os.PathLike) -> Manifest:
+    """Rows of a manifest and the blank lines skipped; ManifestError when it cannot be used."""
     from engine.pipeline import read_regular
 
     try:
@@ -36,25 +58,29 @@ def read_manifest(path: str | os.PathLike) -> list[Row]:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        line = data[: e.start].count(b"\n") + 1
+        line = len(_lines(data[: e.start].decode("utf-8") + "x"))
         raise ManifestError(f"{path}:{line}: not valid UTF-8") from e
-    lines = text.split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()  # trailing newline
-    rows = []
-    for no, raw in enumerate(lines, 1):
-        line = raw[:-1] if raw.endswith("\r") else raw
+    rows, blank = [], []
+    for no, line in enumerate(_lines(text), 1):
+        if not line.strip():
+            blank.append(no)
+            continue
         if "\t" not in line:
             raise ManifestError(f"{path}:{no}: expected request_id<TAB>path, found no tab: {line[:80]!r}")
         rid, rel = line.split("\t", 1)
-        if not rid or not rel:
-            raise ManifestError(f"{path}:{no}: empty request id or path")
         rows.append(Row(rid, rel, no))
-    return rows
+    return Manifest(rows, blank)
 
 
-def resolve_image(root: Path, rel: str) -> Path:
-    """Path of `rel` inside `root`; raises ValueError (never opening anything) if it escapes the root."""
-    from engine.pipeline import resolve_inside
+def read_manifest(path: str | os.PathLike) -> list[Row]:
+    """The rows of a manifest (blank lines skipped); ManifestError when it cannot be used."""
+    return parse_manifest(path).rows
 
-    return Path(resolve_inside(root, rel, "IMAGE_ROOT"))
+
+def resolve_image(root: Path, rel: str, confine: bool = False) -> Path:
+    """Real path of the image `rel` names under `root` (symlinks followed, or confined to the
+    root's real path when `confine`); ValueError, nothing opened, for an empty or absolute path,
+    a NUL byte or a `..` component (engine.pipeline.resolve_relative)."""
+    from engine.pipeline import resolve_relative
+
+    return Path(os.path.realpath(resolve_relative(root, rel, "IMAGE_ROOT", confine)))

@@ -276,6 +276,15 @@ class Held:
             tempfile.tempdir = None
 
 
+class Signalled(SystemExit):
+    """A signal stopped the run: main() cleans up and returns 128 + signal, so the caller's fast
+    exit still applies (interpreter teardown would cost seconds)."""
+
+
+def _on_signal(sig: int, _frame) -> None:
+    raise Signalled(128 + sig)
+
+
 def main(argv: list[str] | None = None) -> int:
     """scripts/run: 0 with OUTPUT written, 2 with one `run: error:` line and no OUTPUT."""
     from engine.streams import safe_std_streams
@@ -283,11 +292,14 @@ def main(argv: list[str] | None = None) -> int:
     safe_std_streams()
     wall0 = _process_start()
     held = Held()
-    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
     for s in previous:  # a terminated run still cleans up (the finally below)
-        signal.signal(s, lambda sig, _: sys.exit(128 + sig))
+        signal.signal(s, _on_signal)
     try:
         return _run(argv, wall0, held)
+    except Signalled as e:
+        print(f"{PROG}: stopped by {signal.Signals(e.code - 128).name}; no OUTPUT written", file=sys.stderr)
+        return e.code
     except RunError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,177 @@
+"""OUTPUT of a contest run: refused when it is an input or a special file, reserved before any
+image is read, committed atomically.
+
+Rules, in order (all before the first image is read):
+1. Refused, nothing deleted: OUTPUT that is (or resolves to, through symlinks or a hard
+   link) the manifest, anything under IMAGE_ROOT's real path, anything in the artifact
+   directory, or an existing file that is not a regular one (a directory, a character
+   device such as /dev/null, a FIFO, a socket, /proc/self/fd/1's pipe or terminal).
+2. A stale regular OUTPUT is removed (a file from an earlier run must never pass for this
+   one's), temp files of killed runs beside it too, and `.tmp-NAME-<pid>` is opened there.
+3. `reserve(n)` allocates the n bytes the answers take (posix_fallocate, else zeros), so a
+   full disk or a file-size limit is one error before the model loads.
+4. `commit(data)` writes, fsyncs and renames the temp file onto OUTPUT; `discard()` removes
+   it on every other exit path.
+A symlink OUTPUT is written through (its target is what rules 1-4 apply to), as
+`open(OUTPUT, "wb")` would. When OUTPUT's folder is not writable but OUTPUT itself is, it is
+emptied at step 2 and written in place.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from pathlib import Path
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISFIFO, "a FIFO (or pipe)"), (stat.S_ISSOCK, "a socket"))
+_NO_FALLOCATE = (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)   # the filesystem cannot: write zeros instead
+
+
+class OutputError(Exception):
+    """OUTPUT cannot be used; the message says why (scripts/run prints it as its one error line)."""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True          # someone else's process: leave its files alone
+    return True
+
+
+def stale(name: str, prefix: str) -> bool:
+    """`name` is PREFIX<pid> of a process that no longer runs."""
+    tail = name[len(prefix):]
+    return name.startswith(prefix) and tail.isdigit() and int(tail) != os.getpid() and not _alive(int(tail))
+
+
+def _under(path: str, folder: str) -> bool:
+    return os.path.commonpath([folder, path]) == folder
+
+
+def _same_file(st: os.stat_result, other: os.stat_result) -> bool:
+    return (st.st_dev, st.st_ino) == (other.st_dev, other.st_ino)
+
+
+def _artifact_files(artifact: str):
+    """stat of each file in the artifact directory (a handful of files)."""
+    for dirpath, _, names in os.walk(artifact):
+        for n in names:
+            try:
+                yield os.stat(os.path.join(dirpath, n))
+            except OSError:
+                pass
+
+
+def refusal(path: Path, manifest: Path | None = None, image_root: Path | None = None,
+            artifact: Path | None = None) -> str | None:
+    """Why OUTPUT must not be written (rule 1), or None."""
+    real = os.path.realpath(path)
+    try:
+        st = os.stat(path)            # follows links: /proc/self/fd/1 is the pipe it names
+    except OSError:
+        st = None                     # absent (or a dangling link): nothing to protect
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        kind = next((what for test, what in _KINDS if test(st.st_mode)), "not a regular file")
+        return f"OUTPUT is {kind}, not a regular file: {path}"
+    if manifest is not None:
+        try:
+            same = st is not None and _same_file(st, os.stat(manifest))
+        except OSError:
+            same = False
+        if same or real == os.path.realpath(manifest):
+            return f"OUTPUT is the manifest: {path}"
+    if image_root is not None and _under(real, os.path.realpath(image_root)):
+        return f"OUTPUT is inside IMAGE_ROOT ({image_root}): {path}"
+    if artifact is not None and os.path.isdir(artifact):
+        real_art = os.path.realpath(artifact)
+        if _under(real, real_art) or (st is not None and any(_same_file(st, f) for f in _artifact_files(real_art))):
+            return f"OUTPUT is a file of the artifact {artifact}: {path}"
+    return None
+
+
+class Output:
+    """OUTPUT, checked and reserved before any image is read (the module's rules 1-4)."""
+
+    def __init__(self, path: Path, manifest: Path | None = None, image_root: Path | None = None,
+                 artifact: Path | None = None):
+        why = refusal(path, manifest, image_root, artifact)
+        if why:
+            raise OutputError(why)
+        path = Path(os.path.realpath(path))   # a link is written through, as open(OUTPUT, "wb") would
+        self.path, self.fd, self.done = path, None, False
+        folder = path.parent
+        if not os.path.isdir(folder):
+            raise OutputError(f"OUTPUT folder does not exist (or is not reachable): {folder}")
+        prefix = f".tmp-{path.name}-"
+        try:
+            for p in folder.iterdir():  # temp files of killed runs
+                if stale(p.name, prefix):
+                    p.unlink(missing_ok=True)
+        except OSError:
+            pass
+        self.tmp = folder / f"{prefix}{os.getpid()}"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+        try:
+            if os.path.lexists(path):
+                os.unlink(path)
+            self.fd = os.open(self.tmp, flags | os.O_EXCL, 0o644)
+        except FileExistsError:
+            os.unlink(self.tmp)
+            self.fd = os.open(self.tmp, flags | os.O_EXCL, 0o644)
+        except OSError as e:
+            if not (os.path.isfile(path) and os.access(path, os.W_OK)):
+                raise OutputError(f"cannot write OUTPUT in {folder}: {e.strerror or e}") from None
+            try:
+                self.fd, self.tmp = os.open(path, flags), None   # in place: emptied now, written at the end
+            except OSError as e2:
+                raise OutputError(f"cannot write OUTPUT {path}: {e2.strerror or e2}") from None
+
+    def reserve(self, nbytes: int) -> None:
+        """Allocate `nbytes` now: no space (or a file-size limit) is an OutputError before any work."""
+        if nbytes <= 0:
+            return
+        try:
+            try:
+                os.posix_fallocate(self.fd, 0, nbytes)
+            except OSError as e:
+                if e.errno not in _NO_FALLOCATE:
+                    raise
+                zeros = memoryview(bytes(min(nbytes, 1 << 20)))
+                left = nbytes
+                while left:
+                    left -= os.write(self.fd, zeros[: min(left, len(zeros))])
+                os.fsync(self.fd)
+                os.lseek(self.fd, 0, os.SEEK_SET)
+        except OSError as e:
+            where = self.tmp or self.path
+            raise OutputError(f"cannot reserve {nbytes} bytes for OUTPUT at {where}: {e.strerror or e}") from None
+
+    def commit(self, data: bytes) -> None:
+        """Write `data` from the start, trim, fsync, and rename the temp file onto OUTPUT."""
+        os.lseek(self.fd, 0, os.SEEK_SET)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self.fd, view):]
+        os.ftruncate(self.fd, len(data))   # a reservation larger than the answers leaves no tail
+        os.fsync(self.fd)
+        os.close(self.fd)
+        self.fd = None
+        if self.tmp is not None:
+            os.replace(self.tmp, self.path)
+        self.done = True
+
+    def discard(self) -> None:
+        """Close and remove the temp file (every exit path that did not commit)."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        if not self.done and self.tmp is not None:
+            try:
+                os.unlink(self.tmp)
+            except OSError:
+                pass
+

@@ -1,0 +1,176 @@
+"""One deadline per image, once: a JPEG that keeps a decoder busy (thousands of progressive scans)
+costs at most one decode deadline, is never decoded again by another path, and a SIGTERM or
+SIGINT ends the run within 2 s whatever the decoder is doing, leaving no OUTPUT or temp file."""
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import REPO, tiny_spec
+from hostile import many_scans
+from PIL import Image
+
+# ~40 s of PIL work (5 ms a scan at 4096 px), ~1.3 MB: far past every deadline below
+SLOW_COPIES = 8000
+
+
+def _good(seed: int) -> bytes:
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (90, 120, 3), dtype=np.uint8)).save(buf, "JPEG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def slow_jpeg() -> bytes:
+    return many_scans(4096, SLOW_COPIES)
+
+
+def test_a_slow_image_costs_one_deadline_and_the_rest_of_its_batch_is_decoded(slow_jpeg, monkeypatch, capfd):
+    from engine.decoders import make_decoder
+    from engine.decoders.dali import DaliDecoder
+
+    monkeypatch.setenv("ENGINE_DECODE_DEADLINE_S", "2")
+    spec = tiny_spec()
+    goods = [_good(s) for s in range(3)]
+    dec = make_decoder("dali-cpu", spec, 5, 1, isolate=True)
+    try:
+        dec.decode([goods[0]])                                   # the child is up: only the batch is timed
+        t0 = time.perf_counter()
+        out, failed = dec.decode([goods[0], slow_jpeg, goods[1], None, goods[2]])
+        took = time.perf_counter() - t0
+        again, _ = dec.decode([goods[1]])                        # the fresh child serves the next batch
+    finally:
+        dec.close()
+    assert sorted(failed) == [1, 3] and failed[3] == "not read"
+    assert "not decoded within 2 s (ENGINE_DECODE_DEADLINE_S)" in failed[1]
+    # one deadline, plus a fresh child's start: not the ~40 s the file needs, nor twice that
+    assert 2.0 <= took < 2.0 + 20.0, took
+    want, _ = DaliDecoder(spec, 3, threads=1).decode(goods)          # the same decoder, in this process
+    assert all(np.array_equal(out[k], want[j]) for j, k in enumerate((0, 2, 4)))
+    assert np.array_equal(again[0], out[2])
+    err = capfd.readouterr().err
+    assert err.count("image 1 of this batch is unreadable") == 1 and "starting a fresh decoder process" in err
+
+
+def test_the_router_sends_a_jpeg_with_more_scans_than_dali_takes_to_the_reference(slow_jpeg):
+    from engine.decoders.route import MAX_FAST_SCANS, jpeg_header, route
+
+    assert jpeg_header(slow_jpeg).scans > MAX_FAST_SCANS
+    fast, slow, failed = route([slow_jpeg], tiny_spec())
+    assert fast == [] and slow == [0] and failed == {}
+
+
+@pytest.fixture(scope="module")
+def null_artifact(tmp_path_factory) -> Path:
+    from engine.build import build
+
+    out = tmp_path_factory.mktemp("null") / "artifact"
+    build(tiny_spec(batch_size=4), None, out, backend="null", device="cpu")
+    return out
+
+
+@pytest.fixture(scope="module")
+def slow_cohort(tmp_path_factory, slow_jpeg) -> Path:
+    """6 rows, the slow JPEG at row 3, in batches of 4."""
+    root = tmp_path_factory.mktemp("slow")
+    (root / "img").mkdir()
+    rows = []
+    for i in range(6):
+        name = "slow.JPEG" if i == 2 else f"g{i}.JPEG"
+        (root / "img" / name).write_bytes(slow_jpeg if i == 2 else _good(i))
+        rows.append(f"r{i}\timg/{name}")
+    (root / "manifest.tsv").write_text("\n".join(rows) + "\n")
+    return root
+
+
+def _env(artifact: Path, **extra: str) -> dict:
+    return {**os.environ, "ENGINE_ARTIFACT": str(artifact), "ENGINE_THREADS": "1", **extra}
+
+
+def test_a_run_answers_every_row_within_one_deadline(slow_cohort, null_artifact, tmp_path):
+    out = tmp_path / "p.i32"
+    t0 = time.perf_counter()
+    r = subprocess.run([str(REPO / "scripts" / "run"), str(slow_cohort / "manifest.tsv"), str(slow_cohort), str(out)],
+                       env=_env(null_artifact, ENGINE_DECODE_DEADLINE_S="3"), capture_output=True, text=True,
+                       timeout=300)
+    took = time.perf_counter() - t0
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert len(np.fromfile(out, "<i4")) == 6
+    rows = [line for line in r.stderr.splitlines() if line.startswith("run: row")]
+    assert len(rows) == 1 and "(r2, img/slow.JPEG): unreadable" in rows[0] and "ENGINE_DECODE_DEADLINE_S" in rows[0]
+    assert took < 3.0 + 40.0, took          # start-up, one deadline, one fresh child; the file alone needs ~40 s
+
+
+def _descendants(pid: int) -> list[int]:
+    out, stack = [], [pid]
+    while stack:
+        p = stack.pop()
+        try:
+            for t in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{t}/children") as f:
+                    kids = [int(c) for c in f.read().split()]
+                out += kids
+                stack += kids
+        except OSError:
+            pass
+    return out
+
+
+def _busy_child(pid: int, timeout: float = 120.0) -> int:
+    """The run's decoder child once it has spent 2 s of CPU past its start (deep in the slow file)."""
+    end = time.monotonic() + timeout
+    ticks = os.sysconf("SC_CLK_TCK")
+    while time.monotonic() < end:
+        for c in _descendants(pid):
+            try:
+                with open(f"/proc/{c}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            cpu = (int(fields[11]) + int(fields[12])) / ticks
+            if cpu > 8.0:                      # imports and the pipeline take ~3-6 s; the file ~40 s
+                return c
+        time.sleep(0.1)
+    raise AssertionError("the decoder child never got busy")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_mid_decode_ends_the_run_within_2_s_leaving_nothing(slow_cohort, null_artifact, tmp_path, sig):
+    out = tmp_path / "out" / "p.i32"
+    out.parent.mkdir()
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    p = subprocess.Popen([str(REPO / "scripts" / "run"), str(slow_cohort / "manifest.tsv"), str(slow_cohort),
+                          str(out)], env=_env(null_artifact, ENGINE_DECODE_DEADLINE_S="300", TMPDIR=str(scratch)),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        child = _busy_child(p.pid)
+        t0 = time.monotonic()
+        os.kill(p.pid, sig)
+        rc = p.wait(timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    err = p.stderr.read().decode(errors="replace")
+    assert took < 2.0, (took, err[-2000:])
+    assert rc in (128 + sig, -sig), (rc, err[-2000:])
+    assert list(out.parent.iterdir()) == []                  # no OUTPUT, no temp file beside it
+    assert list(scratch.iterdir()) == []                     # the run's scratch folder is gone
+    end = time.monotonic() + 2.0
+    while os.path.exists(f"/proc/{child}") and time.monotonic() < end:
+        time.sleep(0.05)
+    try:
+        with open(f"/proc/{child}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        state = "gone"
+    assert state in ("gone", "Z"), "the decoder child outlived the run by 2 s"
