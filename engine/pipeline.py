@@ -23,15 +23,18 @@ _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSO
           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
 
 
-def read_regular(path: str | os.PathLike, max_bytes: int, limit: str = "ENGINE_MAX_FILE_BYTES") -> bytes:
+def read_regular(path: str | os.PathLike, max_bytes: int, limit: str = "ENGINE_MAX_FILE_BYTES",
+                 follow: bool = False) -> bytes:
     """The bytes of a regular file of at most `max_bytes` (`limit` names that bound): one open,
     one fstat, one read.
 
-    Opened non-blocking (a FIFO cannot hang the reader) and without following a final
-    symlink; directories, FIFOs, sockets and devices are refused after the fstat, and an
-    oversized file before a byte is read. Errors are OSError or ValueError naming why.
+    Opened non-blocking (a FIFO cannot hang the reader), following a final symlink only when
+    `follow` (trusted staging: a symlink farm); directories, FIFOs, sockets and devices are
+    refused after the fstat, whatever a link led to, and an oversized file before a byte is
+    read. Errors are OSError or ValueError naming why.
     """
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    nofollow = 0 if follow else os.O_NOFOLLOW
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | nofollow | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -48,6 +51,30 @@ def read_regular(path: str | os.PathLike, max_bytes: int, limit: str = "ENGINE_M
         return data
     finally:
         os.close(fd)
+
+
+def resolve_relative(root: str | os.PathLike, rel: str, what: str = "the root", confine: bool = False,
+                     real_root: str | None = None) -> str:
+    """Where the relative path `rel` under `root` leads; ValueError (nothing opened) for an empty
+    or absolute path, a NUL byte or a `..` component.
+
+    Trusted staging (default): `root/rel` as given, to be opened following symlinks
+    (read_regular(..., follow=True)), as `open(os.path.join(root, rel))` would: a symlink
+    farm into a store elsewhere, or hard links, read like plain files. `confine=True`
+    (untrusted inputs): the real path, which must stay inside root's real path
+    (resolve_inside); open it without following (read_regular's default).
+    """
+    if not rel:
+        raise ValueError("empty path")
+    if os.path.isabs(rel) or rel.startswith(("/", "\\")):
+        raise ValueError(f"absolute path refused: {rel!r}")
+    if "\x00" in rel:
+        raise ValueError("NUL byte in path")
+    if ".." in rel.split("/"):
+        raise ValueError(f"'..' component refused: {rel!r}")
+    if confine:
+        return resolve_inside(root, rel, what, real_root)   # realpath under the root, no final link
+    return os.path.join(root, rel)
 
 
 def resolve_inside(root: str | os.PathLike, rel: str, what: str = "the root", real_root: str | None = None) -> str:

@@ -6,11 +6,14 @@ Defaults come from CONTEST_MANIFEST / CONTEST_IMAGE_ROOT / CONTEST_OUTPUT, the a
 from ENGINE_ARTIFACT (default artifacts/default), the timing report path from
 CONTEST_REPORT (evaluator.settings, engine.settings). Nothing is printed on stdout; problems go to stderr.
 
-Order: every check that can fail a run happens before the first image is read (manifest,
-IMAGE_ROOT, OUTPUT's folder writable and a temp file opened there, a stale OUTPUT removed,
-TMPDIR, the address-space limit, the artifact with its self-checks). The output is written
-to that temp file and renamed into place at the end, so a crash never leaves a file that
-looks complete. Diagnostics are best effort: a stderr that cannot be written changes nothing.
+Order: every check that can fail a run happens before the first image is read (IMAGE_ROOT,
+OUTPUT refused if it is an input or a special file, its folder writable and a temp file
+opened there, a stale OUTPUT removed, the manifest, 4 bytes per row reserved in the temp
+file, TMPDIR, the address-space limit, the artifact with its self-checks). The output is
+written to that temp file and renamed into place at the end, so a crash never leaves a file
+that looks complete (evaluator.contest.output). Image paths are relative, without `..`, and
+followed where they lead (symlinks included) unless --confine. Diagnostics are best effort:
+a stderr that cannot be written changes nothing.
 """
 from __future__ import annotations
 
@@ -25,6 +28,8 @@ import shutil  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
+
+from evaluator.contest.output import Output, OutputError, stale  # noqa: E402
 
 PROG = "run"
 RUN_DIR_PREFIX = "eva-engine-run-"          # TMPDIR/eva-engine-run-<pid>: this run's scratch folder
@@ -56,96 +61,6 @@ def _process_start() -> float:
         return time.time() - (time.perf_counter() - _T_IMPORT)
 
 
-def write_predictions(path: Path, top1) -> None:
-    """Atomically write int32 little-endian predictions (temp file in the same folder, fsync, rename)."""
-    import numpy as np
-
-    from engine.io import write_atomic
-
-    write_atomic(path, np.ascontiguousarray(top1, dtype="<i4").tobytes())
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True          # someone else's process: leave its files alone
-    return True
-
-
-def _stale(name: str, prefix: str) -> bool:
-    """`name` is PREFIX<pid> of a process that no longer runs."""
-    tail = name[len(prefix):]
-    return name.startswith(prefix) and tail.isdigit() and int(tail) != os.getpid() and not _alive(int(tail))
-
-
-class Output:
-    """OUTPUT, reserved before any image is read.
-
-    Checked (not a directory, its folder exists), any earlier OUTPUT removed (a stale file
-    must never pass for this run's), and a temp file `.tmp-NAME-<pid>` opened beside it;
-    `commit` writes, syncs and renames it into place. When the folder is not writable but
-    OUTPUT itself is, OUTPUT is emptied now and written in place at the end.
-    """
-
-    def __init__(self, path: Path):
-        self.path = path
-        folder = path.parent
-        if os.path.isdir(path):
-            raise RunError(f"OUTPUT is a directory: {path}")
-        if not os.path.isdir(folder):
-            raise RunError(f"OUTPUT folder does not exist (or is not reachable): {folder}")
-        prefix = f".tmp-{path.name}-"
-        try:
-            for p in folder.iterdir():  # temp files of killed runs
-                if _stale(p.name, prefix):
-                    p.unlink(missing_ok=True)
-        except OSError:
-            pass
-        self.tmp = folder / f"{prefix}{os.getpid()}"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
-        try:
-            if os.path.lexists(path):
-                os.unlink(path)
-            self.fd = os.open(self.tmp, flags | os.O_EXCL, 0o644)
-        except FileExistsError:
-            os.unlink(self.tmp)
-            self.fd = os.open(self.tmp, flags | os.O_EXCL, 0o644)
-        except OSError as e:
-            if not (os.path.isfile(path) and os.access(path, os.W_OK)):
-                raise RunError(f"cannot write OUTPUT in {folder}: {e.strerror or e}") from None
-            try:
-                self.fd, self.tmp = os.open(path, flags), None   # in place: emptied now, written at the end
-            except OSError as e2:
-                raise RunError(f"cannot write OUTPUT {path}: {e2.strerror or e2}") from None
-        self.done = False
-
-    def commit(self, data: bytes) -> None:
-        """Write `data`, fsync, and rename the temp file onto OUTPUT."""
-        view = memoryview(data)
-        while view:
-            view = view[os.write(self.fd, view):]
-        os.fsync(self.fd)
-        os.close(self.fd)
-        self.fd = None
-        if self.tmp is not None:
-            os.replace(self.tmp, self.path)
-        self.done = True
-
-    def discard(self) -> None:
-        """Close and remove the temp file (every exit path that did not commit)."""
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-        if not self.done and self.tmp is not None:
-            try:
-                os.unlink(self.tmp)
-            except OSError:
-                pass
-
-
 def private_tmpdir() -> Path | None:
     """TMPDIR/eva-engine-run-<pid>, made the process's TMPDIR (the AOT loader unpacks its package
     there) and removed on every exit path by the caller; folders of killed runs are removed first.
@@ -157,7 +72,7 @@ def private_tmpdir() -> Path | None:
     base = settings.tmpdir()
     try:
         for p in base.iterdir():
-            if _stale(p.name, RUN_DIR_PREFIX):
+            if stale(p.name, RUN_DIR_PREFIX):
                 shutil.rmtree(p, ignore_errors=True)
     except OSError:
         pass
@@ -246,6 +161,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--report", type=Path, default=ev.contest_report(),
                    help="write the timing report JSON here (env CONTEST_REPORT)")
     p.add_argument("--artifact", type=Path, default=settings.artifact(), help="env ENGINE_ARTIFACT")
+    p.add_argument("--confine", action=argparse.BooleanOptionalAction, default=ev.contest_confine(),
+                   help="untrusted inputs: every image's real path must stay inside IMAGE_ROOT's, and a final "
+                        "symlink is not followed (env CONTEST_CONFINE; default: paths are followed where they "
+                        "lead, as the reference opens them)")
     p.add_argument("--decoder", default=settings.decoder(), choices=tuple(DECODERS),
                    help="env ENGINE_DECODER; default: the artifact's")
     p.add_argument("--readers", type=int, default=settings.readers(),
@@ -257,6 +176,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if (a.readers is not None and a.readers < 1) or a.depth < 0:
         p.error("--readers must be >= 1 and --depth >= 0")
     return a
+
+
+def _say_blank(path: Path, blank: list[int], most: int = 10) -> None:
+    """One stderr line per skipped blank manifest line (the first `most`, then a count)."""
+    for no in blank[:most]:
+        print(f"{PROG}: {path}:{no}: blank line skipped (not a row)", file=sys.stderr)
+    if len(blank) > most:
+        print(f"{PROG}: {path}: {len(blank) - most} more blank lines skipped", file=sys.stderr)
 
 
 class Held:
@@ -334,15 +261,18 @@ def _run(argv, wall0: float, held: Held) -> int:
     os.environ.update(threads.library_env(budget))   # before numpy / torch load and size their pools
     if not os.path.isdir(a.image_root):
         raise RunError(f"IMAGE_ROOT is not a directory (or not reachable): {a.image_root}")
-    out = held.output = Output(a.output)
-    check_address_space(a.artifact)                  # before anything large is mapped
-    from engine.pipeline import read_regular, resolve_inside
-    from evaluator.contest.manifest import ManifestError, read_manifest
+    from engine.pipeline import read_regular, resolve_relative
+    from evaluator.contest.manifest import ManifestError, parse_manifest
 
     try:
-        rows = read_manifest(a.manifest)
-    except ManifestError as e:
+        out = held.output = Output(a.output, a.manifest, a.image_root, a.artifact)
+        manifest = parse_manifest(a.manifest)
+        out.reserve(4 * len(manifest.rows))          # a full disk fails here, not after inference
+    except (OutputError, ManifestError) as e:
         raise RunError(str(e)) from None
+    rows = manifest.rows
+    _say_blank(a.manifest, manifest.blank)
+    check_address_space(a.artifact)                  # before anything large is mapped
     held.scratch = private_tmpdir()
 
     early = early_decoder(a, budget, isolate)   # a child decoder process starts while torch imports
@@ -380,17 +310,22 @@ def _run(argv, wall0: float, held: Held) -> int:
         raise RunError(f"cannot load artifact {a.artifact}: {e}{hint}") from None
     t_loaded = time.perf_counter()
 
-    root, real_root = a.image_root, os.path.realpath(a.image_root)
+    root, real_root, confine = a.image_root, os.path.realpath(a.image_root), a.confine
 
-    def read(i: int) -> bytes:
-        return read_regular(resolve_inside(root, rows[i].path, "IMAGE_ROOT", real_root), cap)
+    def read(i: int) -> bytes:   # trusted: symlinks followed; confined: real path inside the root, no final link
+        path = resolve_relative(root, rows[i].path, "IMAGE_ROOT", confine, real_root)
+        return read_regular(path, cap, follow=not confine)
 
     res = classify(read, len(rows), decoder, runtime, readers=readers, depth=a.depth)
     t_done = time.perf_counter()
     for i in sorted(res.failed):
         r = rows[i]
-        print(f"{PROG}: row {r.line} ({r.request_id}, {r.path}): unreadable, predicted {res.top1[i]}: "
+        where = f"row {i + 1}" + (f", line {r.line}" if r.line != i + 1 else "")   # they differ after a blank line
+        print(f"{PROG}: {where} ({r.request_id}, {r.path}): unreadable, predicted {res.top1[i]}: "
               f"{res.failed[i]}", file=sys.stderr)
+    if 2 * len(res.failed) > len(rows):   # a wrong IMAGE_ROOT must not look like success
+        print(f"{PROG}: warning: {len(res.failed)} of {len(rows)} rows could not be read or decoded: is "
+              f"IMAGE_ROOT ({a.image_root}) the folder the manifest's paths are relative to?", file=sys.stderr)
     import numpy as np
 
     try:
@@ -406,6 +341,8 @@ def _run(argv, wall0: float, held: Held) -> int:
         offset = (time.time() - time.perf_counter()) - wall0
         report = {
             "images": len(rows),
+            "rows": len(rows),                       # one int32 each in OUTPUT
+            "blank_lines_skipped": len(manifest.blank),
             "failed": len(res.failed),
             "backend": art.backend,
             "decoder": decoder.name,
