@@ -19,15 +19,19 @@ scripts/run and checks the output. An intact, current artifact is reused.
 
 environment (default):
   ENGINE_CHECKPOINT   the checkpoint file                  (/checkpoint/model.safetensors)
-  ENGINE_MODEL        timm name, decides the spec          (eva02_large_patch14_448.mim_m38m_ft_in22k_in1k)
+  ENGINE_MODEL        timm name, decides the spec          (what the checkpoint's safetensors metadata
+                                                           records, as the kit's tiny checkpoints do;
+                                                           else eva02_large_patch14_448.mim_m38m_ft_in22k_in1k)
   ENGINE_PRECISION    fp32 | bf16 | fp16 | fp8             (cuda: bf16, guarded by an FP32 re-check of
                                                            near-ties; cpu: fp32, the reference precision)
   ENGINE_BATCH_SIZE   static batch of the compiled model, or auto (cuda: 64; cpu: the spec's)
   ENGINE_BACKEND      a runtime backend of engine/backends (the registry's first; python -m engine.build --help)
   ENGINE_DEVICE       auto | cuda | cpu                    (auto: cuda when torch sees a GPU)
   ENGINE_ARTIFACT     artifact dir, relative to this folder or absolute (artifacts/default; scripts/run reads it too)
-  ENGINE_INPUT_SIZE, ENGINE_CROP_MODE, ENGINE_CROP_PCT, ENGINE_MODEL_KWARGS (JSON)
-                      spec overrides                       (the model's pretrained config)
+  ENGINE_INPUT_SIZE   spec override: input size in px      (recorded by the checkpoint, else the model's)
+  ENGINE_CROP_MODE    spec override: center | squash       (recorded by the checkpoint, else the model's)
+  ENGINE_CROP_PCT     spec override: crop fraction         (recorded by the checkpoint, else the model's)
+  ENGINE_MODEL_KWARGS spec override: timm kwargs as JSON   (recorded by the checkpoint, else none)
   FORCE=1             rebuild even when the artifact is current
   PYTHON              interpreter                          (python3)
 
@@ -50,7 +54,6 @@ log() { echo "build.sh: $*" >&2; }
 usage_error() { echo "build.sh: error: $*" >&2; exit 2; }   # a knob or an input is wrong
 failed() { echo "build.sh: error: $*" >&2; exit 1; }        # the build or the check failed
 
-MODEL=${ENGINE_MODEL:-eva02_large_patch14_448.mim_m38m_ft_in22k_in1k}
 CHECKPOINT=${ENGINE_CHECKPOINT:-/checkpoint/model.safetensors}
 PRECISION=${ENGINE_PRECISION:-}
 BACKEND=${ENGINE_BACKEND:-}
@@ -70,6 +73,32 @@ command -v "$PY" >/dev/null 2>&1 || usage_error "no Python interpreter '$PY' (se
 [ -e "$CHECKPOINT" ] || usage_error "checkpoint not found: $CHECKPOINT (mount it there or set ENGINE_CHECKPOINT)"
 [ -f "$CHECKPOINT" ] && [ -r "$CHECKPOINT" ] || usage_error "checkpoint is not a readable file: $CHECKPOINT"
 
+# Every knob checked before anything runs: one line naming the variable.
+case "$PRECISION" in ""|fp32|bf16|fp16|fp8) ;; *) usage_error "ENGINE_PRECISION must be fp32, bf16, fp16 or fp8, got '$PRECISION'" ;; esac
+case "$DEVICE" in auto|cuda|cpu) ;; *) usage_error "ENGINE_DEVICE must be auto, cuda or cpu, got '$DEVICE'" ;; esac
+case "${ENGINE_BATCH_SIZE:-1}" in auto|*[!0-9]*|0*) [ "${ENGINE_BATCH_SIZE:-}" = auto ] \
+    || usage_error "ENGINE_BATCH_SIZE must be a whole number >= 1 or auto, got '${ENGINE_BATCH_SIZE:-}'" ;; esac
+case "${ENGINE_INPUT_SIZE:-1}" in *[!0-9]*|0*) usage_error "ENGINE_INPUT_SIZE must be a whole number >= 1, got '${ENGINE_INPUT_SIZE:-}'" ;; esac
+case "${ENGINE_CROP_MODE:-center}" in center|squash) ;; *) usage_error "ENGINE_CROP_MODE must be center or squash, got '${ENGINE_CROP_MODE:-}'" ;; esac
+case "${FORCE:-0}" in 0|1) ;; *) usage_error "FORCE must be 0 or 1, got '${FORCE:-}'" ;; esac
+
+# A checkpoint that records its spec (the kit's tiny ones do, in their safetensors metadata)
+# gives every spec knob the user left unset; otherwise the contest's model is the default.
+if [ -z "${ENGINE_MODEL:-}" ]; then
+    recorded=$("$PY" -m evaluator.contest.selfcheck recorded "$CHECKPOINT") \
+        || usage_error "cannot read the checkpoint's metadata: $CHECKPOINT (see above)"
+    if [ -n "$recorded" ]; then
+        for knob in ENGINE_MODEL ENGINE_INPUT_SIZE ENGINE_CROP_MODE ENGINE_CROP_PCT ENGINE_MODEL_KWARGS; do
+            if eval "[ -z \"\${$knob:-}\" ]"; then   # not set by the user: take the recorded value
+                line=$(printf '%s\n' "$recorded" | grep "^$knob=" || true)
+                [ -n "$line" ] && eval "$line"
+            fi
+        done
+        log "the checkpoint records its spec: $(printf '%s' "$recorded" | tr '\n' ' ') (set ENGINE_MODEL to override)"
+    fi
+fi
+MODEL=${ENGINE_MODEL:-eva02_large_patch14_448.mim_m38m_ft_in22k_in1k}
+
 # The artifact must be built for the device the run uses: a CPU artifact on the GPU
 # machine would pass every check and then be scored at CPU speed.
 if [ "$DEVICE" = auto ]; then
@@ -81,7 +110,6 @@ if [ "$DEVICE" = auto ]; then
         DEVICE=cpu
     fi
 fi
-case "$DEVICE" in cuda|cpu) ;; *) usage_error "ENGINE_DEVICE must be auto, cuda or cpu, got '$DEVICE'" ;; esac
 # on the GPU the fast default: guarded bf16 at a batch the device check measures; on the CPU the reference
 if [ -z "$PRECISION" ]; then
     if [ "$DEVICE" = cuda ]; then PRECISION=bf16; else PRECISION=fp32; fi
@@ -103,11 +131,15 @@ reuse=no
 if [ "${FORCE:-0}" != 1 ]; then
     # exit 0 = intact and current, 1 = stale (reasons on stderr), 2 = bad flags or unreadable input
     rc=0
-    "$PY" -m evaluator.contest.selfcheck current -- "$@" >/dev/null || rc=$?
+    why=$("$PY" -m evaluator.contest.selfcheck current -- "$@" 2>&1 >/dev/null) || rc=$?
     case $rc in
         0) reuse=yes ;;
-        1) ;;
-        *) usage_error "cannot check the existing artifact against the build flags (see above)" ;;
+        1) printf '%s\n' "$why" | sed 's/^python -m evaluator.contest.selfcheck: /build.sh: /' >&2 ;;
+        *) # a knob the build refuses: its one line, with the flag named as the knob
+           usage_error "$(printf '%s\n' "$why" | tail -n 1 | sed -e 's/^.*error: //' -e 's/ (see python -m engine.build --help)//' \
+               -e 's/argument --backend/ENGINE_BACKEND/' -e 's/argument --model-kwargs/ENGINE_MODEL_KWARGS/' \
+               -e 's/argument --crop-pct/ENGINE_CROP_PCT/' -e 's/argument --batch-size/ENGINE_BATCH_SIZE/' \
+               -e 's/argument --input-size/ENGINE_INPUT_SIZE/' -e 's/argument --model/ENGINE_MODEL/')" ;;
     esac
 fi
 if [ "$reuse" = yes ]; then
@@ -119,7 +151,7 @@ else
     "$PY" -m engine.build "$@" >&2 || rc=$?
     case $rc in
         0) ;;
-        2) usage_error "python -m engine.build refused the knobs (see above)" ;;
+        2) usage_error "python -m engine.build refused the knobs (see above; a checkpoint of another model needs ENGINE_MODEL, ENGINE_INPUT_SIZE and ENGINE_MODEL_KWARGS: ./build.sh --help)" ;;
         *) failed "python -m engine.build failed with exit $rc (see above)" ;;
     esac
     log "built in $(( $(date +%s) - t0 )) s"

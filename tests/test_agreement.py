@@ -17,6 +17,7 @@ from evaluator.contest.agreement import (
     ContestGate,
     agreement,
     contest_gate,
+    judge,
     main,
     read_frozen_reference,
     read_i32,
@@ -132,7 +133,7 @@ def test_tsv_reference_row_count_mismatch(tmp_path, manifest):
 def test_i32_reference_allows_unreadable_rows(tmp_path):
     ref = _i32(tmp_path / "ref.i32", [3, -1, 4])
     assert read_reference(ref, None, 3).tolist() == [3, -1, 4]
-    with pytest.raises(ValueError, match=r"ref.i32: 3 predictions, expected 2"):
+    with pytest.raises(ValueError, match=r"ref.i32: 3 reference answers, expected 2"):
         read_reference(ref, None, 2)
 
 
@@ -186,19 +187,37 @@ def test_gate_line_names_matches_rows_threshold_and_misses():
                         "200 rows without a reference answer count as misses")
 
 
-def test_frozen_reference_refuses_minus_one_in_an_i32(tmp_path):
-    ref = _i32(tmp_path / "ref.i32", [3, -1, 4, -1])
-    with pytest.raises(ValueError, match=r"row 2 holds -1 \(no answer; 2 such rows\): a frozen reference answers every row"):
-        read_frozen_reference(ref, None, 4)
+def test_frozen_reference_marks_minus_one_in_an_i32_unreadable(tmp_path):
+    ref, unreadable = read_frozen_reference(_i32(tmp_path / "ref.i32", [3, -1, 4, -1]), None, 4)
+    assert ref.tolist() == [3, -1, 4, -1] and unreadable.tolist() == [False, True, False, True]
     with pytest.raises(ValueError, match=r"class 1000 at row 1 is outside \[0, 999\]"):
         read_frozen_reference(_i32(tmp_path / "big.i32", [1000]), None, 1)
-    assert read_frozen_reference(_i32(tmp_path / "ok.i32", [0, 999]), None, 2).tolist() == [0, 999]
+    with pytest.raises(ValueError, match=r"class -2 at row 2 is outside \[0, 999\]"):
+        read_frozen_reference(_i32(tmp_path / "neg.i32", [0, -2]), None, 2)
+    ref, unreadable = read_frozen_reference(_i32(tmp_path / "ok.i32", [0, 999]), None, None)  # rows from the file
+    assert ref.tolist() == [0, 999] and not unreadable.any()
+
+
+def test_judge_leaves_unreadable_rows_out_of_the_verdict_and_reports_them_apart():
+    ref = np.arange(200, dtype=np.int32)
+    ref[[10, 50, 90]] = -1                    # 3 images the reference could not read
+    pred = np.arange(200, dtype=np.int32)     # every answered row matches
+    v = judge(pred, ref, ref == -1)
+    assert (v.judged.matches, v.judged.rows, v.judged.threshold, v.passed) == (197, 197, 196, True)
+    assert (v.all_rows.matches, v.all_rows.rows, v.all_rows.passed, v.unreadable) == (197, 200, False, 3)
+    first, second = v.lines()
+    assert first.startswith("197/197 (100.00 %) PASS") and "3 rows the reference could not read (-1)" in first
+    assert second.startswith("over all 200 rows") and "197/200 (98.50 %) FAIL" in second
+    pred[:2] = 999                            # 2 answered rows wrong: 195/197 < 196
+    assert not judge(pred, ref, ref == -1).passed
+    assert judge(pred, ref, np.zeros(200, bool)).unreadable == 0   # a TSV's unnamed rows stay misses
 
 
 def test_frozen_tsv_reference_leaves_unnamed_rows_as_misses(tmp_path, manifest):
     ref = tmp_path / "ref.tsv"
     ref.write_text("id05\t5\nid03\t3\n")
-    assert read_frozen_reference(ref, manifest, 5).tolist() == [5, 3, -1, -1, -1]
+    answers, unreadable = read_frozen_reference(ref, manifest, 5)
+    assert answers.tolist() == [5, 3, -1, -1, -1] and not unreadable.any()
     ref.write_text("id05\t-1\n")
     with pytest.raises(ValueError, match=r"ref.tsv:1: class -1 is outside \[0, 999\]"):
         read_frozen_reference(ref, manifest, 5)
@@ -262,12 +281,36 @@ def test_cli_two_percent_unanswered_fails_though_every_answer_matches(tmp_path, 
     assert LINE.match(out).groups() == ("490", "500", "98.00", "FAIL", "99", "495", "500")
 
 
-def test_cli_refuses_an_i32_reference_with_minus_one(tmp_path, capsys):
-    pred = _i32(tmp_path / "p.i32", [1, 2, 3])
-    ref = _i32(tmp_path / "r.i32", [1, -1, 3])
+def test_cli_accepts_the_kits_own_reference_with_unreadable_rows(tmp_path, capsys):
+    """The reference path writes -1 for the planted broken files: reported apart, never refused."""
+    classes = [i % 1000 for i in range(200)]
+    pred = _i32(tmp_path / "p.i32", classes)
+    ref = _i32(tmp_path / "r.i32", [-1 if i in (37, 120, 150) else c for i, c in enumerate(classes)])
+    rc, out, err = _run(capsys, "--predictions", pred, "--reference", ref)
+    assert rc == 0 and err == "", err
+    first, second = out.strip().splitlines()
+    assert LINE.match(first).groups() == ("197", "197", "100.00", "PASS", "99", "196", "197"), first
+    assert "3 rows the reference could not read (-1) are left out" in first
+    assert second.startswith("over all 200 rows") and "197/200 (98.50 %) FAIL" in second
+    rc, out, _ = _run(capsys, "--predictions", pred, "--reference", ref, "--json")
+    d = json.loads(out)
+    assert (rc, d["verdict"], d["unreadable"], d["rows"], d["all_rows"]["rows"], d["all_rows"]["passed"]) == \
+        (0, "PASS", 3, 197, 200, False)
+
+
+def test_cli_truncated_predictions_name_the_file_and_the_right_counts(tmp_path, manifest, capsys):
+    pred = _i32(tmp_path / "pred.i32", [1] * 100)
+    ref = _i32(tmp_path / "ref0.i32", [1] * 200)
     rc, out, err = _run(capsys, "--predictions", pred, "--reference", ref)
     assert rc == 2 and out == ""
-    assert err.startswith("agreement: error:") and "frozen reference answers every row" in err
+    assert f"{pred}: 100 predictions, expected 200 (one per row of the reference {ref})" in err, err
+    _i32(pred, [1] * 4)
+    _i32(ref, [1] * 5)
+    rc, _, err = _run(capsys, "--predictions", pred, "--reference", ref, "--manifest", manifest)
+    assert rc == 2 and f"{pred}: 4 predictions, expected 5" in err and "manifest" in err, err
+    _i32(ref, [1] * 6)
+    rc, _, err = _run(capsys, "--predictions", pred, "--reference", ref, "--manifest", manifest)
+    assert rc == 2 and f"{ref}: 6 reference answers, expected 5" in err, err
 
 
 def test_cli_expect_rows(tmp_path, capsys):
@@ -281,6 +324,19 @@ def test_cli_expect_rows(tmp_path, capsys):
     assert rc == 1 and json.loads(out)["verdict"] == "FAIL" and json.loads(out)["expect_rows"] == 10000
 
 
+def test_cli_expect_rows_counts_rows_not_matches(tmp_path, capsys):
+    """Mismatching predictions and unreadable rows change the matches, never the row count --expect-rows checks."""
+    pred = _i32(tmp_path / "p.i32", [7] * 8 + [1, 1])      # 2 of 10 rows wrong
+    ref = _i32(tmp_path / "r.i32", [7] * 9 + [-1])           # 1 row the reference could not read
+    rc, out, _ = _run(capsys, "--predictions", pred, "--reference", ref, "--expect-rows", "10")
+    assert rc == 1 and "--expect-rows" not in out            # fails on agreement (8/9), not on the row count
+    assert LINE.match(out).groups()[:4] == ("8", "9", "88.89", "FAIL")
+    rc, out, _ = _run(capsys, "--predictions", pred, "--reference", ref, "--expect-rows", "8", "--gate", "0.5")
+    assert rc == 1 and "FAIL: the cohort has 10 rows, expected 8 (--expect-rows)" in out
+    rc, out, _ = _run(capsys, "--predictions", pred, "--reference", ref, "--expect-rows", "10", "--gate", "0.5")
+    assert rc == 0, out
+
+
 def test_cli_json(tmp_path, capsys):
     pred = _i32(tmp_path / "p.i32", [1, 2, 3, 4])
     ref = _i32(tmp_path / "r.i32", [1, 2, 3, 5])
@@ -288,12 +344,15 @@ def test_cli_json(tmp_path, capsys):
     assert rc == 0
     d = json.loads(out)
     assert d == {"matches": 3, "rows": 4, "unanswered": 0, "gate": 0.75, "threshold": 3, "rate": 0.75,
+                 "unreadable": 0, "all_rows": {"matches": 3, "rows": 4, "unanswered": 0, "gate": 0.75,
+                                               "threshold": 3, "passed": True},
                  "expect_rows": None, "verdict": "PASS"}
-    assert set(d) == set(ContestGate.__dataclass_fields__) | {"threshold", "rate", "expect_rows", "verdict"}
+    assert set(d) == set(ContestGate.__dataclass_fields__) | {"threshold", "rate", "unreadable", "all_rows",
+                                                               "expect_rows", "verdict"}
 
 
 @pytest.mark.parametrize("case", ["missing_pred", "partial_int", "out_of_range", "length", "tsv_no_manifest",
-                                  "bad_manifest", "manifest_rows", "minus_one"])
+                                  "bad_manifest", "manifest_rows", "below_minus_one"])
 def test_cli_bad_input_exits_2(tmp_path, manifest, capsys, case):
     pred = _i32(tmp_path / "p.i32", [1, 2, 3, 4, 5])
     ref = _i32(tmp_path / "r.i32", [1, 2, 3, 4, 5])
@@ -315,8 +374,8 @@ def test_cli_bad_input_exits_2(tmp_path, manifest, capsys, case):
     elif case == "manifest_rows":
         _i32(pred, [1, 2, 3])
         args += ["--manifest", manifest]
-    elif case == "minus_one":
-        _i32(ref, [1, 2, -1, 4, 5])
+    elif case == "below_minus_one":
+        _i32(ref, [1, 2, -7, 4, 5])
     rc, out, err = _run(capsys, *args)
     assert rc == 2 and out == ""
     assert err.startswith("agreement: error:") and len(err.strip().splitlines()) == 1, err

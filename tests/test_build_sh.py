@@ -41,10 +41,14 @@ def read_only_checkpoint(tiny_checkpoint, tmp_path_factory) -> Path:
     return ck
 
 
+SPEC_KNOBS = ("ENGINE_MODEL", "ENGINE_INPUT_SIZE", "ENGINE_CROP_MODE", "ENGINE_CROP_PCT", "ENGINE_MODEL_KWARGS")
+
+
 @pytest.fixture(scope="module")
 def first_build(read_only_checkpoint, tmp_path_factory):
+    """The documented small build: no spec knob, the kit's checkpoint records its own spec."""
     art = tmp_path_factory.mktemp("build_sh") / "art"
-    env = _env(read_only_checkpoint, art)
+    env = {k: v for k, v in _env(read_only_checkpoint, art).items() if k not in SPEC_KNOBS}
     return art, env, _build(env)
 
 
@@ -61,6 +65,7 @@ def test_builds_and_checks_the_artifact(first_build):
     art, _, r = first_build
     assert r.returncode == 0, r.stderr[-3000:]
     assert "building" in r.stderr and "OK:" in r.stderr
+    assert f"the checkpoint records its spec: ENGINE_MODEL={TINY_MODEL}" in r.stderr
     m = json.loads((art / "manifest.json").read_text())
     assert (m["backend"], m["device"], m["batch_size"]) == ("eager", "cpu", 4)
     assert m["spec"]["model"] == TINY_MODEL and m["spec"]["crop_mode"] == "squash"
@@ -117,6 +122,37 @@ def test_missing_checkpoint_is_a_usage_error(tmp_path):
 def test_bad_device_is_a_usage_error(tmp_path, read_only_checkpoint):
     r = _build(_env(read_only_checkpoint, tmp_path / "art", ENGINE_DEVICE="tpu"))
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("build.sh: error: ENGINE_DEVICE must be")
+
+
+@pytest.mark.parametrize("knob, value", [("ENGINE_PRECISION", "bf61"), ("ENGINE_BATCH_SIZE", "0"),
+                                         ("ENGINE_BATCH_SIZE", "many"), ("ENGINE_INPUT_SIZE", "-3"),
+                                         ("ENGINE_CROP_MODE", "zoom"), ("FORCE", "yes"), ("ENGINE_BACKEND", "foo")])
+def test_a_bad_knob_is_one_line_naming_it(knob, value, tmp_path, read_only_checkpoint):
+    r = _build(_env(read_only_checkpoint, tmp_path / "art", **{knob: value}))
+    assert r.returncode == 2, r.stderr[-2000:]
+    errors = [ln for ln in r.stderr.splitlines() if "error" in ln]
+    assert len(errors) == 1 and errors[0].startswith(f"build.sh: error: {knob}") and value in errors[0], r.stderr
+    assert "usage" not in r.stderr and "cannot check" not in r.stderr
+    assert not (tmp_path / "art").exists()
+
+
+def test_the_checkpoint_records_its_spec_as_build_knobs(read_only_checkpoint, tmp_path):
+    from evaluator.contest.selfcheck import recorded_spec
+
+    assert recorded_spec(read_only_checkpoint) == {
+        "ENGINE_MODEL": TINY_MODEL, "ENGINE_INPUT_SIZE": str(TINY_INPUT), "ENGINE_CROP_MODE": "squash",
+        "ENGINE_CROP_PCT": "1.0", "ENGINE_MODEL_KWARGS": json.dumps(TINY_KWARGS, sort_keys=True)}
+    (tmp_path / "plain.pth").write_bytes(b"\x80\x02not safetensors")
+    assert recorded_spec(tmp_path / "plain.pth") == {}
+
+
+def test_a_checkpoint_of_another_model_names_the_knobs(tmp_path, read_only_checkpoint):
+    r = _build(_env(read_only_checkpoint, tmp_path / "art", ENGINE_MODEL="eva02_small_patch14_224",
+                    ENGINE_INPUT_SIZE="", ENGINE_MODEL_KWARGS="", ENGINE_CROP_MODE="", ENGINE_CROP_PCT=""))
+    assert r.returncode == 2, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("build.sh: error:") and "missing keys" in r.stderr
+    assert all(k in last for k in ("ENGINE_MODEL", "ENGINE_INPUT_SIZE", "ENGINE_MODEL_KWARGS")), last
 
 
 def test_a_failed_check_exits_1(first_build):

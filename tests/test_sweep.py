@@ -34,8 +34,11 @@ def test_sweep_builds_runs_and_judges_each_precision(small_cohort, tiny_checkpoi
     by = {e["precision"]: e for e in doc["results"]}
     assert set(by) == {"fp32", "bf16"}
     fp32, bf16 = by["fp32"], by["bf16"]
-    # the reference has no answer for the broken files, so they are misses at the gate
-    assert fp32["gate"]["rows"] == rows and fp32["gate"]["matches"] == rows - unanswered
+    # the reference could not read the broken files: left out of the verdict, counted apart; over all
+    # rows (the contest's gate, gate_all_rows) they are misses
+    assert fp32["gate"]["rows"] == rows - unanswered and fp32["gate"]["matches"] == rows - unanswered
+    assert fp32["gate"]["passed"] and fp32["gate"]["unreadable"] == unanswered
+    assert fp32["gate_all_rows"]["rows"] == rows and fp32["gate_all_rows"]["matches"] == rows - unanswered
     assert fp32["agreement_answered"] == 1.0
     assert fp32["tau"] is None and fp32["rechecked_fraction"] is None
     assert bf16["tau"] > 0 and 0.0 <= bf16["rechecked_fraction"] <= 1.0 and bf16["agreement_answered"] >= 0.95

@@ -4,17 +4,22 @@
         [--gate 0.99] [--expect-rows N] [--json]
 
 The contest's rule: a run passes with at least ceil(0.99 N) exact top-1 matches over
-the N manifest rows; a row without a reference answer is a miss. R is a frozen
-reference: an `.i32` (one little-endian int32 in [0, 999] per row; a -1 "no answer"
-entry is refused, since a frozen reference answers every row) or a TSV of
+the N manifest rows; a row without a reference answer is a miss. R is a reference: an
+`.i32` (one little-endian int32 per row, a class in [0, 999] or -1 where the reference
+could not read the image, as `python -m evaluator.reference` writes it) or a TSV of
 `request_id<TAB>class` aligned through the manifest (a manifest row the TSV does not
-name is a miss). `--expect-rows N` also fails a cohort that is not N rows.
-Exit status: 0 PASS, 1 FAIL, 2 bad input.
+name is a miss).
 
-`agreement()` is the other measure the kit uses: agreement over the rows the reference
-answers, for comparing a fast path with the kit's own reference path on generated
-cohorts, whose deliberately broken files that path cannot read (-1). It is not the
-contest gate.
+Which figure decides. The verdict (exit status) is the gate over the rows the reference
+could read: ceil(0.99 J) matches over those J rows. A -1 row is an image no path can be
+judged on (the kit's generated cohorts plant broken files on purpose); it is reported
+apart, never refused. The second line gives the contest's gate over all N rows, with
+those rows as misses. The contest's frozen reference answers every row, so there J = N
+and the two figures are one. `--expect-rows N` also fails a cohort that is not N rows
+(it counts manifest rows, never matches). Exit status: 0 PASS, 1 FAIL, 2 bad input.
+
+`agreement()` is the same measure over answered rows as a record (matches, total,
+unreadable), for the demo, the rehearsal and the sweep.
 """
 from __future__ import annotations
 
@@ -85,14 +90,16 @@ class ContestGate:
         return text
 
 
-def read_i32(path: str | Path, n: int | None = None, check_range: bool = True) -> np.ndarray:
-    """Little-endian int32 file; checks the length (when n is given) and the [0, 999] range."""
+def read_i32(path: str | Path, n: int | None = None, check_range: bool = True, what: str = "predictions",
+             expected: str = "") -> np.ndarray:
+    """Little-endian int32 file; checks the length (when n is given: `PATH: 90 WHAT, expected
+    100 EXPECTED`) and the [0, 999] range."""
     data = Path(path).read_bytes()
     if len(data) % 4:
         raise ValueError(f"{path}: {len(data)} bytes is not a whole number of int32")
     a = np.frombuffer(data, "<i4")
     if n is not None and len(a) != n:
-        raise ValueError(f"{path}: {len(a)} predictions, expected {n}")
+        raise ValueError(f"{path}: {len(a)} {what}, expected {n}{' ' + expected if expected else ''}")
     if check_range and len(a) and (a.min() < 0 or a.max() > 999):
         bad = int(np.flatnonzero((a < 0) | (a > 999))[0])
         raise ValueError(f"{path}: value {a[bad]} at row {bad + 1} is outside [0, 999]")
@@ -120,36 +127,67 @@ def read_tsv_answers(path: str | Path) -> dict[str, int]:
     return answers
 
 
-def read_reference(path: str | Path, manifest: str | Path | None, n: int) -> np.ndarray:
-    """Reference answers as int32 [n] (-1 = no answer: an .i32 entry or a row the TSV does not name)."""
+def read_reference(path: str | Path, manifest: str | Path | None, n: int | None) -> np.ndarray:
+    """Reference answers as int32 [n] (-1 = no answer: an .i32 entry or a row the TSV does not name);
+    n None: as many rows as an .i32 holds."""
     path = Path(path)
     if path.suffix != ".tsv":
-        return read_i32(path, n, check_range=False)
+        return read_i32(path, n, check_range=False, what="reference answers")
     if manifest is None:
         raise ValueError("a TSV reference needs --manifest to align request ids with rows")
     from evaluator.contest.manifest import read_manifest
 
     answers = read_tsv_answers(path)
     rows = read_manifest(manifest)
-    if len(rows) != n:
+    if n is not None and len(rows) != n:
         raise ValueError(f"manifest has {len(rows)} rows, predictions have {n}")
     return np.array([answers.get(r.request_id, -1) for r in rows], np.int32)
 
 
-def read_frozen_reference(path: str | Path, manifest: str | Path | None, n: int) -> np.ndarray:
-    """A frozen reference for the contest gate: -1 only where a TSV names no answer for a row.
+def read_frozen_reference(path: str | Path, manifest: str | Path | None,
+                          n: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """(answers int32 [n], unreadable bool [n]) of a reference for the gate.
 
-    An .i32 must answer every row with a class in [0, 999]."""
+    -1 in an .i32 is a row the reference could not read (unreadable: left out of the
+    verdict, reported apart); -1 from a TSV is a row it does not name (a miss). Any other
+    value outside [0, 999] is refused."""
     path = Path(path)
     ref = read_reference(path, manifest, n)
-    bad = np.flatnonzero((ref < -1) | (ref > 999) | ((ref == -1) & (path.suffix != ".tsv")))
+    bad = np.flatnonzero((ref < -1) | (ref > 999))
     if len(bad):
-        row, value = int(bad[0]) + 1, int(ref[bad[0]])
-        if value == -1:
-            raise ValueError(f"{path}: row {row} holds -1 (no answer; {int((ref == -1).sum())} such rows): a frozen "
-                             "reference answers every row")
-        raise ValueError(f"{path}: class {value} at row {row} is outside [0, 999]")
-    return ref
+        raise ValueError(f"{path}: class {int(ref[bad[0]])} at row {int(bad[0]) + 1} is outside [0, 999]")
+    unreadable = (ref == -1) if path.suffix != ".tsv" else np.zeros(len(ref), bool)
+    return ref, unreadable
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The gate over the rows the reference could read (decides), and over every row (the contest's)."""
+
+    judged: ContestGate     # rows the reference could read; TSV-unnamed rows are misses here too
+    all_rows: ContestGate   # every row; unreadable rows are misses
+    unreadable: int         # rows the reference could not read (-1 in an .i32)
+
+    @property
+    def passed(self) -> bool:
+        return self.judged.passed
+
+    def lines(self) -> list[str]:
+        """The verdict line, plus the all-rows line when some rows were unreadable."""
+        first = self.judged.line()
+        if not self.unreadable:
+            return [first]
+        return [f"{first}; {self.unreadable} rows the reference could not read (-1) are left out",
+                f"over all {self.all_rows.rows} rows (the contest's gate, unreadable rows as misses): "
+                + self.all_rows.line()]
+
+
+def judge(pred: np.ndarray, ref: np.ndarray, unreadable: np.ndarray, gate: float = GATE) -> Verdict:
+    """The verdict of `pred` against `ref` (see the module docstring: which figure decides)."""
+    if len(pred) != len(ref):
+        raise ValueError(f"{len(pred)} predictions vs {len(ref)} reference answers")
+    keep = ~unreadable
+    return Verdict(contest_gate(pred[keep], ref[keep], gate), contest_gate(pred, ref, gate), int(unreadable.sum()))
 
 
 def agreement(pred: np.ndarray, ref: np.ndarray, gate: float = GATE) -> Agreement:
@@ -187,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
 
     p = ArgumentParser(prog="python -m evaluator.agreement", description=__doc__.split("\n\n")[0])
     p.add_argument("--predictions", required=True, type=Path)
-    p.add_argument("--reference", required=True, type=Path, help="frozen reference: .i32 (every row) or .tsv")
+    p.add_argument("--reference", required=True, type=Path,
+                   help="reference: .i32 (-1 = could not read: left out, reported apart) or .tsv")
     p.add_argument("--manifest", type=Path, help="the cohort manifest (needed for a .tsv reference)")
     p.add_argument("--gate", type=_gate_value, default=GATE, help="fraction of rows that must match (0.99)")
     p.add_argument("--expect-rows", type=_rows_value, help="fail unless the cohort has exactly N rows")
@@ -199,20 +238,27 @@ def main(argv: list[str] | None = None) -> int:
             from evaluator.contest.manifest import read_manifest
 
             n = len(read_manifest(a.manifest))
-        pred = read_i32(a.predictions, n)
-        res = contest_gate(pred, read_frozen_reference(a.reference, a.manifest, len(pred)), a.gate)
+        # the row count comes from the manifest, else from the reference: each file is checked against it
+        ref, unreadable = read_frozen_reference(a.reference, a.manifest, n)
+        pred = read_i32(a.predictions, len(ref), expected="(one per row of the reference "
+                        + (f"and the manifest {a.manifest})" if n is not None else f"{a.reference})"))
+        res = judge(pred, ref, unreadable, a.gate)
     except (OSError, ValueError) as e:
         print(f"agreement: error: {e}", file=sys.stderr)
         return 2
-    rows_ok = a.expect_rows is None or res.rows == a.expect_rows
+    rows = res.all_rows.rows              # manifest rows, whatever matched
+    rows_ok = a.expect_rows is None or rows == a.expect_rows
     passed = res.passed and rows_ok
+    g = res.judged
     if a.json:
-        print(json.dumps({**asdict(res), "threshold": res.threshold, "rate": res.rate,
+        print(json.dumps({**asdict(g), "threshold": g.threshold, "rate": g.rate, "unreadable": res.unreadable,
+                          "all_rows": {**asdict(res.all_rows), "threshold": res.all_rows.threshold,
+                                       "passed": res.all_rows.passed},
                           "expect_rows": a.expect_rows, "verdict": "PASS" if passed else "FAIL"}))
     else:
-        print(res.line())
+        print("\n".join(res.lines()))
         if not rows_ok:
-            print(f"FAIL: the cohort has {res.rows} rows, expected {a.expect_rows} (--expect-rows)")
+            print(f"FAIL: the cohort has {rows} rows, expected {a.expect_rows} (--expect-rows)")
     return 0 if passed else 1
 
 

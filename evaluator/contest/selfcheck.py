@@ -2,13 +2,17 @@
 
     python -m evaluator.contest.selfcheck current -- ENGINE_BUILD_FLAGS...   # exit 0 reuse, 1 stale, 2 bad input
     python -m evaluator.contest.selfcheck run --artifact DIR [--timeout S]
+    python -m evaluator.contest.selfcheck recorded CHECKPOINT                  # KNOB=value lines for build.sh
 
 `current` takes exactly the flags `python -m engine.build` would get (--out names the
 artifact) and says whether the artifact there is intact (SHA-256 of every file) and was
 made from the same checkpoint bytes, spec, backend and device. `run` renders one
 generated image, writes a one-row manifest in a temp dir, runs `scripts/run` on it as a
 whole process and checks the output is one little-endian int32 in [0, 999]. Both print
-one JSON line on stdout and say why on stderr when they fail.
+one JSON line on stdout and say why on stderr when they fail. `recorded` prints the spec a
+checkpoint records in its safetensors metadata (the kit's generated checkpoints record
+their model, input size, crop and model kwargs) as shell-quoted `ENGINE_...=value` lines,
+nothing for a checkpoint that records none; build.sh takes them where the user set no knob.
 """
 from __future__ import annotations
 
@@ -81,6 +85,45 @@ def current(build_argv: list[str]) -> int:
     return 0 if not reasons else 1
 
 
+# safetensors metadata key -> the build.sh knob it stands for
+RECORDED_KNOBS = {"model": "ENGINE_MODEL", "input_size": "ENGINE_INPUT_SIZE", "crop_mode": "ENGINE_CROP_MODE",
+                  "crop_pct": "ENGINE_CROP_PCT", "model_kwargs": "ENGINE_MODEL_KWARGS"}
+
+
+def recorded_spec(checkpoint: Path) -> dict[str, str]:
+    """{knob: value} of the spec fields a safetensors checkpoint records in its metadata ({} when none).
+
+    Values are JSON-encoded strings there (the kit's generator writes them so); plain strings are
+    taken as they are."""
+    with open(checkpoint, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else 0
+        if not 0 < n <= 100 << 20:            # not a safetensors file (a torch pickle, ...): nothing recorded
+            return {}
+        try:
+            meta = json.loads(f.read(n)).get("__metadata__") or {}
+        except (ValueError, AttributeError):
+            return {}
+    out = {}
+    for key, knob in RECORDED_KNOBS.items():
+        if key not in meta:
+            continue
+        try:
+            value = json.loads(meta[key])
+        except ValueError:
+            value = meta[key]
+        out[knob] = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+    return out
+
+
+def recorded(checkpoint: Path) -> int:
+    import shlex
+
+    for knob, value in recorded_spec(checkpoint).items():
+        print(f"{knob}={shlex.quote(value)}")
+    return 0
+
+
 def write_probe(folder: Path, seed: int = 0) -> Path:
     """One generated JPEG plus a one-row manifest in `folder`; returns the manifest path."""
     import numpy as np
@@ -151,7 +194,12 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("run", help="one generated image through scripts/run", formatter_class=HelpFormatter)
     r.add_argument("--artifact", type=Path, required=True, help="the artifact to check")
     r.add_argument("--timeout", type=float, default=900.0, help="seconds scripts/run may take on one image")
+    k = sub.add_parser("recorded", help="the spec knobs a checkpoint records, as KNOB=value lines",
+                       formatter_class=HelpFormatter)
+    k.add_argument("checkpoint", type=Path)
     a = p.parse_args(argv)
+    if a.command == "recorded":
+        return guard(PROG, lambda: recorded(a.checkpoint), debug=a.debug)
     if a.command == "current":
         argv_ = a.build_argv[1:] if a.build_argv[:1] == ["--"] else a.build_argv
         return guard(PROG, lambda: current(argv_), debug=a.debug)

@@ -7,7 +7,10 @@
 For every (precision, batch size): `python -m engine.build` (untimed; below fp32 guarded,
 tau chosen by the build on its calibration images), then one `scripts/run` process timed
 from outside, then agreement with the reference at the contest gate. Prints a table and
-writes JSON. It is evaluation only: the reference answers are used to score, never to
+writes JSON. The verdict is evaluator.agreement's: the gate over the rows the reference
+could read (a -1 in a reference .i32 is an image it could not read, such as the kit's
+planted broken files: left out and counted apart); the contest's gate over all rows is
+in the JSON as `gate_all_rows`. It is evaluation only: the reference answers are used to score, never to
 choose anything; the sweep writes no tau and changes no artifact after its build.
 """
 from __future__ import annotations
@@ -39,7 +42,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--manifest", required=True, type=Path)
     p.add_argument("--image-root", required=True, type=Path)
     p.add_argument("--reference", required=True, type=Path, help="practice answers (TSV) or a reference .i32")
-    p.add_argument("--precisions", default="fp32,bf16", help="comma-separated: fp32, bf16, fp16")
+    p.add_argument("--precisions", default="fp32,bf16", help="comma-separated: fp32, bf16, fp16, fp8 (fp8: Hopper)")
     p.add_argument("--batch-sizes", default="32", help="comma-separated static batch sizes")
     p.add_argument("--backend", default=None, help="engine.backends name (default: the registry's)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
@@ -54,9 +57,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         a.batch_sizes = [int(s) for s in a.batch_sizes.split(",") if s.strip()]
     except ValueError:
         p.error(f"--batch-sizes must be whole numbers, got {a.batch_sizes!r}")
-    bad = [x for x in a.precisions if x not in ("fp32", "bf16", "fp16")]
+    bad = [x for x in a.precisions if x not in ("fp32", "bf16", "fp16", "fp8")]
     if bad or not a.precisions:
-        p.error(f"--precisions takes fp32, bf16, fp16; got {bad or a.precisions}")
+        p.error(f"--precisions takes fp32, bf16, fp16, fp8; got {bad or a.precisions}")
     if not a.batch_sizes or min(a.batch_sizes) < 1:
         p.error("--batch-sizes must be >= 1")
     for name in ("checkpoint", "manifest", "reference"):
@@ -67,9 +70,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return a
 
 
-def run_one(a: argparse.Namespace, precision: str, batch: int, ref, rows: int) -> dict:
+def run_one(a: argparse.Namespace, precision: str, batch: int, ref, unreadable, rows: int) -> dict:
     """Build, run and judge one configuration; a failed step is recorded, never raised."""
-    from evaluator.contest.agreement import agreement, contest_gate, read_i32
+    from evaluator.contest.agreement import agreement, judge, read_i32
 
     tag = f"{precision}_b{batch}"
     art, pred, report = a.out / f"art_{tag}", a.out / f"pred_{tag}.i32", a.out / f"timing_{tag}.json"
@@ -97,11 +100,15 @@ def run_one(a: argparse.Namespace, precision: str, batch: int, ref, rows: int) -
         entry["error"] = f"scripts/run failed ({r.returncode}): {r.stderr.strip().splitlines()[-1:] or ''}"
         return entry
     p = read_i32(pred, rows)
-    g, agr = contest_gate(p, ref), agreement(p, ref)
+    v, agr = judge(p, ref, unreadable), agreement(p, ref)
+    g, ga = v.judged, v.all_rows
     timing = json.loads(report.read_text()) if report.is_file() else {}
     gstats = (timing.get("runtime") or {}).get("guard") if isinstance(timing.get("runtime"), dict) else None
     entry.update({"wall_s": round(wall, 3), "images_per_s": round(rows / wall, 2),
-                  "gate": {"matches": g.matches, "rows": g.rows, "threshold": g.threshold, "passed": g.passed},
+                  "gate": {"matches": g.matches, "rows": g.rows, "threshold": g.threshold, "passed": g.passed,
+                           "unreadable": v.unreadable},
+                  "gate_all_rows": {"matches": ga.matches, "rows": ga.rows, "threshold": ga.threshold,
+                                    "passed": ga.passed},
                   "agreement_answered": round(agr.matches / agr.total, 6) if agr.total else None,
                   "rechecked_fraction": gstats.get("fraction") if isinstance(gstats, dict) else None,
                   "timing_report": report.name})
@@ -126,17 +133,20 @@ def table(results: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    from evaluator.contest.agreement import read_reference
+    from evaluator.contest.agreement import read_frozen_reference
     from evaluator.contest.manifest import ManifestError, read_manifest
 
     try:
         rows = len(read_manifest(a.manifest))
-        ref = read_reference(a.reference, a.manifest, rows)
+        ref, unreadable = read_frozen_reference(a.reference, a.manifest, rows)
     except (ManifestError, ValueError, OSError) as e:
         print(f"sweep: error: {e}", file=sys.stderr)
         return 2
+    if unreadable.any():
+        _log(f"{int(unreadable.sum())} rows the reference could not read (-1) are left out of the gate and "
+             "counted apart (gate_all_rows in the JSON counts them as misses)")
     a.out.mkdir(parents=True, exist_ok=True)
-    results = [run_one(a, p, b, ref, rows) for p in a.precisions for b in a.batch_sizes]
+    results = [run_one(a, p, b, ref, unreadable, rows) for p in a.precisions for b in a.batch_sizes]
     doc = {"note": NOTE, "model": a.model, "device": a.device, "rows": rows, "results": results}
     print(table(results), file=sys.stderr)
     print(json.dumps(doc, indent=1))

@@ -195,7 +195,9 @@ def make_tiny_checkpoint(path: Path, seed: int = 0, classes: int = 100, renders:
         net.head.weight.copy_(weight)
         net.head.bias.copy_(bias)
     path.parent.mkdir(parents=True, exist_ok=True)
-    recipe = {"model": model, "model_kwargs": kwargs, "input_size": input_size, "seed": seed,
+    # the spec it was fit with, in its metadata: build.sh builds for it when no ENGINE_MODEL is given
+    recipe = {"model": model, "model_kwargs": kwargs, "input_size": input_size, "crop_mode": "squash",
+              "crop_pct": 1.0, "seed": seed,
               "template_seed": template_seed,
               "classes": classes, "fit_loss": round(loss.item(), 4),
               "made_from": "generated images (procedural renders); no ImageNet data"}
