@@ -16,7 +16,8 @@ row (tested: cosine > 0.999). The first `crops` of VIEWS are used:
 4. `squash-mirror`, 5. `zoom80-mirror`.
 
 A geometry is decoded once per image (mirroring is a flip of the decoded pixels), so
-crops = 1, 2..3, 4..5 cost 1, 2, 3 decodes of each image. The re-inspected embedding is
+crops = 1, 2, 3..5 cost 1, 2, 3 decodes of each image (measured with dali-cpu on one core,
+640 x 480 JPEGs: ~5.5 ms per decode; docs/retrieval_quality.md has the estimate at scale). The re-inspected embedding is
 normalise(stored row + sum of the view embeddings), i.e. test-time multi-view averaging.
 
 `Reinspector.embed_many` serves every request of a batch at once: each request's
