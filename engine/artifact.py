@@ -1,4 +1,4 @@
-"""Artifact directories: a manifest.json plus the weights or compiled package it names.
+"""Artifact directories: a manifest.json plus the weights or compiled graph it names.
 
 The manifest carries the spec, backend, precision, device, versions, the SHA-256 of
 every file and of the source checkpoint, the compiled graph's input and output as the
@@ -7,6 +7,7 @@ build ran it (`graph`), and its own digest (`manifest_sha256`, over the rest of 
 
     always        the manifest's own digest (an edited manifest is refused), every field's
                   type and range, spec == graph (input [B, S, S, 3] uint8, output [B] int32),
+                  built with the torch this process runs (a compiled graph is bound to it),
                   the backend's files all listed, each a regular file inside the artifact
     quick (default, ENGINE_ARTIFACT_VERIFY)   + each file's size and a sampled SHA-256
                   (16 blocks of 64 KiB at fixed offsets: ~1 MiB read per file)
@@ -60,7 +61,22 @@ class Artifact:
 
 
 def versions() -> dict[str, str | None]:
-    return package_versions(("torch", "timm", "nvidia-dali-cuda130", "tensorrt", "torch-tensorrt"))
+    """The stack the artifact is built with: the packages whose versions decide its numbers and
+    its compiled code's ABI, and torch's CUDA (None on a CPU build of torch)."""
+    import torch
+
+    out = package_versions(("torch", "torchvision", "timm", "nvidia-dali-cuda130", "tensorrt", "torch-tensorrt"))
+    return {**out, "torch_cuda": torch.version.cuda}
+
+
+def check_versions(meta: dict[str, Any], where: str) -> None:
+    """A compiled graph is bound to the torch that built it (its C++ ABI, its kernels): the
+    artifact must have been built with the torch this process runs."""
+    built = (meta.get("versions") or {}).get("torch")
+    here = package_versions(("torch",))["torch"]
+    if built != here:
+        raise ArtifactError(f"{where}: the artifact was built with torch {built}, this is torch {here}: "
+                            "rebuild it (./build.sh) with the torch that runs it")
 
 
 def sample_sha256(path: str | os.PathLike) -> str:
@@ -245,6 +261,7 @@ def load_artifact(root: str | os.PathLike, verify: str | None = None) -> Artifac
     except (OSError, ValueError, RecursionError) as e:
         raise ArtifactError(f"{mpath} is corrupt: {type(e).__name__}: {e}") from e
     spec = check_manifest(meta, str(mpath))
+    check_versions(meta, str(mpath))
     _check_backend_files(meta, str(mpath))
     check_files(root, meta["files"], verify)
     return Artifact(root, spec, meta["backend"], meta["device"], meta["precision"],

@@ -327,3 +327,124 @@ def test_cli_missing_checkpoint_exits_2_with_one_line(tmp_path):
     assert lines[0].startswith("engine.build: error:") and str(missing) in lines[0]
     assert "Traceback" not in r.stderr and r.stdout == ""
     assert not out.exists() and not any(p.name.startswith(".out") for p in tmp_path.iterdir())
+
+
+def test_the_artifact_records_the_stack_and_refuses_another_torch(art):
+    meta = json.loads((art / MANIFEST).read_text())
+    assert meta["versions"]["torch_cuda"] == torch.version.cuda
+    assert meta["versions"]["torchvision"] is not None
+    _edit(art, lambda m: m["versions"].__setitem__("torch", "2.13.0"), redigest=True)
+    here = torch.__version__.split("+")[0]
+    with pytest.raises(ArtifactError, match=f"built with torch 2.13.0, this is torch {here}: rebuild it"):
+        load_artifact(art)
+    _edit(art, lambda m: m.pop("versions"), redigest=True)
+    with pytest.raises(ArtifactError, match="built with torch None"):
+        load_artifact(art)
+
+
+def test_a_run_refuses_another_torchs_artifact_in_one_line(art, small_cohort, tmp_path):
+    from conftest import run_abi
+
+    _edit(art, lambda m: m["versions"].__setitem__("torch", "2.13.0"), redigest=True)
+    r = run_abi(small_cohort / "manifest.tsv", small_cohort, tmp_path / "p.i32", art, timeout=120)
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("run: error:")]
+    assert r.returncode == 2 and len(lines) == 1 and "built with torch 2.13.0" in lines[0], r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and not (tmp_path / "p.i32").exists()
+
+
+# ---------------------------------------------------------------- AOTInductor loaded in place
+
+def test_the_aot_artifact_holds_the_unpacked_graph(aot_artifact):
+    from engine.backends import aot, compiled_suffixes
+
+    meta = json.loads((aot_artifact / MANIFEST).read_text())
+    assert "aot/model.so" in meta["files"] and "aot/model_metadata.json" in meta["files"]
+    assert not [n for n in meta["files"] if n.endswith((".pt2", ".cpp", ".h"))], meta["files"]
+    assert meta["aot"]["so"] == aot.FILES[0] and meta["aot"]["compile_workers"] >= 1
+    assert sorted(f"aot/{n}" for n in meta["aot"]["files"]) == sorted(n for n in meta["files"] if n.startswith("aot/"))
+    assert ".so" in compiled_suffixes()                 # the rehearsal and provenance see compiled code
+    assert json.loads((aot_artifact / "aot" / "model_metadata.json").read_text())["AOTI_DEVICE_KEY"] == "cpu"
+
+
+def test_unpack_refuses_a_package_without_exactly_one_library(tmp_path):
+    import zipfile
+
+    from engine.backends.aot import unpack
+
+    pkg = tmp_path / "m.pt2"
+    with zipfile.ZipFile(pkg, "w") as z:
+        z.writestr("m/data/aotinductor/model/a.wrapper.cpp", "int x;")
+    with pytest.raises(RuntimeError, match="expected one compiled .so in the package, found"):
+        unpack(pkg, tmp_path / "out")
+
+
+_LOAD_THEN = """
+import os, signal, sys, tempfile
+from pathlib import Path
+from engine.artifact import load_artifact
+from engine.runtime import load_runtime
+import numpy as np
+rt = load_runtime(load_artifact(sys.argv[1]))
+rt.run(np.zeros((rt.batch_size, 112, 112, 3), np.uint8))
+held = sorted(str(p) for p in Path(tempfile.gettempdir()).rglob("*"))
+print(repr(held), flush=True)
+how = sys.argv[2]
+if how == "error":
+    raise RuntimeError("an error after the graph was loaded")
+if how == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)
+os._exit(0)        # the fast exit of scripts/run: no destructor runs
+"""
+
+
+def _aoti_entries_in_tmp() -> set[str]:
+    return {p.name for p in Path("/tmp").glob("aotinductor_*")}
+
+
+@pytest.mark.parametrize("how, rc", [("exit", 0), ("error", 1), ("kill", -9)])
+def test_a_loaded_aot_graph_writes_nothing_to_tmpdir_or_tmp(aot_artifact, tmp_path, how, rc):
+    """Loaded, run once, then exited fast, failed or killed: TMPDIR held nothing while the graph
+    was loaded and holds nothing after; /tmp got no aotinductor_* folder."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    before = _aoti_entries_in_tmp()
+    r = subprocess.run([sys.executable, "-c", _LOAD_THEN, str(aot_artifact), how], cwd=REPO, capture_output=True,
+                       text=True, timeout=300, env={**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": str(REPO)})
+    assert r.returncode == rc, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout      # nothing in TMPDIR while loaded
+    assert list(tmp.iterdir()) == []
+    assert not (_aoti_entries_in_tmp() - before)
+
+
+def _maps(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return ""
+
+
+def test_a_terminated_aot_run_leaves_nothing_behind(aot_artifact, small_cohort, tmp_path):
+    """scripts/run, SIGTERM once the compiled .so is mapped: TMPDIR and /tmp hold nothing of it."""
+    import signal
+    import time
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    rows = (small_cohort / "manifest.tsv").read_text().splitlines()
+    m = tmp_path / "long.tsv"
+    m.write_text("\n".join(rows * 40) + "\n")                         # long enough to be caught mid-run
+    before = _aoti_entries_in_tmp()
+    so = str((aot_artifact / "aot" / "model.so").resolve())
+    env = {**os.environ, "ENGINE_ARTIFACT": str(aot_artifact), "TMPDIR": str(tmp)}
+    p = subprocess.Popen([str(REPO / "scripts" / "run"), str(m), str(small_cohort), str(tmp_path / "p.i32")],
+                         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while so not in _maps(p.pid) and time.monotonic() < deadline and p.poll() is None:
+        time.sleep(0.02)
+    if p.poll() is not None:
+        pytest.skip("the run ended before it could be terminated")
+    assert so in _maps(p.pid)                                          # loaded from the artifact itself
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=120) == 128 + signal.SIGTERM, p.stderr.read()[-3000:]
+    assert list(tmp.iterdir()) == []
+    assert not (_aoti_entries_in_tmp() - before)

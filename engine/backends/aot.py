@@ -1,13 +1,24 @@
-"""`aot`: an AOTInductor package (.pt2) compiled ahead of time for the target device.
+"""`aot`: an AOTInductor shared object compiled ahead of time, loaded in place.
 
-Build: torch.export on the static batch shape, then AOTInductor; on the CPU with
-Inductor freezing (weights folded into the graph as constants, so oneDNN prepacks
-them). Run: the C++ package loader only; nothing compiles at run time.
+Build: torch.export on the static batch shape, then AOTInductor (on the CPU with Inductor
+freezing: weights folded into the graph as constants, so oneDNN prepacks them). The
+package it writes is unpacked into the artifact at build time:
+
+    aot/model.so               the compiled graph, its weights inside (mapped at load)
+    aot/model_metadata.json    what AOTInductor recorded (device, platform, CPU ISA)
+    aot/*.cubin ...            on CUDA, the kernels' binaries the .so loads by name
+
+Run: the C++ container runner dlopens `aot/model.so` where it lies. Nothing is copied or
+extracted (the package loader would unpack the whole package, weights included, into
+TMPDIR at every start), nothing is written, nothing compiles.
 """
 from __future__ import annotations
 
+import os
+import shutil
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import torch
@@ -15,44 +26,127 @@ import torch
 from engine.model import export_top1
 
 NAME = "aot"
-FILES = ("model.pt2",)
-COMPILED = (".pt2",)
+DIR = "aot"
+SO, METADATA = "model.so", "model_metadata.json"
+FILES = (f"{DIR}/{SO}",)
+COMPILED = (".so", ".cubin", ".fatbin", ".spv")
 NEEDS_WEIGHTS = True
+PACKAGE_MODEL_DIR = ("data", "aotinductor", "model")   # where a .pt2 keeps the model's files
+SOURCES = (".cpp", ".h", ".hpp", ".cu", ".c")            # the package's C++ sources: not needed to load
 
 
 def save(net: torch.nn.Module, spec, device: str, out_dir: Path, margin: bool = False) -> dict:
     ep, example = export_top1(net, spec, device, margin)
-    t0 = time.perf_counter()
     configs = {"freezing": True} if device == "cpu" else {}
-    path = torch._inductor.aoti_compile_and_package(ep, package_path=str(out_dir / FILES[0]),
-                                                    inductor_configs=configs)
-    return {"aot": {"package": Path(path).name, "compile_seconds": round(time.perf_counter() - t0, 3),
+    package = out_dir / ".model.pt2"
+    workers = _compile_workers()
+    cache = _inductor_cache_dir()
+    need = _tmpdir_need(net)
+    print(f"engine.build: AOTInductor compile with {workers} worker processes (ENGINE_THREADS); "
+          f"Inductor cache {cache} needs about {need / 2**30:.1f} GiB, "
+          f"{_free_bytes(cache) / 2**30:.1f} GiB free there", file=sys.stderr)
+    t0 = time.time()
+    with torch._inductor.config.patch(compile_threads=workers):
+        torch._inductor.aoti_compile_and_package(ep, package_path=str(package), inductor_configs=configs)
+    seconds = time.time() - t0
+    used = _bytes_written_since(cache, t0)
+    files = unpack(package, out_dir / DIR)
+    package.unlink()
+    print(f"engine.build: AOTInductor compiled in {seconds:.0f} s; the Inductor cache grew by "
+          f"{used / 2**30:.2f} GiB; unpacked {len(files)} files into {DIR}/", file=sys.stderr)
+    return {"aot": {"dir": DIR, "so": f"{DIR}/{SO}", "files": files, "compile_seconds": round(seconds, 3),
+                    "compile_workers": workers, "inductor_cache_bytes": used,
                     "example_shape": list(example.shape), "inductor_configs": configs,
                     "outputs": ["top1", "margin"] if margin else ["top1"]}}
 
 
+def unpack(package: Path, dest: Path) -> list[str]:
+    """The model's files of an AOTInductor package (.pt2, a zip) -> `dest`, sources left out.
+
+    The wrapper .so becomes `model.so` and its metadata `model_metadata.json` (the package
+    loader finds the metadata by the .so's name); kernel binaries keep their names, which
+    the .so looks up in its cubin directory. Returns the names written, sorted.
+    """
+    dest.mkdir(parents=True, exist_ok=False)
+    with zipfile.ZipFile(package) as z:
+        members = [i for i in z.infolist() if not i.is_dir() and tuple(i.filename.split("/")[1:-1]) == PACKAGE_MODEL_DIR]
+        libs = [i for i in members if i.filename.endswith(".so")]
+        if len(libs) != 1:
+            raise RuntimeError(f"{package}: expected one compiled .so in the package, found "
+                               f"{[i.filename for i in libs]}")
+        stem = Path(libs[0].filename).name[:-len(".so")]
+        names = []
+        for i in members:
+            name = Path(i.filename).name
+            if name.endswith(SOURCES):
+                continue
+            name = {f"{stem}.so": SO, f"{stem}_metadata.json": METADATA}.get(name, name)
+            with z.open(i) as src, open(dest / name, "wb") as dst:
+                shutil.copyfileobj(src, dst, 16 << 20)
+            names.append(name)
+    return sorted(names)
+
+
 def load(artifact, device: torch.device):
     if device.type != artifact.device:
-        raise RuntimeError(f"AOT package was compiled for {artifact.device}, not {device.type}")
-    return _load_package(artifact.path(FILES[0]), single_threaded=device.type == "cuda")
+        raise RuntimeError(f"AOT graph was compiled for {artifact.device}, not {device.type}")
+    return load_in_place(artifact.path(FILES[0]), device)
 
 
-def _load_package(package, single_threaded: bool = False) -> object:
-    """Load an AOTInductor package with the C++ loader alone (importing torch._inductor costs ~1 s).
+def load_in_place(so: Path, device: torch.device):
+    """fn(x) -> [outputs] of the compiled .so, loaded where it lies (what the package loader does
+    after extracting, without the extraction).
 
-    `single_threaded`: one runner without the container's own locking and event queries,
-    which CUDA-graph capture forbids (torch documents run_single_threaded for use under
-    CUDA graphs); the runtime calls it from one thread. The fast path calls the loader
-    that `torch._inductor.aoti_load_package` wraps; if this torch lacks it, fall back to
-    the public function and say why.
+    On CUDA: one runner without the container's own locking and event queries, which
+    CUDA-graph capture forbids (torch documents run_single_threaded for use under CUDA
+    graphs); the runtime calls it from one thread. Kernel binaries are read from the .so's
+    folder.
     """
-    try:
-        # (package, model name, run_single_threaded, num_runners, device_index)
-        loader = torch._C._aoti.AOTIModelPackageLoader(str(package), "model", single_threaded, 1, -1)
-    except AttributeError as e:
-        print(f"[engine] direct AOTI loader unavailable ({e}); using torch._inductor.aoti_load_package",
-              file=sys.stderr)
-        from torch._inductor import aoti_load_package
+    so = os.path.abspath(so)
+    if device.type == "cuda":
+        # (so path, runners, device, cubin dir, run_single_threaded)
+        runner = torch._C._aoti.AOTIModelContainerRunnerCuda(so, 1, str(device), os.path.dirname(so), True)
+    else:
+        runner = torch._C._aoti.AOTIModelContainerRunnerCpu(so, 1)
+    return lambda x: runner.run([x])  # flat inputs [uint8 batch] -> [int32 top-1 (, margin)]
 
-        return aoti_load_package(str(package), run_single_threaded=single_threaded)
-    return lambda x: loader.boxed_run([x])  # flat inputs [uint8 batch] -> [int32 top-1]
+
+def _compile_workers() -> int:
+    """Inductor's compile worker processes: the thread budget (a bounded build sandbox counts PIDs)."""
+    from engine.threads import budget
+
+    return budget("cpu").total
+
+
+def _inductor_cache_dir() -> Path:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return Path(cache_dir())
+
+
+def _tmpdir_need(net: torch.nn.Module) -> int:
+    """Bytes the compile writes to the Inductor cache, about: the generated .so holds the weights
+    once, its constants object once more (both FP32 at most), plus ~256 MiB of code and objects."""
+    weights = sum(t.numel() * t.element_size() for t in list(net.parameters()) + list(net.buffers()))
+    return 2 * weights + (256 << 20)
+
+
+def _free_bytes(path: Path) -> int:
+    p = path
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return shutil.disk_usage(p).free
+
+
+def _bytes_written_since(root: Path, t0: float) -> int:
+    """Bytes of the files under `root` modified since `t0` (what this compile left in the cache)."""
+    total = 0
+    for dirpath, _, names in os.walk(root):
+        for n in names:
+            try:
+                st = os.stat(os.path.join(dirpath, n))
+            except OSError:
+                continue
+            if st.st_mtime >= t0 - 1:
+                total += st.st_size
+    return total
