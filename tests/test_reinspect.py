@@ -97,7 +97,7 @@ def test_the_centre_view_through_the_gallery_decoder_agrees_with_the_stored_row(
     from evaluator.cir.jsonl import read_records
 
     index = load_index(built_index())
-    assert index.meta["decoder"] == "dali-cpu"                      # the CPU build's fast decoder
+    assert index.meta["decoder"] in ("dali-cpu", "pil")             # dali-cpu where DALI is installed
     model, spec, _ = load_clip(clip_dirs()["open_clip"])
     towers = ClipTowers(model, spec, "cpu", "fp32")
     paths = {str(r.image_id): corpus() / r.path for r in read_records(corpus() / "records.jsonl", print)}
