@@ -23,13 +23,10 @@ world-writable folder, and writes through ACLs.
 Compilation rule. scripts/run points TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR and
 CUPY_CACHE_DIR into TMPDIR: those must stay empty or absent. Any other compiled-code file
 (.so .o .c .cpp .cu .h .cubin .ptx .fatbin ...) under TMPDIR must be byte-identical (size and
-CRC-32) to an entry of a .pt2 package of the artifact: `AOTIModelPackageLoader` unpacks the
-package's `model/data/aotinductor/model/*` (wrapper .so with the weights inside, its .cpp
-sources and metadata) into a fresh `$TMPDIR/aotinductor_XXXXXX/` (mkdtemp, 0700) and dlopens
-the .so. Its destructor removes the folder (std::filesystem::remove_all); in scripts/run that
-happens when evaluator.contest.run.main returns, before the fast `os._exit`, but a killed run (or a
-loader kept alive past main) leaves it behind. Either way it is extraction, not compilation;
-it needs TMPDIR space about the size of the package, on a filesystem that allows exec.
+CRC-32) to an entry of a .pt2 package (a zip) of the artifact, which torch's package loader
+would extract into `$TMPDIR/aotinductor_XXXXXX/`: extraction, not compilation. The kit's aot
+backend ships no package (the build unpacks it, the run loads `aot/model.so` in place), so
+for its artifacts any compiled-code file under TMPDIR is flagged.
 """
 from __future__ import annotations
 
