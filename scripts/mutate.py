@@ -81,7 +81,8 @@ TARGETS = {
                    ("threshold", "check_predictions", "gate_reason", "aggregate_reasons", "<module>"),
                    "the campaign's per-run and aggregate contest gate"),
     "agreement": Target("evaluator/contest/agreement.py", ("tests/test_agreement.py",), (),
-                        "the contest gate and the agreement tool"),
+                        "the contest gate and the agreement tool",
+                        (("rows = res.all_rows.rows", "rows = res.all_rows.matches"),)),
     "manifest": Target("evaluator/contest/manifest.py", ("tests/test_manifest.py",), (),
                        "the manifest reader"),
     "resolve": Target("engine/pipeline.py", ("tests/test_pipeline.py",),
@@ -549,6 +550,13 @@ def markdown(report: dict) -> str:
                     f"{r['survived']} | {r['equivalent']} | {score} | {r['seconds']:.0f} s |")
     out = ["# Mutation report", "", f"Command: `{report['command']}`", "",
            "Score = killed / (mutants - equivalent); a timed-out mutant counts as killed.", "", *rows, ""]
+    for r in report["modules"]:
+        planted = [m for m in r.get("results", []) if m["operator"] == "planted"]
+        if planted:
+            out += [f"Planted bugs in `{r['file']}`:", ""]
+            out += [f"- {m['status']}: `{m['before']}` -> `{m['after']}`" + (f" ({m['reason']})" if m["reason"] else "")
+                    for m in planted]
+            out.append("")
     for r in report["modules"]:
         survivors = [m for m in r.get("results", []) if m["status"] == "survived"]
         if survivors:

@@ -122,6 +122,17 @@ def test_timing_cv_above_the_limit_and_at_it():
         assert any(r.startswith("timing CV") for r in promotion_reasons(facts(runs=runs))) is blocked
 
 
+def test_timing_cv_of_exactly_five_percent_passes():
+    runs = [run(i + 1, w) for i, w in enumerate([19.0, 19.0, 21.0, 21.0, 20.0])]  # stdev 1, mean 20
+    assert summary([r.wall_s for r in runs])["cv"] == 0.05
+    assert promotion_reasons(facts(runs=runs)) == []
+
+
+def test_an_undeclared_dataset_blocks_promotion():
+    assert only(promotion_reasons(facts(dataset={"mode": "real", "version": "2012"}))) == \
+        "dataset split not declared (--dataset-split)"
+
+
 def test_fewer_than_five_runs_requested():
     runs = [run(i + 1, w) for i, w in enumerate([10, 10.1, 9.9, 10.05])]
     assert only(promotion_reasons(facts(runs_requested=4, runs=runs))) == \
@@ -225,6 +236,7 @@ def test_summary_edges():
     assert two["stdev"] == pytest.approx(2 ** 0.5) and two["cv"] == pytest.approx(2 ** 0.5 / 2)
     assert summary([0.0, 0.0])["cv"] is None  # a zero mean has no CV
     assert summary([-1.0, 1.0])["cv"] is None
+    assert summary([0.25, 0.75])["cv"] == pytest.approx(statistics.stdev([0.25, 0.75]) / 0.5)  # a mean under 1
 
 
 # ---------------------------------------------------------------- the campaign's contest gate
@@ -239,6 +251,8 @@ def test_threshold_and_gate_reason_at_the_boundary():
     ref = np.array([1, -1, 2, -1], dtype=np.int32)
     assert eva02.gate_reason(2, 4, ref) == ("gate failed: agreement 2/4 < threshold 4 (99% of 4 rows); "
                                             "2 rows without a reference answer count as misses")
+    zero = np.array([0, -1, 0], dtype=np.int32)  # class 0 is an answer, not a miss
+    assert eva02.gate_reason(1, 3, zero).endswith("; 1 rows without a reference answer count as misses")
     assert eva02.gate_reason(1, 2, ref, all_rows=False) == \
         "gate failed: agreement 1/2 < threshold 2 (99% of 2 answered rows)"
 
@@ -259,6 +273,8 @@ def test_check_predictions_every_problem(tmp_path):
     ref = np.array([1, 2, 3, -1], dtype=np.int32)
     assert eva02.check_predictions(tmp_path / "none.i32", ref) == (0, 4, "no OUTPUT file was written")
     assert eva02.check_predictions(tmp_path / "none.i32", ref, all_rows=False)[1] == 3
+    zero = np.array([0, 0, -1], dtype=np.int32)  # class 0 is an answer
+    assert eva02.check_predictions(tmp_path / "none.i32", zero, all_rows=False)[1] == 2
     short = write_i32(tmp_path / "short.i32", [1, 2, 3])
     assert eva02.check_predictions(short, ref) == (0, 4, "OUTPUT has 12 bytes, expected 16 (one int32 per row)")
     for bad in ([1, 2, 3, 1000], [1, 2, -1, 3]):
