@@ -36,6 +36,7 @@ on and 0, false, no, off for off (an empty value is the default).
 | CLIP_TEXT_TRIM | 0/1 | 1 | run the text tower on the used positions only (0: all 77, the reference twin) |
 | KERNELS_TOPK | auto/cupy/torch | auto | force the top-k kernel or its torch twin |
 | ENGINE_DEBUG | 0/1 | 0 | show the Python traceback of a user error (as `--debug` does) instead of one line |
+| OMP_WAIT_POLICY | passive/active | passive | OpenMP threads sleep between calls (busy-waiting ones starve the decoder threads on few cores); engine.threads passes it on |
 | ENGINE_PROGRESS | auto/bar/lines/off | auto | progress of long steps on stderr: a bar on a terminal, a line every few seconds otherwise |
 """
 from __future__ import annotations
@@ -188,6 +189,11 @@ def guard() -> bool:
 
 def debug() -> bool:
     return read("ENGINE_DEBUG", flag, False)
+
+
+def omp_wait_policy() -> str:
+    """PASSIVE or ACTIVE (OpenMP's spelling)."""
+    return read("OMP_WAIT_POLICY", choice("passive", "active"), "passive").upper()
 
 
 def progress() -> str:

@@ -48,8 +48,10 @@ def budget(device: str = "cpu") -> Budget:
 def library_env(b: Budget) -> dict[str, str]:
     """Environment for the native thread pools (set before numpy / torch load)."""
     n = str(b.intra_op)
-    # OpenBLAS only serves numpy here: one thread, and no per-thread buffers under a memory cap
-    return {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n, "OPENBLAS_NUM_THREADS": "1"}
+    # OpenBLAS only serves numpy here: one thread, and no per-thread buffers under a memory cap;
+    # OpenMP threads sleep between calls (busy-waiting ones starve the decode threads on few cores)
+    return {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n, "OPENBLAS_NUM_THREADS": "1",
+            "OMP_WAIT_POLICY": settings.omp_wait_policy()}
 
 
 def apply_torch(b: Budget) -> None:

@@ -252,3 +252,20 @@ def test_help_names_every_setting_with_its_default():
     text = " ".join(_py("-m", "engine.build", "--help").stdout.split())
     assert "--no-guard build the raw low-precision form" in text
     assert "low-precision form (default" not in text    # a switch shows no "(default: True)" that reads backwards
+
+
+def test_the_reference_takes_the_kits_thread_settings_before_torch_loads(tmp_path):
+    """Busy-waiting OpenMP threads made the reference ~15x slower on a shared 2-core machine: it sets
+    the kit's budget and OMP_WAIT_POLICY=PASSIVE before torch is imported, as scripts/run does."""
+    code = ("import sys, evaluator.contest.reference as r; assert 'torch' not in sys.modules; "
+            "t = r.thread_settings('cpu'); import os, torch; "
+            "print(os.environ['OMP_WAIT_POLICY'], os.environ['OMP_NUM_THREADS'], t['budget'].intra_op)")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                       env={**env, "ENGINE_THREADS": "3"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["PASSIVE", "3", "3"]
+    r = subprocess.run([sys.executable, "-m", "evaluator.reference", "m", "i", "o", "--model", TINY_MODEL,
+                        "--checkpoint", "c"], cwd=REPO, capture_output=True, text=True, timeout=120,
+                       env={**env, "OMP_WAIT_POLICY": "lazy"})
+    assert _one_error_line(r, "python -m evaluator.reference") and "OMP_WAIT_POLICY" in r.stderr

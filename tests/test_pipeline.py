@@ -325,10 +325,12 @@ def test_the_thread_budget_derives_every_pool_from_one_setting(monkeypatch):
     from engine import settings, threads
 
     monkeypatch.setenv("ENGINE_THREADS", "6")
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)        # the kit's default: PASSIVE
     b = threads.budget("cpu")
     assert (b.total, b.readers, b.decoder, b.intra_op, b.inter_op) == (6, 6, 6, 6, 1)
     assert threads.budget("cuda").intra_op == 4
-    assert threads.library_env(b) == {"OMP_NUM_THREADS": "6", "MKL_NUM_THREADS": "6", "OPENBLAS_NUM_THREADS": "1"}
+    assert threads.library_env(b) == {"OMP_NUM_THREADS": "6", "MKL_NUM_THREADS": "6", "OPENBLAS_NUM_THREADS": "1",
+                                      "OMP_WAIT_POLICY": "PASSIVE"}
     assert b.peak() == 1 + 6 + 1 + 2 * 5 + 6 + 3 + 1 and b.peak(isolated_decoder=False) == b.peak() - 1
     monkeypatch.setenv("ENGINE_READERS", "3")
     assert threads.budget().readers == 3

@@ -6,36 +6,40 @@ It is the ground truth for agreement and the baseline for every speed figure.
         [--input-size N] [--crop-mode center|squash] [--model-kwargs JSON]
 
 OUTPUT holds one int32 per row; -1 marks an image the reference cannot read.
+
+It runs with the kit's own thread settings, so every speed ratio against it is fair:
+the thread budget of engine.threads (ENGINE_THREADS) sizes torch and OpenMP, and
+OpenMP threads sleep between calls (OMP_WAIT_POLICY, default PASSIVE, as scripts/run
+sets it), all set before torch loads: busy-waiting OpenMP threads cost an order of
+magnitude on a shared machine.
 """
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
-
-from engine.checkpoint import load_model
-from engine.decoders.pil import reference_tensor
-from engine.spec import Spec, resolve_spec
-from evaluator.contest.manifest import read_manifest, resolve_image
-
 PROG = "python -m evaluator.reference"
 
 
-@torch.inference_mode()
-def reference_top1(spec: Spec, checkpoint: Path, paths: list[Path | None], device: str = "cpu") -> np.ndarray:
-    """int32 [N] top-1 of the FP32 eager model, one image at a time; -1 where PIL cannot read."""
+def reference_top1(spec, checkpoint: Path, paths: list[Path | None], device: str = "cpu"):
+    """int32 [N] top-1 of the FP32 eager model (engine.spec.Spec `spec`), one image at a time;
+    -1 where PIL cannot read."""
+    import numpy as np
+    import torch
+
     from engine import settings
+    from engine.checkpoint import load_model
+    from engine.decoders.pil import reference_tensor
     from engine.pipeline import read_regular
     from engine.progress import Progress
 
     max_bytes = settings.max_file_bytes()
     model = load_model(spec, checkpoint).to(device)
     out = np.full(len(paths), -1, np.int32)
-    with Progress(len(paths), "reference", unit="images") as bar:
+    with torch.inference_mode(), Progress(len(paths), "reference", unit="images") as bar:
         for i, p in enumerate(paths):
             bar.update()
             if p is None:
@@ -49,11 +53,24 @@ def reference_top1(spec: Spec, checkpoint: Path, paths: list[Path | None], devic
     return out
 
 
+def thread_settings(device: str) -> dict:
+    """The kit's thread budget for a `device` run, put in the environment before numpy / torch load
+    (OpenMP sizes its pool and reads its wait policy then); returns what was set."""
+    from engine import threads
+
+    budget = threads.budget("cpu" if device == "cpu" else "cuda")
+    env = threads.library_env(budget)
+    os.environ.update(env)
+    return {"budget": budget, "env": env}
+
+
 def parse_args(argv: list[str] | None):
+    from engine import settings
     from engine.cli import parser
 
-    p = parser(PROG, __doc__.split("\n\n")[0], {"ENGINE_PROGRESS": "auto, bar, lines or off",
-                                                "ENGINE_DEBUG": "1: tracebacks instead of one-line errors"})
+    p = parser(PROG, __doc__.split("\n\n")[0], {
+        **settings.env_help(("ENGINE_THREADS", "OMP_WAIT_POLICY", "ENGINE_MAX_FILE_BYTES", "ENGINE_PROGRESS")),
+        "ENGINE_DEBUG": "1: tracebacks instead of one-line errors"})
     p.add_argument("manifest", type=Path, help="request_id<TAB>relative/path per row")
     p.add_argument("image_root", type=Path, help="folder the manifest paths are relative to")
     p.add_argument("output", type=Path, help="one little-endian int32 per row (-1: unreadable)")
@@ -81,10 +98,18 @@ def _json_object(text: str) -> dict:
 
 def run(a) -> int:
     """Check every input before the model loads, then write the reference answers."""
-    from engine.checkpoint import CheckpointError
+    from engine import settings
     from engine.cli import UsageError
 
     t0 = time.perf_counter()
+    settings.check(("threads", "readers", "omp_wait_policy", "max_file_bytes", "progress"))
+    threaded = thread_settings(a.device)      # before torch loads (engine.checkpoint imports it)
+    from engine.checkpoint import CheckpointError
+    from engine.spec import resolve_spec
+    from engine.threads import apply_torch
+    from evaluator.contest.manifest import read_manifest, resolve_image
+
+    apply_torch(threaded["budget"])
     rows = read_manifest(a.manifest)          # ManifestError names the file and line
     if not a.image_root.is_dir():
         raise UsageError(f"IMAGE_ROOT is not a directory: {a.image_root}")
@@ -94,7 +119,7 @@ def run(a) -> int:
         raise UsageError(f"checkpoint not found: {a.checkpoint}")
     spec = resolve_spec(a.model, input_size=a.input_size, crop_mode=a.crop_mode, crop_pct=a.crop_pct,
                         model_kwargs=a.model_kwargs)
-    paths: list[Path | None] = []
+    paths: list[Path | None] = []       # None: a path outside IMAGE_ROOT, no answer
     for r in rows:
         try:
             paths.append(resolve_image(a.image_root, r.path))
@@ -106,7 +131,7 @@ def run(a) -> int:
         raise UsageError(str(e)) from e
     top1.astype("<i4").tofile(a.output)
     print(json.dumps({"images": len(rows), "unreadable": int((top1 < 0).sum()),
-                      "seconds": round(time.perf_counter() - t0, 3)}), file=sys.stderr)
+                      "seconds": round(time.perf_counter() - t0, 3), "threads": threaded["env"]}), file=sys.stderr)
     return 0
 
 
