@@ -91,6 +91,16 @@ def resolve_inside(root: str | os.PathLike, rel: str, what: str = "the root", re
     return real
 
 
+def peak_rss_mib() -> dict[str, float]:
+    """Peak resident memory so far, MiB: {"process": this one, "children": the largest of its
+    children that ended and were waited for (an isolated decoder, once closed)}."""
+    import resource
+
+    kib = {"process": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,      # Linux: KiB
+           "children": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}
+    return {k: round(v / 1024, 1) for k, v in kib.items()}
+
+
 @dataclass
 class Result:
     top1: np.ndarray                                  # [N] int32

@@ -133,3 +133,21 @@ def many_scans(side: int = 4096, copies: int = 5000) -> bytes:
             break
         pos = end
     return blob[:end] + blob[sos:end] * copies + blob[end:]
+
+
+def padded_jpeg(blob: bytes, size: int) -> bytes:
+    """`blob` (a JPEG) grown to exactly `size` bytes with APP15 segments after SOI: decoders skip
+    them, so a file of any size decodes as the small image it holds."""
+    need = size - len(blob)
+    segs = []
+    while need > 0:
+        body = min(need - 4, 65533)
+        if body < 0:                                  # fewer than 4 bytes left: no segment fits
+            raise ValueError(f"cannot pad {len(blob)} bytes to exactly {size}")
+        segs.append(b"\xff\xef" + (body + 2).to_bytes(2, "big") + bytes(body))
+        need -= 4 + body
+        if 0 < need < 4:                              # leave room for one more whole segment
+            segs[-1] = segs[-1][:-(4 - need)]
+            segs[-1] = segs[-1][:2] + (len(segs[-1]) - 2).to_bytes(2, "big") + segs[-1][4:]
+            need = 4
+    return blob[:2] + b"".join(segs) + blob[2:]

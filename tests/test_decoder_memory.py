@@ -8,7 +8,9 @@ import io
 import json
 import subprocess
 import sys
+from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import REPO, tiny_spec
 from PIL import Image
@@ -100,3 +102,46 @@ def test_the_pixel_budget_is_a_setting_read_in_the_child_too(monkeypatch):
 
     with pytest.raises(settings.SettingsError, match="ENGINE_MAX_PIXELS"):
         settings.max_pixels()
+
+
+def _null_artifact(dst: Path, batch_size: int = 16) -> Path:
+    from engine.build import build
+
+    build(tiny_spec(batch_size=batch_size), None, dst, backend="null", device="cpu")
+    return dst
+
+
+def run_rows_of_one_file(tmp: Path, size: int, rows: int, artifact: Path, **env: str) -> dict:
+    """scripts/run over `rows` rows naming one JPEG grown to `size` bytes; its report."""
+    import os
+
+    from hostile import padded_jpeg
+
+    root = tmp / f"root-{size}"
+    root.mkdir()
+    rng = np.random.default_rng(0)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (300, 400, 3), dtype=np.uint8)).save(buf, "JPEG")
+    (root / "img.JPEG").write_bytes(padded_jpeg(buf.getvalue(), size))
+    (root / "manifest.tsv").write_text("".join(f"r{i}\timg.JPEG\n" for i in range(rows)))
+    out, report = tmp / f"p-{size}.i32", tmp / f"report-{size}.json"
+    r = subprocess.run([str(REPO / "scripts" / "run"), str(root / "manifest.tsv"), str(root), str(out),
+                        "--report", str(report)], env={**os.environ, "ENGINE_ARTIFACT": str(artifact), **env},
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert len(np.fromfile(out, "<i4")) == rows
+    return json.loads(report.read_text())
+
+
+# measured on 2 cores (null backend, isolated DALI decoder, default 256 MiB budget): 64 rows of a
+# 50 KB file peak at ~0.5 GiB in the run's process and ~0.45 GiB in the decoder's; of a 63 MiB file
+# at ~1.1 and ~1.1 GiB (before the byte budget: 6.4 GB, 96 files read ahead whatever their size)
+BOUND_MIB = 1536
+
+
+def test_64_rows_of_a_63_mib_file_stay_within_the_stated_bound(tmp_path):
+    art = _null_artifact(tmp_path / "artifact")
+    rep = run_rows_of_one_file(tmp_path, 63 << 20, 64, art)
+    assert rep["failed"] == 0
+    peak = rep["peak_rss_mib"]
+    assert 0 < peak["process"] < BOUND_MIB and 0 < peak["children"] < BOUND_MIB, peak

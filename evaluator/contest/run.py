@@ -283,7 +283,7 @@ def _run(argv, wall0: float, held: Held) -> int:
         raise RunError(f"cannot import torch ({e}): is the memory limit too low?") from None
     from engine.artifact import ArtifactError, load_artifact
     from engine.decoders import make_decoder
-    from engine.pipeline import classify
+    from engine.pipeline import classify, peak_rss_mib
     from engine.runtime import load_runtime
 
     t_imports = time.perf_counter()
@@ -365,6 +365,7 @@ def _run(argv, wall0: float, held: Held) -> int:
             },
             "first_batch_s": round(res.first_batch_at + offset, 4) if res.first_batch_at else None,
             "images_per_s": round(len(rows) / max(t_done - t_loaded, 1e-9), 2),
+            "peak_rss_mib": peak_rss_mib(),          # this process; its ended children apart (the decoder's)
             "timeline": [{**e, "start": round(e["start"] + offset, 4), "end": round(e["end"] + offset, 4)}
                          for e in res.timeline],
         }
