@@ -1,0 +1,158 @@
+"""The output reservation's rules, unit by unit (no model, no run): what OUTPUT may not be,
+which stale files go, the reservation's size, the atomic commit and the discard."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from evaluator.contest import output
+from evaluator.contest.output import Output, OutputError, refusal, stale
+
+
+@pytest.fixture
+def inputs(tmp_path):
+    manifest = tmp_path / "manifest.tsv"
+    manifest.write_text("r1\ta.JPEG\n")
+    images = tmp_path / "images"
+    images.mkdir()
+    (images / "a.JPEG").write_bytes(b"jpeg")
+    art = tmp_path / "art"
+    art.mkdir()
+    (art / "manifest.json").write_text("{}")
+    return manifest, images, art
+
+
+def test_a_plain_new_output_is_allowed(inputs, tmp_path):
+    assert refusal(tmp_path / "p.i32", *inputs) is None
+    assert refusal(tmp_path / "images_p.i32", *inputs) is None  # a sibling sharing a prefix is outside
+
+
+def test_output_that_is_the_manifest_by_name_link_or_hard_link(inputs, tmp_path):
+    manifest = inputs[0]
+    assert refusal(manifest, *inputs) == f"OUTPUT is the manifest: {manifest}"
+    link = tmp_path / "link.i32"
+    link.symlink_to(manifest)
+    assert refusal(link, *inputs) == f"OUTPUT is the manifest: {link}"
+    hard = tmp_path / "hard.i32"
+    os.link(manifest, hard)
+    assert refusal(hard, *inputs) == f"OUTPUT is the manifest: {hard}"
+    assert refusal(manifest, None, *inputs[1:]) is None  # without a manifest nothing is compared
+
+
+def test_output_inside_the_image_root_or_the_artifact(inputs, tmp_path):
+    manifest, images, art = inputs
+    new = images / "sub" / "p.i32"
+    assert refusal(new, *inputs) == f"OUTPUT is inside IMAGE_ROOT ({images}): {new}"
+    assert refusal(images / "a.JPEG", *inputs).startswith("OUTPUT is inside IMAGE_ROOT")
+    assert refusal(art / "new.i32", *inputs) == f"OUTPUT is a file of the artifact {art}: {art / 'new.i32'}"
+    hard = tmp_path / "weights_link"
+    os.link(art / "manifest.json", hard)  # a hard link to an artifact file, outside the folder
+    assert refusal(hard, *inputs) == f"OUTPUT is a file of the artifact {art}: {hard}"
+    assert refusal(hard, manifest, images, tmp_path / "no_such_artifact") is None
+
+
+@pytest.mark.parametrize("kind", ["dir", "fifo", "chr"])
+def test_output_that_is_not_a_regular_file(inputs, tmp_path, kind):
+    if kind == "dir":
+        path, what = tmp_path / "d", "a directory"
+        path.mkdir()
+    elif kind == "fifo":
+        path, what = tmp_path / "f", "a FIFO (or pipe)"
+        os.mkfifo(path)
+    else:
+        path, what = Path("/dev/null"), "a character device"
+    assert refusal(path, *inputs) == f"OUTPUT is {what}, not a regular file: {path}"
+    with pytest.raises(OutputError, match="not a regular file"):
+        Output(path, *inputs)
+
+
+def test_stale_names_only_dead_processes_with_the_prefix():
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    assert stale(f".tmp-p.i32-{dead}", ".tmp-p.i32-")
+    assert not stale(f".tmp-p.i32-{os.getpid()}", ".tmp-p.i32-")  # this process
+    assert not stale(f".tmp-q.i32-{dead}", ".tmp-p.i32-")
+    assert not stale(".tmp-p.i32-abc", ".tmp-p.i32-")
+    assert not stale(f".tmp-p.i32-{os.getppid()}", ".tmp-p.i32-")  # alive
+
+
+def test_a_stale_output_and_dead_temp_files_go_live_ones_stay(inputs, tmp_path):
+    out = tmp_path / "p.i32"
+    out.write_bytes(b"old answers")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    (tmp_path / f".tmp-p.i32-{dead}").write_bytes(b"x")
+    live = tmp_path / f".tmp-p.i32-{os.getppid()}"
+    live.write_bytes(b"x")
+    o = Output(out, *inputs)
+    try:
+        assert not out.exists()  # an earlier run's file never passes for this one's
+        assert not (tmp_path / f".tmp-p.i32-{dead}").exists() and live.exists()
+        assert o.tmp == tmp_path / f".tmp-p.i32-{os.getpid()}" and o.tmp.exists()
+    finally:
+        o.discard()
+
+
+def test_reserve_commit_and_discard(inputs, tmp_path):
+    out = tmp_path / "p.i32"
+    o = Output(out, *inputs)
+    o.reserve(4 * 5)
+    assert o.tmp.stat().st_size == 20 and not out.exists()
+    o.commit(b"\x01\x00\x00\x00" * 3)  # fewer bytes than reserved: no tail is left
+    assert out.read_bytes() == b"\x01\x00\x00\x00" * 3 and not o.tmp.exists() and o.done and o.fd is None
+    o.discard()  # after a commit: the output stays
+    assert out.exists()
+    o2 = Output(tmp_path / "q.i32", *inputs)
+    o2.reserve(0)
+    assert o2.tmp.stat().st_size == 0
+    o2.discard()
+    assert not o2.tmp.exists() and not (tmp_path / "q.i32").exists() and o2.fd is None
+
+
+def test_reserve_writes_zeros_where_fallocate_cannot(inputs, tmp_path, monkeypatch):
+    import errno
+
+    def unsupported(fd, offset, length):
+        raise OSError(errno.EOPNOTSUPP, "not supported")
+
+    monkeypatch.setattr(output.os, "posix_fallocate", unsupported)
+    o = Output(tmp_path / "p.i32", *inputs)
+    try:
+        o.reserve((1 << 20) + 12)  # more than one block of zeros
+        assert o.tmp.read_bytes() == bytes((1 << 20) + 12)
+        assert os.lseek(o.fd, 0, os.SEEK_CUR) == 0  # the answers are written from the start
+    finally:
+        o.discard()
+
+
+def test_reserve_failure_is_one_output_error(inputs, tmp_path, monkeypatch):
+    import errno
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(output.os, "posix_fallocate", full)
+    o = Output(tmp_path / "p.i32", *inputs)
+    try:
+        with pytest.raises(OutputError, match=r"cannot reserve 8 bytes for OUTPUT at .*: No space left on device"):
+            o.reserve(8)
+    finally:
+        o.discard()
+
+
+def test_a_missing_folder_is_refused(inputs, tmp_path):
+    with pytest.raises(OutputError, match="OUTPUT folder does not exist"):
+        Output(tmp_path / "no" / "p.i32", *inputs)
+
+
+def test_a_link_output_is_written_through(inputs, tmp_path):
+    target = tmp_path / "real.i32"
+    link = tmp_path / "link.i32"
+    link.symlink_to(target)
+    o = Output(link, *inputs)
+    o.commit(b"\x02\x00\x00\x00")
+    assert link.is_symlink() and target.read_bytes() == b"\x02\x00\x00\x00"
