@@ -348,6 +348,44 @@ def test_a_staged_corpus_indexes_every_record_and_confinement_names_each_refusal
             assert any(f"unreadable image {r['image_id']!r}" in e and what in e for e in err.splitlines()), r
 
 
+def test_the_record_reader_follows_by_default_and_confines_when_asked(tmp_path):
+    """The rule re-inspection shares with the build (evaluator.cir.jsonl.record_reader)."""
+    from evaluator.cir.jsonl import record_reader
+
+    base, recs = _staged_corpus(tmp_path, n=2)
+    paths = [r["path"] for r in recs]
+    store = sorted((tmp_path / "store").iterdir())
+    follow, confine = record_reader(base, paths), record_reader(base, paths, confine=True)
+    for i, path in enumerate(paths):
+        assert follow(i) == store[i].read_bytes()                  # link, hard link, absolute: the same bytes
+        if path.startswith("hard/"):
+            assert confine(i) == store[i].read_bytes()
+        else:
+            with pytest.raises(ValueError, match="absolute path refused|path escapes the corpus folder"):
+                confine(i)
+
+
+def test_re_inspection_follows_the_records_as_the_build_did_unless_confined(tmp_path):
+    from evaluator.cir import run as cir_run
+
+    base, recs = _staged_corpus(tmp_path, n=4)
+    assert cir_build.main(_cpu_build_args(base, tmp_path / "index")) == 0
+    queries = tmp_path / "q.jsonl"
+    queries.write_text("".join(json.dumps({"query_id": i, "reference_image_id": r["image_id"],
+                                           "modification": "the same, in red"}) + "\n"
+                               for i, r in enumerate(recs[:6])))
+    reports = {}
+    for name, extra in (("follow", []), ("confine", ["--confine-to-corpus"])):
+        out, rep = tmp_path / f"{name}.jsonl", tmp_path / f"{name}.json"
+        assert cir_run.main(["--index-dir", str(tmp_path / "index"), "--queries", str(queries), "--output", str(out),
+                             "--model-dir", str(clip_dirs()["open_clip"]), "--device", "cpu", "--method",
+                             "slerp+reinspect:n=8", "--report", str(rep), *extra]) == 0
+        reports[name] = json.loads(rep.read_text())
+        assert len(read_rows(out)) == 6
+    assert reports["follow"]["reinspected_total"] > 0 and reports["follow"]["reinspect_unreadable"] == 0
+    assert reports["confine"]["reinspect_unreadable"] > 0      # links out and absolute paths refused
+
+
 def test_malformed_files_in_the_index_dir_are_rebuilt_or_refused(tmp_path, capsys):
     d = tmp_path / "index"
     d.mkdir()
