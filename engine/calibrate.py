@@ -1,14 +1,21 @@
-"""Choosing the guard's tau at build time, on images that are not evaluation data.
+"""Choosing the guard's tau at build time, on natural photos that are not evaluation data.
 
-Images: the procedural renders of engine.renders (default), or a folder the user names;
-a folder that engine.dataset_flags flags as ImageNet-validation-like is refused. Each
-image is preprocessed by the PIL reference path of the spec.
+Images (engine.build `--calibration-source`, `--calibration-images DIR`):
+    photos   default: random crops of the colour and grey photographs scikit-image ships
+             with its package (offline; public-domain / CC0 pictures of an astronaut, a cat,
+             a coffee cup, a rocket launch, a motorcycle, coins, a clock, ...: none is from
+             ImageNet), each flipped at random, colour-jittered and JPEG-encoded with a fixed
+             seed, then preprocessed by the PIL reference path of the spec;
+    renders  the procedural renders of engine.renders (a smoke check that a build is not
+             broken; they say little about photos' margins);
+    DIR      a folder of the user's own images (e.g. ImageNet *train* images); a folder
+             that engine.dataset_flags flags as ImageNet-validation-like is refused.
 
 Both precisions classify every image: the compiled low-precision graph (top-1 and its
-margin) and the FP32 reference. tau = safety x the largest low-precision margin at which
-the two disagree (floored by the logit error bound, see `choose_tau`). The disagreement
-curve (how many disagreements remain above each margin, how many images a threshold
-re-checks) is recorded with it.
+margin) and the FP32 reference (top-1 and its margin). `choose_tau` then picks the
+smallest tau whose estimated disagreements per 10,000 images stay under a budget; its
+docstring states the estimator. The source, the margin-error quantiles and the curve
+(re-checked fraction and estimated disagreements per threshold) go into the artifact.
 """
 from __future__ import annotations
 
@@ -25,8 +32,82 @@ DEFAULT_COUNT = 256
 MAX_FILE_BYTES = 64 << 20
 
 
+# scikit-image's bundled photographs (skimage.data loaders that read files shipped in the wheel)
+PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "stereo_motorcycle", "hubble_deep_field",
+          "immunohistochemistry", "retina", "camera", "coins", "clock")
+SOURCES = ("photos", "renders")
+
+
 class CalibrationError(ValueError):
     """The calibration images cannot be used."""
+
+
+def photo_sources(names=PHOTOS) -> dict[str, np.ndarray]:
+    """name -> [H, W, 3] uint8 of scikit-image's bundled photos (grey ones as three equal channels)."""
+    try:
+        from skimage import data
+    except ImportError as e:
+        raise CalibrationError(f"the default calibration photos come from scikit-image, which is not "
+                               f"installed ({e}); install it or pass --calibration-images DIR") from None
+    out = {}
+    for name in names:
+        px = getattr(data, name)()
+        px = px[0] if isinstance(px, tuple) else px          # stereo_motorcycle: (left, right, disparity)
+        px = np.asarray(px)
+        if px.ndim == 2:
+            px = np.repeat(px[..., None], 3, axis=2)
+        out[name] = np.ascontiguousarray(px[..., :3].astype(np.uint8))
+    return out
+
+
+def augmented_crop(px: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """[h, w, 3] uint8: a random crop (8-100 % of the area, aspect 3:4-4:3), a random horizontal
+    flip and colour jitter (brightness, contrast, saturation x0.7-1.3) of `px` [H, W, 3]."""
+    hh, ww = px.shape[:2]
+    for _ in range(10):
+        area = hh * ww * rng.uniform(0.08, 1.0)
+        aspect = np.exp(rng.uniform(np.log(3 / 4), np.log(4 / 3)))
+        w, h = int(round(np.sqrt(area * aspect))), int(round(np.sqrt(area / aspect)))
+        if 16 <= w <= ww and 16 <= h <= hh:
+            break
+    else:
+        w, h = ww, hh
+    y, x = int(rng.integers(0, hh - h + 1)), int(rng.integers(0, ww - w + 1))
+    img = px[y:y + h, x:x + w].astype(np.float32)
+    if rng.random() < 0.5:
+        img = img[:, ::-1]
+    img = img * rng.uniform(0.7, 1.3)                                     # brightness
+    img = img.mean() + (img - img.mean()) * rng.uniform(0.7, 1.3)         # contrast
+    grey = img.mean(axis=2, keepdims=True)
+    img = grey + (img - grey) * rng.uniform(0.7, 1.3)                     # saturation
+    return np.clip(img, 0, 255).astype(np.uint8)
+
+
+def photo_pixels(spec: Spec, count: int = DEFAULT_COUNT, seed: int = 1, names=PHOTOS) -> tuple[np.ndarray, dict]:
+    """([count, S, S, 3] uint8 augmented crops of scikit-image's photos through the reference
+    preprocessing (each crop JPEG-encoded at quality 75-95 first, as the inputs are), record)."""
+    import io
+
+    from PIL import Image
+
+    from engine.decoders.pil import decode_pil
+
+    photos = photo_sources(names)
+    keys = sorted(photos)
+    rng = np.random.default_rng(seed)
+    out = np.zeros((count, spec.input_size, spec.input_size, 3), np.uint8)
+    h = hashlib.sha256()
+    for i in range(count):
+        crop = augmented_crop(photos[keys[i % len(keys)]], rng)
+        buf = io.BytesIO()
+        Image.fromarray(crop).save(buf, "JPEG", quality=int(rng.integers(75, 96)))
+        out[i] = decode_pil(buf.getvalue(), spec)
+        h.update(out[i].tobytes())
+    import skimage
+
+    return out, {"origin": f"scikit-image {skimage.__version__} bundled photos, random crops, flips, colour "
+                           f"jitter and JPEG re-encoding, seed {seed}", "photos": keys, "count": count,
+                 "pixels_sha256": h.hexdigest()}
 
 
 def generated_pixels(spec: Spec, count: int = DEFAULT_COUNT, seed: int = 1) -> tuple[np.ndarray, dict]:
@@ -93,8 +174,11 @@ def folder_pixels(folder: Path, spec: Spec, count: int = DEFAULT_COUNT) -> tuple
                               "skipped": len(images) - len(pixels), "files_sha256": h.hexdigest()}
 
 
-def classify(fn, pixels: np.ndarray, batch: int, margin: bool) -> tuple[np.ndarray, np.ndarray | None]:
-    """Run a static-batch graph over [N, S, S, 3] pixels (last batch padded): top-1 [N] (and margins [N])."""
+def classify(fn, pixels: np.ndarray, batch: int, margin: bool, device=None) -> tuple[np.ndarray, np.ndarray | None]:
+    """Run a static-batch graph over [N, S, S, 3] pixels (last batch padded): top-1 [N] (and margins [N]).
+
+    Each padded chunk is uploaded once to `device` (the graph's; None leaves it on the host).
+    """
     import torch
 
     n = len(pixels)
@@ -104,7 +188,8 @@ def classify(fn, pixels: np.ndarray, batch: int, margin: bool) -> tuple[np.ndarr
             chunk = np.zeros((batch,) + pixels.shape[1:], np.uint8)
             m = min(batch, n - lo)
             chunk[:m] = pixels[lo:lo + m]
-            out = fn(torch.from_numpy(chunk))
+            x = torch.from_numpy(chunk)                                  # [batch, S, S, 3] uint8
+            out = fn(x if device is None else x.to(device))
             if margin:
                 t, g = out[0], out[1]
                 margins[lo:lo + m] = g[:m].float().cpu().numpy()
@@ -114,23 +199,100 @@ def classify(fn, pixels: np.ndarray, batch: int, margin: bool) -> tuple[np.ndarr
     return top1, (margins if margin else None)
 
 
-def choose_tau(low_top1: np.ndarray, margins: np.ndarray, ref_top1: np.ndarray, safety: float = 2.0,
-               floor: float = 0.0) -> dict:
-    """tau and the disagreement curve from the low-precision (top-1, margin) and the FP32 top-1.
+PER = 10_000          # disagreements are counted per this many images (the contest cohort's size)
+TAIL_QUANTILE = 0.9   # margin errors above this quantile are modelled by an exponential tail
 
-    tau = safety x max(largest margin at which the two disagree, floor). The floor keeps
-    tau above zero when the calibration set shows no disagreement at all (a clean set
-    proves nothing about margins it never saw).
+
+def margin_errors(low_top1: np.ndarray, margins: np.ndarray, ref_top1: np.ndarray,
+                  ref_margins: np.ndarray) -> np.ndarray:
+    """[N] how far low precision moved each image's leading gap: |m_low - m_fp32| where both
+    chose the same class; m_low + m_fp32 where they disagree (the gap between the two
+    swapped classes moved at least that far)."""
+    agree = low_top1 == ref_top1
+    return np.where(agree, np.abs(margins - ref_margins), margins + ref_margins).astype(np.float64)
+
+
+class ErrorTail:
+    """P(E >= t) for the margin error E: empirical up to the 90th percentile u of the
+    calibration errors, then p_u exp(-(t - u) / lambda) with lambda the mean excess over u
+    (the exponential peaks-over-threshold fit: a tail that never reaches zero, unlike the
+    largest error seen)."""
+
+    def __init__(self, errors: np.ndarray):
+        e = np.sort(np.asarray(errors, np.float64))
+        self.errors = e
+        self.u = float(np.quantile(e, TAIL_QUANTILE)) if len(e) else 0.0
+        over = e[e > self.u]
+        self.p_u = len(over) / max(len(e), 1)
+        self.scale = float((over - self.u).mean()) if len(over) else max(float(e.mean()) if len(e) else 0.0, 1e-6)
+
+    def survival(self, t: np.ndarray) -> np.ndarray:
+        t = np.asarray(t, np.float64)
+        emp = 1.0 - np.searchsorted(self.errors, t, side="left") / max(len(self.errors), 1)   # P(E >= t)
+        tail = self.p_u * np.exp(-(t - self.u) / self.scale)
+        return np.where(t <= self.u, emp, tail)
+
+
+def choose_tau(low_top1: np.ndarray, margins: np.ndarray, ref_top1: np.ndarray, ref_margins: np.ndarray,
+               budget: float = 10.0, safety: float = 2.0) -> dict:
+    """The smallest tau whose estimated disagreements per 10,000 images stay under `budget`.
+
+    The estimator. Rounding moves each logit a little; an image whose low-precision margin
+    (top-1 minus top-2 logit) is m can change its top-1 only if the error on that gap is at
+    least m. The calibration images give the error distribution (`margin_errors`, modelled
+    by `ErrorTail`: empirical body, exponential tail) and stand in for the cohort's margin
+    distribution. The guard re-checks every image with m < tau in FP32 (those cannot
+    disagree), so with tau the expected disagreements per 10,000 images are
+
+        model(tau)    = 10,000 x mean over calibration images of [m_i >= tau] x P(E >= m_i)
+        observed(tau) = 10,000 x (calibration disagreements with m_i >= tau) / N
+        estimate(tau) = safety x max(model(tau), observed(tau))
+
+    `safety` covers what the calibration set cannot show: a cohort with more near-ties
+    than the photos, an error tail heavier than exponential. estimate(tau) falls as tau
+    grows; tau is the smallest threshold (0, or just above a calibration margin) at which
+    it is <= budget, and the expected re-checked fraction is the share of calibration
+    margins below it. A budget no threshold meets re-checks every calibration image.
     """
     if safety < 1:
         raise ValueError(f"safety factor must be >= 1, got {safety}")
-    disagree = low_top1 != ref_top1
-    worst = float(margins[disagree].max()) if disagree.any() else 0.0
-    tau = safety * max(worst, floor)
-    grid = sorted({0.0, tau, worst, *np.quantile(margins, [0.01, 0.02, 0.05, 0.1, 0.2]).tolist()})
-    curve = [{"threshold": round(float(t), 6),
-              "rechecked_fraction": round(float((margins < t).mean()), 6),
+    if budget <= 0:
+        raise ValueError(f"the disagreement budget must be > 0, got {budget}")
+    margins = np.asarray(margins, np.float64)
+    n = len(margins)
+    disagree = np.asarray(low_top1) != np.asarray(ref_top1)
+    errors = margin_errors(np.asarray(low_top1), margins, np.asarray(ref_top1), np.asarray(ref_margins, np.float64))
+    tail = ErrorTail(errors)
+    flip = tail.survival(margins)                                   # [N] P(E >= m_i)
+
+    def estimate(tau: float) -> tuple[float, float]:
+        kept = margins >= tau                                       # not re-checked
+        model = PER * float((flip * kept).sum()) / n
+        observed = PER * float((disagree & kept).sum()) / n
+        return safety * max(model, observed), observed
+
+    # thresholds: 0 and just above each margin (the guard re-checks margin < tau); "just above" in
+    # float32, the margins' dtype on the device, so that the comparison there re-checks that image
+    m32 = np.sort(margins).astype(np.float32)
+    candidates = np.concatenate([[0.0], np.nextafter(m32, np.float32(np.inf)).astype(np.float64)])
+    tau = float(candidates[-1])
+    for t in candidates:
+        if estimate(float(t))[0] <= budget:
+            tau = float(t)
+            break
+    grid = sorted({0.0, tau, *np.quantile(margins, [0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5]).tolist()})
+    curve = [{"threshold": round(float(t), 6), "rechecked_fraction": round(float((margins < t).mean()), 6),
+              "estimated_per_10k": round(estimate(float(t))[0], 3),
               "disagreements_left": int((disagree & (margins >= t)).sum())} for t in grid]
-    return {"tau": tau, "safety": safety, "floor": floor, "largest_disagreeing_margin": worst,
-            "images": int(len(margins)), "disagreements": int(disagree.sum()),
-            "rechecked_fraction": float((margins < tau).mean()), "curve": curve}
+    est, _ = estimate(tau)
+    return {"tau": tau, "budget_per_10k": budget, "safety": safety, "estimated_per_10k": round(est, 4),
+            "images": n, "disagreements": int(disagree.sum()),
+            "largest_disagreeing_margin": float(margins[disagree].max()) if disagree.any() else 0.0,
+            "rechecked_fraction": float((margins < tau).mean()),
+            "margin_error": {"quantiles": {q: round(float(np.quantile(errors, float(q))), 6)
+                                           for q in ("0.5", "0.9", "0.99", "1.0")},
+                             "tail": {"u": round(tail.u, 6), "p_u": round(tail.p_u, 6),
+                                      "scale": round(tail.scale, 6)}},
+            "rule": "smallest tau with safety x max(model, observed) disagreements per 10,000 <= budget "
+                    "(engine.calibrate.choose_tau)",
+            "curve": curve}

@@ -33,6 +33,22 @@ class Top1Model(torch.nn.Module):
         return top1, top2[:, 0] - top2[:, 1]                          # [B] int32, [B] float32
 
 
+class OnDevice:
+    """A backend's graph behind its one input move: a batch on any device in, run on `device`.
+
+    Every backend's `load` returns one, so no caller can hand a graph the wrong device (a
+    host tensor reaching a CUDA graph raises in eager mode, and reaches AOTInductor's
+    kernels as a host pointer). The move is a no-op for a batch already there (the
+    runtime's upload ring, a GPU decoder's output, a CUDA graph's static input).
+    """
+
+    def __init__(self, fn, device: str | torch.device):
+        self.fn, self.device = fn, torch.device(device)
+
+    def __call__(self, x: torch.Tensor):
+        return self.fn(x.to(self.device, non_blocking=True))
+
+
 def wrap(net: torch.nn.Module, spec: Spec, device: str, margin: bool = False) -> Top1Model:
     """Top1Model of `net` (FP32) under the mixed-precision policy of the spec's precision, on `device`."""
     return Top1Model(apply_policy(net, spec.precision), spec, margin).to(device).eval()

@@ -310,8 +310,8 @@ def classify(read: Callable[[int], bytes], n: int, decoder, runtime, readers: in
             res.timeline.append({"stage": "inference", "batch": b, "start": t, "end": t2})
             if res.first_batch_at is None:
                 res.first_batch_at = t2
-            if getattr(pred, "is_cuda", False):
-                gathered.append((lo, hi, pred))  # stays on the GPU: no sync per batch
+            if getattr(pred, "is_cuda", False) or guarded:
+                gathered.append((lo, hi, pred))  # on the GPU: no sync per batch; guarded: final after finish()
             else:
                 res.top1[lo:hi] = np.asarray(pred)[: hi - lo]
             res.failed.update({lo + j: why for j, why in failed.items()})
@@ -320,6 +320,8 @@ def classify(read: Callable[[int], bytes], n: int, decoder, runtime, readers: in
     finally:
         batches.close()  # an error here must not leave the decode worker and readers running
     t = clock()
+    if guarded:
+        runtime.finish()  # the guard's last re-checks write into the gathered answers
     for lo, hi, pred in gathered:
         res.top1[lo:hi] = pred.cpu().numpy()[: hi - lo]
     busy["inference"] += clock() - t  # the wait for the device's last batches

@@ -78,8 +78,9 @@ class Runtime:
         """batch: [B, S, S, 3] uint8 (numpy or torch, any device) -> int32 [B] on the run's device.
 
         On CUDA the host copy goes through a pinned buffer and the result stays on the GPU
-        until the caller gathers it; a guarded artifact reads the margins of each batch
-        (one small sync) to choose the rows it re-checks. Rows at and past `valid` are padding.
+        until the caller gathers it. A guarded artifact's answers are final only after
+        `finish()` (the guard re-checks low-margin rows in full batches, reading each batch's
+        margins one batch late on CUDA: no sync per batch). Rows at and past `valid` are padding.
         """
         x = torch.as_tensor(batch)
         if x.shape[0] != self.batch_size:
@@ -97,15 +98,22 @@ class Runtime:
         else:
             out = self._fn(x)
         top1 = out[0] if isinstance(out, (list, tuple)) else out
+        if self.guard is not None:
+            return self.guard.apply(x, top1, out[1], valid)   # a copy, fixed in place by finish()
         if self.cuda_graph:
             top1 = top1.clone()  # a graph reuses its output buffer
-        if self.guard is not None:
-            top1 = self.guard.apply(x, top1, out[1], valid)
         return top1
 
+    def finish(self) -> None:
+        """Complete every answer run_async returned (the guard's last re-checks)."""
+        if self.guard is not None:
+            self.guard.finish()
+
     def run(self, batch, valid: int | None = None) -> np.ndarray:
-        """Like run_async, gathered to the host: int32 [B]."""
-        return self.run_async(batch, valid).cpu().numpy().astype(np.int32, copy=False)
+        """Like run_async then finish, gathered to the host: int32 [B]."""
+        top1 = self.run_async(batch, valid)
+        self.finish()
+        return top1.cpu().numpy().astype(np.int32, copy=False)
 
     def report(self) -> dict:
         """What the timing report records of the runtime: graphs and the guard's work."""
@@ -115,7 +123,7 @@ class Runtime:
             out["gpu_busy_s"] = round(sum(s.elapsed_time(e) for s, e in self._events) / 1000, 4)
             out["gpu_batches"] = len(self._events)
         if self.guard is not None:
-            out["guard"] = self.guard.stats.report(self.guard.tau, self.guard.batch)
+            out["guard"] = self.guard.report()
         elif self.artifact.meta.get("guard"):
             out["guard"] = "off (ENGINE_GUARD=0): raw low-precision answers"
         return out
@@ -171,7 +179,7 @@ def load_runtime(artifact: Artifact, device: str | None = None, cuda_graphs: boo
     use_guard = bool(g) and (settings.guard() if guard is None else guard)
     if use_guard:
         recheck = backends.get(g.get("recheck_backend", artifact.backend)).load(recheck_view(artifact), dev)
-        checker = Guard(recheck, g["tau"], g["recheck_batch"])
+        checker = Guard(recheck, g["tau"], g["recheck_batch"], dev)
     else:
         checker = None
     fn = backend.load(artifact, dev)

@@ -73,19 +73,25 @@ def test_aot_loader_runs_single_threaded_under_cuda_graphs(monkeypatch, tmp_path
 
     seen = []
 
-    class Loader:
-        def __init__(self, *args):
-            seen.append(args)
+    def runner(kind):
+        class Runner:
+            def __init__(self, *args):
+                seen.append((kind, args))
 
-        def boxed_run(self, xs):
-            return xs
+            def run(self, xs):
+                return xs
+        return Runner
 
-    monkeypatch.setattr(torch._C._aoti, "AOTIModelPackageLoader", Loader)
+    monkeypatch.setattr(torch._C._aoti, "AOTIModelContainerRunnerCuda", runner("cuda"), raising=False)
+    monkeypatch.setattr(torch._C._aoti, "AOTIModelContainerRunnerCpu", runner("cpu"), raising=False)
     art = type("A", (), {"device": "cuda", "path": lambda s, n: tmp_path / n})()
     aot.load(art, torch.device("cuda"))
     art.device = "cpu"
-    aot.load(art, torch.device("cpu"))
-    assert [a[2] for a in seen] == [True, False]    # (package, name, run_single_threaded, runners, device)
+    fn = aot.load(art, torch.device("cpu"))
+    # (so path, runners, device, cubin dir, run_single_threaded): single-threaded under CUDA graphs
+    assert [k for k, _ in seen] == ["cuda", "cpu"] and seen[0][1][-1] is True
+    x = torch.zeros((2, 4, 4, 3), dtype=torch.uint8)
+    assert fn(x)[0] is x                               # already on the graph's device: no copy
 
 
 def test_capture_failure_is_reported_not_hidden(capsys):

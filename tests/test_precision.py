@@ -90,38 +90,61 @@ def test_guard_restores_fp32_answers_on_planted_near_ties():
     spec = Spec(model="near-tie", input_size=size, batch_size=32, precision="bf16", num_classes=3)
     net = _NearTie(size).eval()
     low = Top1Model(apply_policy(net, "bf16"), spec, margin=True)
-    ref = Top1Model(apply_policy(net, "fp32"), spec)
+    ref = Top1Model(apply_policy(net, "fp32"), spec, margin=True)
     x = torch.from_numpy(np.random.default_rng(1).integers(0, 256, (32, size, size, 3), dtype=np.uint8))
     with torch.inference_mode():
-        want = ref(x)
+        want = ref(x)[0]
         raw, margin = low(x)
         flips = int((raw != want).sum())
         assert flips >= 3, "the planted near-ties must flip in raw bf16"
         calib = torch.from_numpy(np.random.default_rng(2).integers(0, 256, (64, size, size, 3), dtype=np.uint8))
         c_low, c_margin = low(calib)
-        chosen = choose_tau(c_low.numpy(), c_margin.numpy(), ref(calib).numpy(), safety=2.0)
-        assert chosen["disagreements"] >= 1 and chosen["tau"] >= 2 * chosen["largest_disagreeing_margin"]
-        guard = Guard(ref, chosen["tau"], batch=4)
+        r_top1, r_margin = ref(calib)
+        chosen = choose_tau(c_low.numpy(), c_margin.numpy(), r_top1.numpy(), r_margin.numpy(), budget=10)
+        # every calibration disagreement is re-checked (one left would be 1,560 per 10,000)
+        assert chosen["disagreements"] >= 1 and chosen["tau"] > chosen["largest_disagreeing_margin"]
+        assert chosen["estimated_per_10k"] <= 10
+        guard = Guard(lambda b: ref(b)[0], chosen["tau"], batch=4)
         fixed = guard.apply(x, raw, margin)
+        guard.finish()
     assert torch.equal(fixed, want)
     s = guard.stats
     assert s.images == 32 and s.rechecked >= flips and s.changed == flips and s.calls == -(-s.rechecked // 4)
-    assert guard.apply(x, raw, margin, valid=0) is raw                      # padding rows are never re-checked
+    padded = guard.apply(x, raw, margin, valid=0)                           # padding rows are never re-checked
+    guard.finish()
+    assert torch.equal(padded, raw) and guard.stats.images == 32 and guard.stats.calls == s.calls
 
 
-def test_choose_tau_curve_and_floor():
-    low = np.array([1, 2, 3, 4, 5])
-    ref = np.array([1, 9, 3, 9, 5])
-    margins = np.array([0.5, 0.1, 2.0, 0.3, 0.05], np.float32)
-    c = choose_tau(low, margins, ref, safety=2.0)
-    assert c["largest_disagreeing_margin"] == pytest.approx(0.3) and c["tau"] == pytest.approx(0.6)
-    assert c["disagreements"] == 2 and c["rechecked_fraction"] == pytest.approx(0.8)
-    at_tau = [p for p in c["curve"] if p["threshold"] == pytest.approx(0.6)][0]
-    assert at_tau["disagreements_left"] == 0
-    clean = choose_tau(low, margins, low, safety=2.0, floor=0.02)
-    assert clean["tau"] == pytest.approx(0.04) and clean["disagreements"] == 0
+def _choose(low, margins, ref, ref_margins=None, **kw):
+    ref_margins = np.asarray(margins if ref_margins is None else ref_margins, np.float32)
+    return choose_tau(np.asarray(low), np.asarray(margins, np.float32), np.asarray(ref), ref_margins, **kw)
+
+
+def test_choose_tau_keeps_the_estimate_under_the_budget():
+    rng = np.random.default_rng(0)
+    n = 1000
+    margins = rng.exponential(2.0, n).astype(np.float32)                  # a photo-like spread of margins
+    err = np.abs(rng.normal(0, 0.02, n)).astype(np.float32)                 # small rounding errors
+    low = np.arange(n)
+    c = _choose(low, margins, low, margins + err, budget=10, safety=2)
+    assert c["disagreements"] == 0 and 0 < c["tau"] < 0.5 and c["estimated_per_10k"] <= 10
+    below = [p for p in c["curve"] if p["threshold"] < c["tau"] - 1e-5]
+    assert below and all(p["estimated_per_10k"] > 10 for p in below)         # tau is the smallest that holds
+    assert c["rechecked_fraction"] == pytest.approx(float((margins < c["tau"]).mean()))
+    assert set(c["margin_error"]["quantiles"]) == {"0.5", "0.9", "0.99", "1.0"}
+    # a looser budget needs a smaller tau, a larger safety factor a larger one, larger errors a larger one
+    assert _choose(low, margins, low, margins + err, budget=100)["tau"] < c["tau"]
+    assert _choose(low, margins, low, margins + err, budget=10, safety=8)["tau"] > c["tau"]
+    assert _choose(low, margins, low, margins + 5 * err, budget=10)["tau"] > c["tau"]
+    # an observed disagreement above tau counts in full: tau goes past its margin
+    ref = low.copy()
+    ref[np.argsort(margins)[n // 4]] = -1
+    d = _choose(low, margins, ref, margins + err, budget=10)
+    assert d["tau"] > d["largest_disagreeing_margin"] > c["tau"]
     with pytest.raises(ValueError):
-        choose_tau(low, margins, ref, safety=0.5)
+        _choose(low, margins, low, safety=0.5)
+    with pytest.raises(ValueError):
+        _choose(low, margins, low, budget=0)
 
 
 def test_calibration_images_generated_and_from_a_folder(tmp_path):

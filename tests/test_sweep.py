@@ -41,7 +41,9 @@ def test_sweep_builds_runs_and_judges_each_precision(small_cohort, tiny_checkpoi
     assert fp32["gate_all_rows"]["rows"] == rows and fp32["gate_all_rows"]["matches"] == rows - unanswered
     assert fp32["agreement_answered"] == 1.0
     assert fp32["tau"] is None and fp32["rechecked_fraction"] is None
-    assert bf16["tau"] > 0 and 0.0 <= bf16["rechecked_fraction"] <= 1.0 and bf16["agreement_answered"] >= 0.95
+    assert bf16["tau"] >= 0 and bf16["agreement_answered"] >= 0.95    # tau 0: the budget holds without re-checks
     assert "precision" in r.stderr and "rechecked" in r.stderr          # the table
     timing = json.loads((out / bf16["timing_report"]).read_text())
-    assert timing["runtime"]["guard"]["images"] == rows
+    g = timing["runtime"]["guard"]
+    assert g["images"] == rows and g["tau"] == bf16["tau"]
+    assert bf16["rechecked_fraction"] == round(g["rechecked"] / g["images"], 6)   # re-checked / images

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from engine.model import export_top1
+from engine.model import OnDevice, export_top1
 
 NAME = "aot"
 DIR = "aot"
@@ -90,7 +90,8 @@ def unpack(package: Path, dest: Path) -> list[str]:
 def load(artifact, device: torch.device):
     if device.type != artifact.device:
         raise RuntimeError(f"AOT graph was compiled for {artifact.device}, not {device.type}")
-    return load_in_place(artifact.path(FILES[0]), device)
+    # the graph does not check its input's device: the wrapper moves the batch there
+    return OnDevice(load_in_place(artifact.path(FILES[0]), device), device)
 
 
 def load_in_place(so: Path, device: torch.device):

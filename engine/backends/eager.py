@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.model import wrap
+from engine.model import OnDevice, wrap
 
 NAME = "eager"
 FILES = ("weights.safetensors",)
@@ -33,4 +33,4 @@ def load(artifact, device: torch.device):
     sd = load_file(str(artifact.path(FILES[0])))
     check_state_dict(net, sd, artifact.path(FILES[0]))
     net.load_state_dict(sd)
-    return wrap(net, artifact.spec, str(device), margin=bool(artifact.meta.get("guard")))
+    return OnDevice(wrap(net, artifact.spec, str(device), margin=bool(artifact.meta.get("guard"))), device)

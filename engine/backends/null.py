@@ -19,6 +19,6 @@ def save(net, spec, device: str, out_dir, margin: bool = False) -> dict:
 
 def load(artifact, device: torch.device):
     def top1(x: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(x.shape[0], dtype=torch.int32, device=x.device)  # [B] class 0
+        return torch.zeros(x.shape[0], dtype=torch.int32, device=device)  # [B] class 0, on the artifact's device
 
     return top1

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from engine.model import export_top1
+from engine.model import OnDevice, export_top1
 
 NAME = "trt"
 FILES = ("model.trt.ep",)
@@ -44,4 +44,4 @@ def load(artifact, device: torch.device):
     _need_gpu(device.type)
     import torch_tensorrt  # noqa: F401 - registers the TensorRT runtime ops the program calls
 
-    return torch.export.load(str(artifact.path(FILES[0]))).module()
+    return OnDevice(torch.export.load(str(artifact.path(FILES[0]))).module(), device)
