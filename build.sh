@@ -127,6 +127,16 @@ set -- --model "$MODEL" --checkpoint "$CHECKPOINT" --out "$ARTIFACT" --device "$
 [ -n "${ENGINE_MODEL_KWARGS:-}" ] && set -- "$@" --model-kwargs "$ENGINE_MODEL_KWARGS"
 
 log "model $MODEL, checkpoint $CHECKPOINT, ${BACKEND:-default backend} on $DEVICE, $PRECISION, batch ${ENGINE_BATCH_SIZE:-of the spec} -> $ARTIFACT"
+# the stack the artifact is built with (its manifest records it; a run on another torch refuses it)
+stack=$("$PY" -c 'import importlib.metadata as md, torch
+def v(p):
+    try:
+        return md.version(p)
+    except md.PackageNotFoundError:
+        return "absent"
+print("torch", v("torch"), "(CUDA %s)" % torch.version.cuda, "torchvision", v("torchvision"), "timm", v("timm"),
+      "DALI", v("nvidia-dali-cuda130"))' 2>/dev/null) || stack="unknown (torch does not import)"
+log "stack: $stack"
 reuse=no
 if [ "${FORCE:-0}" != 1 ]; then
     # exit 0 = intact and current, 1 = stale (reasons on stderr), 2 = bad flags or unreadable input

@@ -69,6 +69,9 @@ def test_builds_and_checks_the_artifact(first_build):
     m = json.loads((art / "manifest.json").read_text())
     assert (m["backend"], m["device"], m["batch_size"]) == ("eager", "cpu", 4)
     assert m["spec"]["model"] == TINY_MODEL and m["spec"]["crop_mode"] == "squash"
+    v = m["versions"]                                  # the stack build.sh says it builds with is the recorded one
+    assert (f"build.sh: stack: torch {v['torch']} (CUDA {v['torch_cuda']}) torchvision {v['torchvision']} "
+            f"timm {v['timm']} DALI {v['nvidia-dali-cuda130']}") in r.stderr
     check = [json.loads(ln) for ln in r.stderr.splitlines() if ln.startswith('{"ok"')]
     assert check and check[0]["ok"] and 0 <= check[0]["top1"] <= 999
 
