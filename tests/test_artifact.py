@@ -448,3 +448,34 @@ def test_a_terminated_aot_run_leaves_nothing_behind(aot_artifact, small_cohort, 
     assert p.wait(timeout=120) == 128 + signal.SIGTERM, p.stderr.read()[-3000:]
     assert list(tmp.iterdir()) == []
     assert not (_aoti_entries_in_tmp() - before)
+
+
+def test_the_aot_build_bounds_its_compile_workers_and_says_what_tmpdir_needs(monkeypatch, tmp_path, capsys):
+    """Inductor's compile workers are the thread budget (a bounded sandbox counts PIDs); the build
+    says the worker count and the TMPDIR space it needs, has and used (no compile here: a fake one)."""
+    import zipfile
+
+    from engine import threads
+    from engine.backends import aot
+
+    seen = {}
+
+    def fake_compile(ep, package_path, inductor_configs):
+        seen["threads"] = torch._inductor.config.compile_threads
+        with zipfile.ZipFile(package_path, "w") as z:
+            z.writestr("model/data/aotinductor/model/c1.wrapper.so", b"\x7fELF" + b"\0" * 4096)
+            z.writestr("model/data/aotinductor/model/c1.wrapper_metadata.json", b'{"AOTI_DEVICE_KEY": "cpu"}')
+            z.writestr("model/data/aotinductor/model/c1.wrapper.cpp", b"int main;")
+        return package_path
+
+    monkeypatch.setattr(threads, "budget", lambda device="cpu": threads.Budget(3, 2, 3, 3, 1))
+    monkeypatch.setattr(aot, "export_top1", lambda net, spec, device, margin: (None, torch.zeros(2, 8, 8, 3)))
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", fake_compile)
+    net = torch.nn.Linear(256, 256)                     # 257 KiB of weights
+    extra = aot.save(net, tiny_spec(), "cpu", tmp_path)["aot"]
+    assert seen["threads"] == 3 and extra["compile_workers"] == 3
+    assert sorted(p.name for p in (tmp_path / "aot").iterdir()) == ["model.so", "model_metadata.json"]
+    assert not list(tmp_path.glob("*.pt2")) and extra["files"] == ["model.so", "model_metadata.json"]
+    err = capsys.readouterr().err
+    assert "AOTInductor compile with 3 worker processes" in err and "needs about 0.3 GiB" in err
+    assert "GiB free there" in err and "the Inductor cache grew by" in err
