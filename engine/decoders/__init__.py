@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+import threading
 
 from engine.spec import Spec
 
@@ -21,6 +22,9 @@ DECODERS: dict[str, str] = {
 }
 # what to try when a decoder cannot start: GPU decoders first, the PIL reference last
 FALLBACK = {"dali-gpu": "nvjpeg", "nvjpeg": "pil", "dali-cpu": "pil"}
+# what each decoder needs to start: (modules to import, needs a CUDA device)
+NEEDS = {"pil": ((), False), "dali-cpu": (("nvidia.dali",), False), "dali-gpu": (("nvidia.dali",), True),
+         "nvjpeg": (("torchvision.io",), True)}
 
 
 def default_decoder(device: str) -> str:
@@ -32,6 +36,76 @@ def runs_isolated(name: str, isolate: bool = True) -> bool:
     """Whether make_decoder(name, isolate=...) runs the decoder in a child process (it can then
     start before the model loads: it imports nothing heavy in this process)."""
     return isolate and name in DECODERS and name in getattr(importlib.import_module(DECODERS[name]), "ISOLABLE", ())
+
+
+def start_problem(name: str) -> str | None:
+    """Why decoder `name` could not start on this machine (None: it can), found without building it:
+    its package is missing, or it needs a CUDA device and torch sees none."""
+    modules, cuda = NEEDS[name]
+    for m in modules:
+        try:
+            importlib.import_module(m)
+        except Exception as e:  # noqa: BLE001 - ImportError, or a native library that fails to load
+            return f"cannot import {m} ({type(e).__name__}: {e})"
+    if cuda:
+        import torch
+
+        if not torch.cuda.is_available():
+            return "no CUDA device"
+    return None
+
+
+def planned_decoder(name: str) -> tuple[str, list[str]]:
+    """(the decoder make_decoder(name) would end with here, ["NAME: why it is skipped", ...] for the
+    links of FALLBACK before it). A driver error at build time can still push it further along."""
+    skipped = []
+    while (why := start_problem(name)) is not None and name in FALLBACK:
+        skipped.append(f"{name}: {why}")
+        name = FALLBACK[name]
+    return name, skipped
+
+
+def slow_decoder_reason(device: str, name: str | None = None) -> str | None:
+    """For an artifact built for `device`, decoding with `name` (default: the device's): why the run
+    would decode with something slower than the GPU decoder, or None. Every chroma-subsampled JPEG
+    then goes through PIL on the CPU (~5 ms an image; tens of seconds over 10,000 images)."""
+    if device != "cuda":
+        return None
+    want = name or default_decoder(device)
+    got, skipped = planned_decoder(want)
+    if got == "dali-gpu":
+        return None
+    why = f" ({'; '.join(skipped)})" if skipped else ""
+    return f"this CUDA artifact would decode with {got}, not dali-gpu{why}"
+
+
+class PendingDecoder:
+    """make_decoder(...) running on a thread (a DALI GPU pipeline builds while the model loads);
+    `result()` waits for it and raises what make_decoder raised."""
+
+    def __init__(self, *args, **kwargs):
+        self._out: dict = {}
+        self._thread = threading.Thread(target=self._build, args=args, kwargs=kwargs, name="decoder-build",
+                                        daemon=True)
+        self._thread.start()
+
+    def _build(self, *args, **kwargs) -> None:
+        try:
+            self._out["decoder"] = make_decoder(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller of result()
+            self._out["error"] = e
+
+    def result(self):
+        self._thread.join()
+        if "error" in self._out:
+            raise self._out["error"]
+        return self._out["decoder"]
+
+
+def start_decoder(name: str, spec: Spec, batch_size: int, threads: int | None = None,
+                  isolate: bool = True) -> PendingDecoder:
+    """make_decoder in the background: call `.result()` when the first batch needs it."""
+    return PendingDecoder(name, spec, batch_size, threads, isolate)
 
 
 def make_decoder(name: str, spec: Spec, batch_size: int, threads: int | None = None,

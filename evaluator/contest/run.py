@@ -282,7 +282,7 @@ def _run(argv, wall0: float, held: Held) -> int:
     except (ImportError, OSError) as e:
         raise RunError(f"cannot import torch ({e}): is the memory limit too low?") from None
     from engine.artifact import ArtifactError, load_artifact
-    from engine.decoders import make_decoder
+    from engine.decoders import start_decoder
     from engine.pipeline import classify, peak_rss_mib
     from engine.runtime import load_runtime
 
@@ -296,11 +296,12 @@ def _run(argv, wall0: float, held: Held) -> int:
     readers = a.readers or budget.readers
     decoder_name = _decoder_name(a, art.meta)
     if early is not None and (early.name, early.spec, early.batch_size) == (decoder_name, art.spec, art.batch_size):
-        decoder = early
+        decoder, pending = early, None
     else:
         if early is not None:
             early.close()
-        decoder = make_decoder(decoder_name, art.spec, art.batch_size, budget.decoder, isolate)
+        # built on a thread while the model loads (a DALI GPU pipeline takes about a second)
+        pending = start_decoder(decoder_name, art.spec, art.batch_size, budget.decoder, isolate)
     try:
         runtime = load_runtime(art)
     except (ArtifactError, RuntimeError, OSError) as e:
@@ -308,6 +309,8 @@ def _run(argv, wall0: float, held: Held) -> int:
             raise
         hint = "" if held.scratch is not None else f" (TMPDIR {settings.tmpdir()} is not writable)"
         raise RunError(f"cannot load artifact {a.artifact}: {e}{hint}") from None
+    if pending is not None:
+        decoder = pending.result()
     t_loaded = time.perf_counter()
 
     root, real_root, confine = a.image_root, os.path.realpath(a.image_root), a.confine

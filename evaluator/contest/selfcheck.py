@@ -139,9 +139,30 @@ def write_probe(folder: Path, seed: int = 0) -> Path:
     return manifest
 
 
+def slow_decoder(artifact: Path) -> str | None:
+    """Why the run of a CUDA artifact would decode with something slower than dali-gpu here (None:
+    it would not, or ENGINE_SLOW_DECODER_OK=1 accepts it)."""
+    from engine import settings
+    from engine.decoders import slow_decoder_reason
+
+    if settings.slow_decoder_ok():
+        return None
+    try:
+        meta = json.loads((artifact / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return None                      # the run below says what is wrong with the artifact
+    return slow_decoder_reason(meta.get("device", "cpu"), settings.decoder() or meta.get("decoder"))
+
+
 def run_check(artifact: Path, timeout: float) -> int:
-    """Run scripts/run on one generated image with `artifact`; 0 when the output is sane."""
+    """Run scripts/run on one generated image with `artifact`; 0 when the output is sane. 1 before
+    that when a CUDA artifact would decode with a slow fallback (engine.decoders.slow_decoder_reason)."""
     from evaluator.contest.agreement import read_i32
+
+    why = slow_decoder(artifact)
+    if why:
+        _err(f"{why}: tens of seconds more on 10,000 images (ENGINE_SLOW_DECODER_OK=1 accepts it)")
+        return 1
 
     work = Path(tempfile.mkdtemp(prefix="selfcheck-"))
     try:
