@@ -162,7 +162,29 @@ def test_an_in_place_aot_artifact_allows_no_compiled_file_in_tmpdir(aot_artifact
     assert extracted == [] and any("model.so" in b for b in bad)
 
 
-def test_needs_root(monkeypatch, capsys):
+@needs_root
+def test_rehearses_exactly_the_given_artifact_on_the_given_cohort(demo):
+    """--artifact A --cohort C: nothing prepared or built; the reference comes from A's own spec and checkpoint."""
+    rc, s, err = _rehearse("--artifact", str(demo / "artifact"), "--cohort", str(demo / "cohort"))
+    assert rc == 0, err[-3000:]
+    assert s["verdict"] == "PASS" and s["rows"] == 24 and s["agreement_rate"] >= 0.99
+    assert "preparing" not in err and "building" not in err
+    assert "computing the reference with the artifact's spec (" in err and "squash" in err
+
+
+def test_artifact_options_are_checked_before_anything(tmp_path, capsys):
+    for argv, words in [(["--cohort", str(tmp_path)], "--cohort goes with --artifact"),
+                        (["--artifact", str(tmp_path), "--reference", "r.i32", "--checkpoint", "c"],
+                         "--checkpoint is for the reference")]:
+        with pytest.raises(SystemExit) as info:
+            rehearse.main(argv)
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and words in err and len(err.strip().splitlines()) == 1, err
+    assert rehearse.main(["--artifact", str(tmp_path)]) == 2          # no manifest.json: not an artifact
+    assert "not an artifact" in capsys.readouterr().err and not list(tmp_path.iterdir())
+
+
+def test_without_root_it_rehearses_what_it_can_and_says_what_it_cannot(demo, monkeypatch, capsys, shared_dir):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     assert rehearse.main(["--prepared", "/nonexistent"]) == 2
     assert "needs root" in capsys.readouterr().err

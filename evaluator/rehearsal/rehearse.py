@@ -2,10 +2,26 @@
 with read-only code and artifact, and fail on any write outside TMPDIR and the output folder,
 on a wrong output, or on compilation at run time.
 
-    scripts/rehearse [--prepared DIR | --count N --backend NAME] [--artifact DIR] [--reference R]
-                     [--uid 65534] [--memory auto|none|16G] [--nproc N] [--run-cmd SH] [--keep]
+    scripts/rehearse --artifact A [--cohort C] [--reference R] [--checkpoint CK]   # your artifact
+    scripts/rehearse [--prepared DIR | --count N --backend NAME]                    # the kit's own
+        [--uid 65534] [--memory auto|none|16G] [--nproc N] [--run-cmd SH] [--keep]
 
-Needs root (to drop to the user, unshare the network and set permissions); exits 2 otherwise.
+What it rehearses. `--artifact A` rehearses exactly A: on the cohort C (C/manifest.tsv,
+image paths relative to C) or, without `--cohort`, on a generated one (`--count` images);
+against the reference R or, without `--reference`, one `python -m evaluator.reference`
+computes with A's own spec (model, input size, crop mode, crop_pct, model kwargs) from
+the checkpoint A was built from (A's manifest records its path and SHA-256; `--checkpoint`
+names another copy). It builds nothing else. `--prepared DIR` takes a folder from
+`python -m evaluator.demo prepare`; with neither, one is prepared (a generated cohort, the
+kit's tiny checkpoint, a `--backend` artifact). The verdict uses evaluator.agreement's
+figure: rows the reference could not read (-1) are left out and counted apart.
+
+Root or not. As root it runs the ABI as an unprivileged user (setpriv), offline (unshare
+--net), with read-only copies of code and artifact and the write scan below. Without root
+it still runs the copies read-only (by mode), with HOME unwritable, TMPDIR and the output
+folder the only writable places it gives, the memory bound and the output, agreement and
+compilation checks, offline where `unshare -rn` is allowed; it says on stderr what it
+cannot check then (the user switch, writes elsewhere the user may write).
 Prints one JSON summary on stdout; exit 0 PASS, 1 FAIL (reasons on stderr), 2 cannot rehearse.
 
 Write detection. The run's user can only create or change files where permissions let it:
@@ -75,15 +91,30 @@ def parse_size(text: str) -> int | None:
 # ---------------------------------------------------------------- copies with safe permissions
 
 def _set_modes(root: Path) -> None:
-    """root-owned, folders 0755, files 0644 (0755 when executable): readable, never writable, by the run."""
-    for p in [root, *root.rglob("*")]:
+    """Readable, never writable, by the run: as root, root-owned, folders 0755, files 0644 (0755 when
+    executable); without root (the run is this user) owner-writable bits off too: 0555 / 0444."""
+    privileged = os.geteuid() == 0
+    dmode, fmode, xmode = (0o755, 0o644, 0o755) if privileged else (0o555, 0o444, 0o555)
+    for p in sorted([root, *root.rglob("*")], key=lambda q: -len(q.parts)):   # deepest first
         if p.is_symlink():
             continue
-        os.chown(p, 0, 0)
+        if privileged:
+            os.chown(p, 0, 0)
         if p.is_dir():
-            os.chmod(p, 0o755)
+            os.chmod(p, dmode)
         else:
-            os.chmod(p, 0o755 if p.stat().st_mode & stat.S_IXUSR else 0o644)
+            os.chmod(p, xmode if p.stat().st_mode & stat.S_IXUSR else fmode)
+
+
+def _remove(work: Path) -> None:
+    """rmtree that first gives back the write bits _set_modes took (needed without root)."""
+    for p in [work, *work.rglob("*")]:
+        if not p.is_symlink() and p.is_dir():
+            try:
+                os.chmod(p, 0o755)
+            except OSError:
+                pass
+    shutil.rmtree(work, ignore_errors=True)
 
 
 def source_files(repo: Path) -> list[str]:
@@ -167,8 +198,63 @@ def compiled_at_run_time(tmp: Path, entries: dict[str, tuple[int, int]]) -> tupl
 
 # ---------------------------------------------------------------- the rehearsal
 
+def _say(msg: str) -> None:
+    print(f"{PROG}: {msg}", file=sys.stderr, flush=True)
+
+
+def artifact_checkpoint(artifact: Path, given: Path | None) -> Path:
+    """The FP32 checkpoint `artifact` was built from: `given`, else the path its manifest records,
+    which must still hold the same bytes (SHA-256)."""
+    from engine.io import sha256_file
+
+    meta = json.loads((artifact / "manifest.json").read_text()).get("checkpoint") or {}
+    ck = given or (Path(meta["path"]) if meta.get("path") else None)
+    if ck is None or not ck.is_file():
+        raise Setup(f"no reference without the checkpoint {artifact} was built from ({ck or 'not recorded'} is not "
+                    "a file): pass --reference R, or --checkpoint FILE")
+    if meta.get("sha256") and sha256_file(ck) != meta["sha256"]:
+        raise Setup(f"{ck} is not the checkpoint {artifact} was built from (SHA-256 differs): pass --checkpoint")
+    return ck
+
+
+def reference_for(artifact: Path, manifest: Path, image_root: Path, out: Path, checkpoint: Path | None) -> Path:
+    """`python -m evaluator.reference` on the cohort with the artifact's own spec (crop mode included)."""
+    spec = json.loads((artifact / "manifest.json").read_text())["spec"]
+    ck = artifact_checkpoint(artifact, checkpoint)
+    cmd = [sys.executable, "-m", "evaluator.reference", str(manifest), str(image_root), str(out),
+           "--model", spec["model"], "--input-size", str(spec["input_size"]), "--crop-mode", spec["crop_mode"],
+           "--crop-pct", str(spec["crop_pct"]), "--checkpoint", str(ck)]
+    if spec.get("model_kwargs"):
+        cmd += ["--model-kwargs", json.dumps(spec["model_kwargs"])]
+    _say(f"computing the reference with the artifact's spec ({spec['model']}, {spec['input_size']} px, "
+         f"{spec['crop_mode']}, crop_pct {spec['crop_pct']}) from {ck} (python -m evaluator.reference)")
+    r = subprocess.run(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if r.returncode:
+        raise Setup(f"the reference run failed with exit {r.returncode}: {r.stderr.strip()[-1000:]}")
+    return out
+
+
 def prepare_inputs(a: argparse.Namespace, work: Path) -> tuple[Path, Path, Path, Path]:
-    """(manifest, image_root, artifact, reference) from --prepared or a fresh evaluator.contest.demo prepare."""
+    """(manifest, image_root, artifact, reference): --artifact [--cohort] [--reference], --prepared, or
+    a fresh evaluator.contest.demo prepare."""
+    if a.artifact is not None and a.prepared is None:
+        if not (a.artifact / "manifest.json").is_file():
+            raise Setup(f"--artifact {a.artifact}: no manifest.json there (not an artifact)")
+        if a.cohort is not None:
+            manifest = a.cohort / "manifest.tsv"
+            if not manifest.is_file():
+                raise Setup(f"--cohort {a.cohort}: no manifest.tsv there (image paths are relative to the folder)")
+        else:
+            from evaluator.synthetic.cohort import make_cohort
+
+            _say(f"generating a cohort of {a.count} images in {work / 'cohort'} (evaluator.cohort)")
+            make_cohort(work / "cohort", a.count, seed=0)
+            manifest = work / "cohort" / "manifest.tsv"
+        reference = a.reference or reference_for(a.artifact, manifest, manifest.parent, work / "reference.i32",
+                                                 a.checkpoint)
+        if not reference.is_file():
+            raise Setup(f"--reference {reference}: not a file")
+        return manifest, manifest.parent, a.artifact, reference
     src = a.prepared
     if src is None:
         src = work / "prepared"
@@ -183,7 +269,19 @@ def prepare_inputs(a: argparse.Namespace, work: Path) -> tuple[Path, Path, Path,
         if not p.is_file():
             raise Setup(f"missing {p}: --prepared needs cohort/, artifact/ and reference.i32 "
                         "(python -m evaluator.demo prepare --out DIR)")
+    if a.reference is None and a.artifact is not None and (src / "artifact" / "manifest.json").is_file() \
+            and preprocessing(a.artifact) != preprocessing(src / "artifact"):
+        _say(f"{a.artifact} preprocesses differently from {src / 'artifact'}, whose spec made "
+             f"{src / 'reference.i32'}: a new reference with the artifact's own spec")
+        reference = reference_for(a.artifact, manifest, manifest.parent, work / "reference.i32", a.checkpoint)
     return manifest, manifest.parent, artifact, reference
+
+
+def preprocessing(artifact: Path) -> dict:
+    """The spec fields that decide the reference's answers (not precision or batch size)."""
+    spec = json.loads((artifact / "manifest.json").read_text())["spec"]
+    return {k: spec.get(k) for k in ("model", "input_size", "crop_mode", "crop_pct", "interpolation", "model_kwargs",
+                                     "mean", "std")}
 
 
 def check_output(output: Path, rows: int, reference: Path, gate: float) -> tuple[list[str], dict]:
@@ -208,23 +306,43 @@ def check_output(output: Path, rows: int, reference: Path, gate: float) -> tuple
     return ([] if ag.passed else [f"agreement {ag.matches}/{ag.total} = {ag.rate:.4f} < gate {gate}"]), info
 
 
+UNCHECKED_WITHOUT_ROOT = ("the switch to an unprivileged user (the run is your own user)",
+                          "writes outside TMPDIR and the output folder in places your user may write "
+                          "(only the rehearsal's copies and HOME are compared)",
+                          "a mount namespace for an interpreter the scored user could not reach")
+
+
+def _user_netns_works() -> bool:
+    """True when this user may unshare a network namespace (`unshare -rn`: user namespaces allowed)."""
+    if not shutil.which("unshare"):
+        return False
+    return subprocess.run(["unshare", "-rn", "true"], capture_output=True).returncode == 0
+
+
 def rehearse(a: argparse.Namespace) -> dict:
-    if os.geteuid() != 0:
-        raise Setup("needs root: it drops to an unprivileged user (setpriv), unshares the network and "
-                    "sets permissions on its copies; run it with sudo or in a root container")
-    if not shutil.which("setpriv"):
-        raise Setup("setpriv (util-linux) is missing: cannot drop to an unprivileged user")
-    net = bool(shutil.which("unshare")) and not a.allow_network
-    uid = gid = a.uid
+    privileged = os.geteuid() == 0
     notes = []
+    if privileged:
+        if not shutil.which("setpriv"):
+            raise Setup("setpriv (util-linux) is missing: cannot drop to an unprivileged user")
+        net = bool(shutil.which("unshare")) and not a.allow_network
+        uid = gid = a.uid
+    else:
+        net = not a.allow_network and _user_netns_works()
+        uid, gid = os.geteuid(), os.getegid()
+        for what in UNCHECKED_WITHOUT_ROOT:
+            _say(f"not checked without root: {what}")
+        notes += [f"not checked without root: {w}" for w in UNCHECKED_WITHOUT_ROOT]
     if not net:
-        notes.append("network NOT isolated: " + ("--allow-network" if a.allow_network else "unshare is missing"))
+        notes.append("network NOT isolated: " + ("--allow-network" if a.allow_network else
+                                                 "unshare is missing" if privileged or not shutil.which("unshare")
+                                                 else "unshare -rn is not allowed here (no user namespaces)"))
     work = Path(tempfile.mkdtemp(prefix="rehearse-", dir=a.workdir))
     os.chmod(work, 0o755)
     if not all(traversable(str(d), uid, gid) for d in work.parents):
         shutil.rmtree(work)
         raise Setup(f"uid {uid} cannot reach {work.parent}: pass --workdir a folder others can enter")
-    summary: dict = {"workdir": str(work), "user": f"{uid}:{gid}", "home": HOME}
+    summary: dict = {"workdir": str(work), "user": f"{uid}:{gid}", "home": HOME, "privileged": privileged}
     try:
         manifest, image_root, artifact_src, reference = prepare_inputs(a, work)
         repo, art, inp = work / "repo", work / "artifact", work / "input"
@@ -236,7 +354,8 @@ def rehearse(a: argparse.Namespace) -> dict:
         stage.mkdir(mode=0o700)
         for d in (tmp, out):  # the only folders the run may write
             d.mkdir(mode=0o700)
-            os.chown(d, uid, gid)
+            if privileged:
+                os.chown(d, uid, gid)
         device = json.loads((art / "manifest.json").read_text()).get("device", "cpu")
         memory = a.memory
         if memory == "auto":
@@ -244,7 +363,7 @@ def rehearse(a: argparse.Namespace) -> dict:
             if device == "cuda":
                 notes.append("no address-space bound: CUDA reserves huge virtual ranges (use --memory to force one)")
         summary["memory_limit_bytes"] = memory
-        mounts = interpreter_mounts(uid, gid)
+        mounts = interpreter_mounts(uid, gid) if privileged else []
         if mounts and not shutil.which("unshare"):
             raise Setup(f"the interpreter is under {mounts[0][0]}, which uid {uid} cannot enter, and unshare is "
                         "missing to work around it: install Python where the user can reach it")
@@ -258,11 +377,16 @@ def rehearse(a: argparse.Namespace) -> dict:
         env.update(dict(kv.split("=", 1) for kv in a.env))
 
         def wrap(cmd: list[str]) -> list[str]:
-            return user_command(cmd, env, uid, gid, memory, a.nproc, net, mounts, stage)
+            if privileged:
+                return user_command(cmd, env, uid, gid, memory, a.nproc, net, mounts, stage)
+            lim = ["prlimit", f"--nproc={a.nproc}"] + ([f"--as={memory}"] if memory else []) + ["--"]
+            return (["unshare", "-rn", "--"] if net else []) + lim + ["env", "-i", *[f"{k}={v}" for k, v in
+                                                                       env.items()], *cmd]
 
-        # Preflight: the user can run Python, cannot write the copies or HOME, can write TMPDIR and out.
-        probe = ('for p in "$@"; do [ -w "$p" ] && echo "writable: $p"; done; '
-                 f'for p in {tmp} {out}; do [ -w "$p" ] || echo "not writable: $p"; done; '
+        # Preflight: the user can run Python, cannot write the copies or HOME, can write TMPDIR and out
+        # (the copies' modes bind an unprivileged user; a root run of the probe would write anything).
+        writable_check = 'if [ "$(id -u)" != 0 ]; then for p in "$@"; do [ -w "$p" ] && echo "writable: $p"; done; fi; '
+        probe = (writable_check + f'for p in {tmp} {out}; do [ -w "$p" ] || echo "not writable: $p"; done; '
                  f'[ -e {HOME} ] && echo "exists: {HOME}"; "$PYTHON" -c "import sys" || echo "python unreachable"')
         rc, so, se, _ = run_as_user(wrap(["sh", "-c", probe, "probe", str(repo), str(repo / "scripts"),
                                           str(art), str(inp), str(work), "/"]), 120)
@@ -271,8 +395,8 @@ def rehearse(a: argparse.Namespace) -> dict:
 
         prune = [str(work)]
         t_scan = time.perf_counter()
-        places = writable_places(uid, gid, prune)
-        summary["writable_places"] = places["dirs"]
+        places = writable_places(uid, gid, prune) if privileged else None
+        summary["writable_places"] = places["dirs"] if places else None
         before = snapshot(work, (tmp, out))
         home_before = snapshot(Path(HOME))
         summary["scan_s"] = round(time.perf_counter() - t_scan, 3)
@@ -291,7 +415,7 @@ def rehearse(a: argparse.Namespace) -> dict:
         bad_out, info = check_output(output, rows, reference, a.gate)
         failures += bad_out
         summary.update(info)
-        outside = writes_outside(places, uid, prune) + diff(before, snapshot(work, (tmp, out)))
+        outside = (writes_outside(places, uid, prune) if places else []) + diff(before, snapshot(work, (tmp, out)))
         outside += [f"HOME {c}" for c in diff(home_before, snapshot(Path(HOME)))]
         summary["writes_outside"] = outside
         failures += [f"wrote outside TMPDIR and the output folder: {w}" for w in outside[:20]]
@@ -305,7 +429,8 @@ def rehearse(a: argparse.Namespace) -> dict:
                 summary["report"] = json.loads((out / "report.json").read_text()).get("stages")
             except ValueError:
                 notes.append("report.json is not JSON")
-        summary["network"] = "isolated (unshare --net)" if net else "not isolated"
+        summary["network"] = (f"isolated ({'unshare --net' if privileged else 'unshare -rn'})" if net
+                              else "not isolated")
         summary["notes"] = notes
         summary["failures"] = failures
         summary["verdict"] = "FAIL" if failures else "PASS"
@@ -314,7 +439,7 @@ def rehearse(a: argparse.Namespace) -> dict:
         if a.keep:
             print(f"{PROG}: kept {work}", file=sys.stderr)
         else:
-            shutil.rmtree(work, ignore_errors=True)
+            _remove(work)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -325,12 +450,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = parser(PROG, __doc__.split("\n\n")[0], {
         "REHEARSE_RUN_CMD": "sh command run instead of scripts/run (as --run-cmd)",
         "ENGINE_DEBUG": "1: tracebacks instead of one-line errors"})
+    p.add_argument("--artifact", type=Path, help="the artifact to rehearse (with --prepared: instead of PREPARED/artifact)")
+    p.add_argument("--cohort", type=Path, help="with --artifact: a folder with manifest.tsv (paths relative to it); "
+                                               "default: a generated cohort of --count images")
+    p.add_argument("--reference", type=Path, help="reference .i32 (default: computed with the artifact's spec, or "
+                                                  "PREPARED/reference.i32)")
+    p.add_argument("--checkpoint", type=Path, help="with --artifact and no --reference: the FP32 checkpoint for the "
+                                                   "reference (default: the one the artifact's manifest records)")
     p.add_argument("--prepared", type=Path, help="a dir made by `python -m evaluator.demo prepare` (used as is)")
-    p.add_argument("--count", type=int, default=120, help="cohort size when preparing (no --prepared)")
+    p.add_argument("--count", type=int, default=120, help="generated cohort size (no --cohort, no --prepared)")
     p.add_argument("--backend", choices=tuple(BACKENDS), default=DEFAULT_BACKEND,
                    help="artifact backend when preparing (engine.backends)")
-    p.add_argument("--artifact", type=Path, help="artifact dir (default PREPARED/artifact)")
-    p.add_argument("--reference", type=Path, help="reference .i32 (default PREPARED/reference.i32)")
     p.add_argument("--uid", type=int, default=65534, help="unprivileged uid (and gid) to run as")
     p.add_argument("--memory", default="auto", help="address-space bound: auto (16G on CPU, none on CUDA), none, 8G")
     p.add_argument("--nproc", type=int, default=4096, help="process+thread bound for the user (RLIMIT_NPROC)")
@@ -351,6 +481,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--memory: {e}")
     if any("=" not in kv for kv in a.env):
         p.error("--env takes K=V")
+    if a.cohort is not None and (a.artifact is None or a.prepared is not None):
+        p.error("--cohort goes with --artifact (and not with --prepared)")
+    if a.checkpoint is not None and (a.artifact is None or a.reference is not None):
+        p.error("--checkpoint is for the reference of --artifact (not with --reference)")
     if a.prepared is None and not 2 <= a.count <= 100_000:
         p.error(f"--count must be in 2..100000, got {a.count}")
     if not 0.0 < a.gate <= 1.0 or a.timeout <= 0:
