@@ -186,8 +186,17 @@ def test_artifact_options_are_checked_before_anything(tmp_path, capsys):
 
 def test_without_root_it_rehearses_what_it_can_and_says_what_it_cannot(demo, monkeypatch, capsys, shared_dir):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
-    assert rehearse.main(["--prepared", "/nonexistent"]) == 2
-    assert "needs root" in capsys.readouterr().err
+    good = _good_output(demo, shared_dir / "good.i32")
+    rc = rehearse.main(["--prepared", str(demo), "--run-cmd", f'cat {good} > "$3"'])
+    out, err = capsys.readouterr()
+    s = json.loads(out)
+    assert rc == 0 and s["verdict"] == "PASS" and s["privileged"] is False, err[-2000:]
+    assert "not checked without root: the switch to an unprivileged user" in err
+    assert s["writable_places"] is None and any("not checked without root" in n for n in s["notes"])
+    # what it still checks: a write into the read-only code copy fails the run
+    rc = rehearse.main(["--prepared", str(demo), "--run-cmd", f'touch "$REHEARSE_REPO/x"; cat {good} > "$3"'])
+    s = json.loads(capsys.readouterr().out)
+    assert rc == 1 and any("x" in w and "created" in w for w in s["writes_outside"]), s["writes_outside"]
 
 
 def test_parse_size():
