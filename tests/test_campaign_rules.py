@@ -107,7 +107,7 @@ def test_a_bad_manifest_is_a_usage_error_not_a_recorded_crash(setup, tmp_path, c
     out = tmp_path / "out"
     assert campaign.main(max_args(prepared, source, out)) == 2
     lines = [ln for ln in capsys.readouterr().err.strip().splitlines() if not ln.startswith("campaign: preparing")]
-    assert len(lines) == 1 and lines[0].startswith("campaign: --manifest") and words in lines[0]   # one error line
+    assert len(lines) == 1 and lines[0].startswith("campaign: error: --manifest") and words in lines[0]   # one error line
     assert not out.exists()
 
 

@@ -269,3 +269,29 @@ def test_the_reference_takes_the_kits_thread_settings_before_torch_loads(tmp_pat
                         "--checkpoint", "c"], cwd=REPO, capture_output=True, text=True, timeout=120,
                        env={**env, "OMP_WAIT_POLICY": "lazy"})
     assert _one_error_line(r, "python -m evaluator.reference") and "OMP_WAIT_POLICY" in r.stderr
+
+
+@pytest.mark.parametrize("module", ["evaluator.cohort", "evaluator.cir_corpus"])
+def test_a_generator_refusing_a_setting_leaves_no_folder_behind(module, tmp_path):
+    r = _py("-m", module, "--out", str(tmp_path / "out"), env={"ENGINE_PROGRESS": "sometimes"})
+    assert "ENGINE_PROGRESS" in _one_error_line(r, f"python -m {module}")
+    assert not (tmp_path / "out").exists()
+
+
+def test_campaign_verify_takes_the_folder_and_usage_errors_say_error(tmp_path):
+    from evaluator.evidence import provd
+
+    folder = tmp_path / "camp"
+    folder.mkdir()
+    (folder / "a.txt").write_text("evidence\n")
+    r = _py("-m", "evaluator.campaign", "verify", str(folder))
+    assert "holds no campaign.provd.json" in _one_error_line(r, "verify")
+    provd.write_manifest(folder, {"sha": "0" * 40, "dirty": False})
+    r = _py("-m", "evaluator.campaign", "verify", str(folder))
+    assert r.returncode == 0 and r.stdout.startswith("verify: OK"), r.stderr[-2000:]
+    (folder / "a.txt").write_text("changed\n")
+    assert _py("-m", "evaluator.campaign", "verify", str(folder)).returncode == 1
+    r = _py("-m", "evaluator.campaign", "run", "--workload", "eva02-imagenet1k", "--profile", "max",
+            "--out", str(tmp_path / "out"))
+    line = _one_error_line(r, "campaign")
+    assert "profile max requires --manifest" in line and not (tmp_path / "out").exists()

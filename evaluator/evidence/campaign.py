@@ -321,6 +321,12 @@ def cmd_run(a: RunArgs) -> int:
 
 
 def cmd_verify(path: Path, external: Path | None = None) -> int:
+    if path.is_dir():                       # the evidence folder: its listing is inside
+        if not (path / provd.MANIFEST_NAME).is_file():
+            print(f"verify: error: {path} holds no {provd.MANIFEST_NAME}: pass an evidence folder written by "
+                  "`campaign run`, or its campaign.provd.json", file=sys.stderr)
+            return 2
+        path = path / provd.MANIFEST_NAME
     try:
         result = provd.verify(path, external)
     except (OSError, ValueError) as exc:
@@ -406,7 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--attach", type=Path, action="append", default=[], help="pytest-benchmark JSON (repeatable)")
     r.add_argument("--require-promotion", action="store_true", help="exit 1 unless promoted")
     v = sub.add_parser("verify", help="check every file of an evidence folder against its .provd.json")
-    v.add_argument("manifest", type=Path)
+    v.add_argument("manifest", type=Path, help="the evidence folder, or its campaign.provd.json")
     v.add_argument("--external", type=Path, help="a copy of the unbundled artifact / index: re-check its digests")
     k = sub.add_parser("package", help="verify, then pack an evidence folder as tar.gz")
     k.add_argument("folder", type=Path)
@@ -430,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
         fields["attach"], fields["labels"] = tuple(fields["attach"]), tuple(fields["labels"])
         return cmd_run(RunArgs(**fields))
     except UsageError as exc:
-        print(f"campaign: {exc}", file=sys.stderr)
+        print(f"campaign: error: {exc}", file=sys.stderr)
         return 2
     except (OSError, ValueError, RuntimeError, json.JSONDecodeError) as exc:
         print(f"campaign: error: {exc}", file=sys.stderr)

@@ -153,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--requests and --broken must be >= 0")
 
     def body() -> int:
+        from engine import settings
+
+        settings.check(("progress",))    # before anything is created: a refusal leaves no folder behind
         info = make_corpus(a.out, a.templates, a.per_template, a.seed, a.broken, a.requests)
         if a.clip is not None:
             info["clip"] = {k: str(v) for k, v in write_tiny_clip(a.clip, a.seed).items()}

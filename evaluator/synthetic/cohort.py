@@ -242,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--broken must be in 0..{a.count - 1} (at least one readable image)")
 
     def body() -> int:
+        from engine import settings
+
+        settings.check(("progress",))    # before anything is created: a refusal leaves no folder behind
         make_cohort(a.out, a.count, a.seed, a.classes, a.broken)
         if a.checkpoint:
             make_tiny_checkpoint(a.out / "tiny_eva02.safetensors", a.seed, a.classes)
