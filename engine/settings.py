@@ -111,7 +111,7 @@ def path(name: str, raw: str) -> Path:
 
 
 def _decoder_name(name: str, raw: str) -> str:
-    from engine.decoders import DECODERS
+    from engine.decoders.registry import DECODERS
 
     return choice(*DECODERS)(name, raw)
 

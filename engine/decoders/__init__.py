@@ -11,20 +11,11 @@ import importlib
 import sys
 import threading
 
+from engine.decoders.registry import DECODERS, FALLBACK, NEEDS
 from engine.spec import Spec
 
-# name -> module
-DECODERS: dict[str, str] = {
-    "pil": "engine.decoders.pil",
-    "dali-cpu": "engine.decoders.dali",
-    "dali-gpu": "engine.decoders.dali",
-    "nvjpeg": "engine.decoders.nvjpeg",
-}
-# what to try when a decoder cannot start: GPU decoders first, the PIL reference last
-FALLBACK = {"dali-gpu": "nvjpeg", "nvjpeg": "pil", "dali-cpu": "pil"}
-# what each decoder needs to start: (modules to import, needs a CUDA device)
-NEEDS = {"pil": ((), False), "dali-cpu": (("nvidia.dali",), False), "dali-gpu": (("nvidia.dali",), True),
-         "nvjpeg": (("torchvision.io",), True)}
+__all__ = ["DECODERS", "FALLBACK", "NEEDS", "default_decoder", "make_decoder", "planned_decoder",
+           "runs_isolated", "slow_decoder_reason", "start_decoder", "start_problem"]
 
 
 def default_decoder(device: str) -> str:
