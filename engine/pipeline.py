@@ -93,7 +93,9 @@ def resolve_inside(root: str | os.PathLike, rel: str, what: str = "the root", re
 
 def peak_rss_mib() -> dict[str, float]:
     """Peak resident memory so far, MiB: {"process": this one, "children": the largest of its
-    children that ended and were waited for (an isolated decoder, once closed)}."""
+    children that ended and were waited for (an isolated decoder, once closed; also a helper a
+    library forked, whose figure starts at this process's size at the fork: torch's import
+    runs `ldconfig -p` so)}."""
     import resource
 
     kib = {"process": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,      # Linux: KiB
