@@ -97,6 +97,7 @@ class Guard:
             self._take(_Batch(x, top1, margin[:n].float(), None))
         return top1
 
+    @torch.inference_mode()   # the answers were made under inference mode: fixed in place under it too
     def finish(self) -> None:
         """Take the last batch's rows and re-check whatever the buffer holds (one padded call)."""
         for old in self._pending:

@@ -69,6 +69,7 @@ def _artifact(tmp_path, precision: str, guard: bool, batch: int = B) -> Artifact
     spec = dataclasses.replace(tiny_spec("squash", batch, precision),
                                model_kwargs={"depth": 2})
     torch.manual_seed(0)
+    tmp_path.mkdir(parents=True, exist_ok=True)
     eager.save(create_model(spec), spec, "cuda", tmp_path)
     return Artifact(tmp_path, spec, "eager", "cuda", precision, batch, {}, {"guard": {"tau": 0.1}} if guard else {})
 
@@ -111,3 +112,113 @@ def test_a_cuda_graph_refuses_host_input_when_nothing_moves_it(fake_cuda, tmp_pa
     module = fn.fn                     # the policy Top1Model behind the backend's input move
     with pytest.raises(FakeTensorDeviceMismatchError):
         module(torch.zeros((B, S, S, 3), dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16", "fp8"])
+def test_eager_backend_runs_every_policy_on_cuda_and_takes_any_input_device(fake_cuda, tmp_path, precision):
+    """Each policy's graph (fp8 through torch._scaled_mm) traces on CUDA, from a CUDA or a host batch."""
+    from engine.backends import eager
+
+    art = _artifact(tmp_path, precision, guard=precision != "fp32")
+    fn = eager.load(art, torch.device("cuda"))
+    with fake_cuda:
+        on_gpu = torch.zeros((B, S, S, 3), dtype=torch.uint8, device="cuda")
+    for x in (on_gpu, torch.zeros((B, S, S, 3), dtype=torch.uint8)):
+        out = fn(x)
+        outs = list(out) if isinstance(out, (list, tuple)) else [out]
+        assert [(o.device.type, o.dtype, tuple(o.shape)) for o in outs] == \
+            [("cuda", torch.int32, (B,))] + ([("cuda", torch.float32, (B,))] if precision != "fp32" else [])
+    if precision == "fp8":
+        from engine.precision import Fp8Linear
+
+        layer = next(m for m in fn.fn.modules() if isinstance(m, Fp8Linear))
+        assert layer.weight.device.type == "cuda" and layer.weight.dtype == torch.float8_e4m3fn
+
+
+class _Event:
+    def __init__(self, *args, **kwargs):
+        self.recorded = 0
+
+    def record(self, *args):
+        self.recorded += 1
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, other):
+        return 1.0
+
+
+def _fake_guard(recheck, monkeypatch, rows=(1, 3)):
+    """A CUDA guard whose host read of the margins (the one value-dependent step) names `rows`."""
+    from engine.guard import Guard
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a: self)   # no pinned memory without a GPU
+    guard = Guard(recheck, 0.5, batch=4, device="cuda", make_event=_Event,
+                  make_host=lambda n: torch.empty(n, dtype=torch.float32))
+    assert guard.deferred
+    monkeypatch.setattr(guard, "_low_rows", lambda b: (np.array(rows), np.full(b.host.shape[0], 0.1, np.float32)))
+    return guard
+
+
+def test_guard_gathers_and_rechecks_cuda_rows_on_the_device(fake_cuda, tmp_path, monkeypatch):
+    from engine.backends import eager
+
+    recheck = eager.load(_artifact(tmp_path / "r", "fp32", guard=False), torch.device("cuda"))
+    seen: list = []
+
+    def fp32(x):
+        seen.append((x.device.type, tuple(x.shape)))
+        return recheck(x)
+
+    guard = _fake_guard(fp32, monkeypatch)
+    outs = []
+    with fake_cuda:
+        for _ in range(3):                                     # 2 rows a batch: 6 rows -> 1 full call + 1 at finish
+            x = torch.zeros((8, S, S, 3), dtype=torch.uint8, device="cuda")
+            top1 = torch.zeros(8, dtype=torch.int32, device="cuda")
+            margin = torch.zeros(8, dtype=torch.float32, device="cuda")
+            outs.append(guard.apply(x, top1, margin))
+        guard.finish()
+    assert seen == [("cuda", (4, S, S, 3))] * 2 and guard.stats.calls == 2 and guard.stats.rechecked == 6
+    assert all(o.device.type == "cuda" and o.dtype == torch.int32 for o in outs)
+    assert guard._changed.device.type == "cuda"                # counted on the device, read at the report
+
+
+def test_runtime_cuda_branch_uploads_replays_graphs_and_guards_on_the_device(fake_cuda, tmp_path, monkeypatch):
+    """Runtime on "cuda": the upload ring, CUDA-graph capture and replay of both graphs, the guard."""
+    import contextlib
+
+    from engine.backends import eager
+    from engine.runtime import Runtime
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    class Graph:
+        replays = 0
+
+        def replay(self):
+            Graph.replays += 1
+
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda g, **k: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    art = _artifact(tmp_path / "low", "bf16", guard=True, batch=8)
+    low = eager.load(art, torch.device("cuda"))
+    recheck = eager.load(_artifact(tmp_path / "r", "fp32", guard=False), torch.device("cuda"))
+    guard = _fake_guard(recheck, monkeypatch)
+    with fake_cuda:
+        rt = Runtime(low, art, torch.device("cuda"), cuda_graphs=True, guard=guard)
+        assert rt.cuda_graph and rt._ring is not None
+        host = np.zeros((8, S, S, 3), np.uint8)                # a decoded batch on the host
+        outs = [rt.run_async(host, valid=8) for _ in range(3)]
+        rt.finish()
+    assert all(o.device.type == "cuda" and o.dtype == torch.int32 for o in outs)
+    assert Graph.replays == 3 + 2                              # 3 low-precision batches, 2 re-check calls
+    assert len(rt._events) == 3                                # GPU busy time: events around each batch

@@ -182,3 +182,13 @@ def test_deferred_guard_reads_each_batch_one_batch_late_without_syncing(monkeypa
     r = guard.report()
     assert r["seconds"] == pytest.approx(0.002 * r["calls"])  # device event time, read at the report
     assert r["rechecked"] == sum(m < TAU for _, ms in batches for m in ms) == r["changed"]
+
+
+def test_answers_made_under_inference_mode_are_fixed_by_a_finish_outside_it():
+    """The runtime classifies under inference mode; the pipeline calls finish() after it."""
+    guard = Guard(_recheck(), TAU, batch=4)
+    x, top1, m = _batch([0, 1, 2], [0.1, 3.0, 0.1])
+    with torch.inference_mode():
+        out = guard.apply(x, top1, m)
+    guard.finish()
+    assert out.tolist() == [1000, 0, 1002]

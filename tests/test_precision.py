@@ -229,3 +229,28 @@ def test_reference_path_never_blocks_on_a_fifo(tmp_path):
                         "--checkpoint", str(ck)], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert np.fromfile(tmp_path / "ref.i32", "<i4").tolist() == [-1]
+
+
+def test_tau_from_natural_photos_for_a_budget_is_below_the_worst_case_rule_on_renders(tiny_checkpoint):
+    """The default calibration (photo crops, a disagreement budget) against renders with the
+    worst-case rule (tau = 2 x the largest margin error seen): a smaller tau, fewer re-checks."""
+    from engine.calibrate import classify, margin_errors, photo_pixels
+
+    spec = tiny_spec(batch_size=16, precision="bf16")
+    net = load_model(spec, tiny_checkpoint)
+    low = wrap(net, spec, "cpu", margin=True)
+    ref = wrap(net, tiny_spec(batch_size=16), "cpu", margin=True)
+
+    def measure(pixels):
+        a, ma = classify(low, pixels, 16, margin=True)
+        b, mb = classify(ref, pixels, 16, margin=True)
+        return a, ma, b, mb
+
+    photos, rec = photo_pixels(spec, 32)
+    assert "scikit-image" in rec["origin"] and len(rec["photos"]) >= 8
+    assert photo_pixels(spec, 32)[1]["pixels_sha256"] == rec["pixels_sha256"]      # deterministic
+    renders, _ = generated_pixels(spec, 32)
+    natural = choose_tau(*measure(photos), budget=10, safety=2)
+    worst_case = 2 * float(margin_errors(*measure(renders)).max())
+    assert worst_case > 0 and natural["tau"] < worst_case
+    assert natural["estimated_per_10k"] <= 10 and natural["images"] == 32
