@@ -240,6 +240,34 @@ def test_nul_byte_refused(root, rel):
         resolve_image(root, rel)
 
 
+def test_trusted_paths_are_joined_as_given_and_confined_ones_resolved(root):
+    from engine.pipeline import resolve_relative
+
+    # trusted: nothing resolved (the open follows links); confined: the real path, links gone
+    assert resolve_relative(root, "images/out_link.jpg") == os.path.join(root, "images/out_link.jpg")
+    assert resolve_relative(root, "images/in_link.jpg", confine=True) == str(_real(root / "images/00/a.jpg"))
+    assert resolve_relative(root, "images/in_link.jpg", confine=True, real_root=str(_real(root))) == \
+        str(_real(root / "images/00/a.jpg"))
+    with pytest.raises(ValueError, match="empty path"):
+        resolve_relative(root, "", confine=True)
+
+
+def test_the_reader_follows_a_final_symlink_only_when_asked(root, tmp_path):
+    from engine.pipeline import read_regular
+
+    link = root / "images" / "out_link.jpg"
+    assert read_regular(link, 100, follow=True) == b"outside"
+    with pytest.raises(OSError):                       # ELOOP: O_NOFOLLOW met a final link
+        read_regular(link, 100)
+    assert read_regular(root / "images" / "00" / "a.jpg", 100) == b"inside"
+    os.mkfifo(tmp_path / "fifo")
+    (root / "to_fifo").symlink_to(tmp_path / "fifo")
+    with pytest.raises(ValueError, match="a FIFO, not a regular file"):   # followed, still checked, no hang
+        read_regular(root / "to_fifo", 100, follow=True)
+    with pytest.raises(ValueError, match="7 bytes, above the limit of 6"):
+        read_regular(link, 6, follow=True)
+
+
 @pytest.mark.parametrize("kind", ["fifo", "directory"])
 def test_a_manifest_that_is_not_a_regular_file_is_an_error_not_a_hang(tmp_path, kind):
     import os
