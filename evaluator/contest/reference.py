@@ -2,8 +2,12 @@
 
 It is the ground truth for agreement and the baseline for every speed figure.
 
-    python -m evaluator.reference MANIFEST IMAGE_ROOT OUTPUT --model NAME --checkpoint FILE
-        [--input-size N] [--crop-mode center|squash] [--model-kwargs JSON]
+    python -m evaluator.reference MANIFEST IMAGE_ROOT OUTPUT --checkpoint FILE [--model NAME]
+        [--input-size N] [--crop-mode center|squash] [--crop-pct F] [--model-kwargs JSON]
+
+Without --model, the spec is the one the checkpoint records in its safetensors metadata
+(the kit's generated checkpoints do: model, input size, crop, model kwargs); a flag given
+overrides the recorded value.
 
 OUTPUT holds one int32 per row; -1 marks an image the reference cannot read.
 
@@ -74,7 +78,7 @@ def parse_args(argv: list[str] | None):
     p.add_argument("manifest", type=Path, help="request_id<TAB>relative/path per row")
     p.add_argument("image_root", type=Path, help="folder the manifest paths are relative to")
     p.add_argument("output", type=Path, help="one little-endian int32 per row (-1: unreadable)")
-    p.add_argument("--model", required=True, help="timm name (decides the spec)")
+    p.add_argument("--model", help="timm name (decides the spec); default: what the checkpoint records")
     p.add_argument("--checkpoint", required=True, type=Path, help="safetensors or torch state dict")
     p.add_argument("--input-size", type=int, help="spec override")
     p.add_argument("--crop-mode", choices=("center", "squash"), help="spec override")
@@ -117,8 +121,14 @@ def run(a) -> int:
         raise UsageError(f"OUTPUT folder does not exist: {a.output.parent}")
     if not a.checkpoint.is_file():
         raise UsageError(f"checkpoint not found: {a.checkpoint}")
-    spec = resolve_spec(a.model, input_size=a.input_size, crop_mode=a.crop_mode, crop_pct=a.crop_pct,
-                        model_kwargs=a.model_kwargs)
+    from evaluator.contest.selfcheck import recorded_fields
+
+    rec = recorded_fields(a.checkpoint) if a.model is None else {}
+    if a.model is None and "model" not in rec:
+        raise UsageError(f"--model is needed: {a.checkpoint} records no model in its metadata")
+    pick = {k: getattr(a, k) if getattr(a, k) is not None else rec.get(k)
+            for k in ("model", "input_size", "crop_mode", "crop_pct", "model_kwargs")}
+    spec = resolve_spec(pick.pop("model"), **pick)
     paths: list[Path | None] = []       # None: a path outside IMAGE_ROOT, no answer
     for r in rows:
         try:

@@ -91,10 +91,15 @@ RECORDED_KNOBS = {"model": "ENGINE_MODEL", "input_size": "ENGINE_INPUT_SIZE", "c
 
 
 def recorded_spec(checkpoint: Path) -> dict[str, str]:
-    """{knob: value} of the spec fields a safetensors checkpoint records in its metadata ({} when none).
+    """{knob: value} of the spec fields a safetensors checkpoint records in its metadata ({} when none)."""
+    return {RECORDED_KNOBS[k]: v if isinstance(v, str) else json.dumps(v, sort_keys=True)
+            for k, v in recorded_fields(checkpoint).items()}
 
-    Values are JSON-encoded strings there (the kit's generator writes them so); plain strings are
-    taken as they are."""
+
+def recorded_fields(checkpoint: Path) -> dict:
+    """{spec field: value} a safetensors checkpoint records in its metadata (model, input_size,
+    crop_mode, crop_pct, model_kwargs; {} when none). Values are JSON-encoded strings there (the
+    kit's generator writes them so); plain strings are taken as they are."""
     with open(checkpoint, "rb") as f:
         head = f.read(8)
         n = int.from_bytes(head, "little") if len(head) == 8 else 0
@@ -105,14 +110,13 @@ def recorded_spec(checkpoint: Path) -> dict[str, str]:
         except (ValueError, AttributeError):
             return {}
     out = {}
-    for key, knob in RECORDED_KNOBS.items():
+    for key in RECORDED_KNOBS:
         if key not in meta:
             continue
         try:
-            value = json.loads(meta[key])
+            out[key] = json.loads(meta[key])
         except ValueError:
-            value = meta[key]
-        out[knob] = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+            out[key] = meta[key]
     return out
 
 
