@@ -73,3 +73,27 @@ def test_cuda_graph_replay_equals_plain_launches(tiny_checkpoint, tmp_path):
     a, b = graphed.run(x), plain.run(x)
     assert np.array_equal(a, b)
     assert np.array_equal(graphed.run(x[::-1].copy()), b[::-1])  # a second replay sees new input
+
+
+def test_tensorrt_artifact_builds_loads_and_agrees(tiny_checkpoint, tmp_path):
+    """The trt backend end to end on the GPU: build (guarded bf16), load through the runtime, classify."""
+    pytest.importorskip("torch_tensorrt", reason="torch_tensorrt is not installed: no TensorRT artifact is tested")
+    from engine.artifact import load_artifact
+    from engine.build import build
+    from engine.checkpoint import load_model
+    from engine.model import wrap
+    from engine.runtime import load_runtime
+
+    spec = tiny_spec("squash", 16, "bf16")
+    art = tmp_path / "art"
+    build(spec, tiny_checkpoint, art, backend="trt", device="cuda")
+    rt = load_runtime(load_artifact(art))
+    assert rt.name == "trt" and rt.guard is not None
+    x = np.random.default_rng(0).integers(0, 256, (16, 112, 112, 3), dtype=np.uint8)
+    got = rt.run(x)
+    ref = wrap(load_model(tiny_spec("squash", 16), tiny_checkpoint), tiny_spec("squash", 16), "cuda")
+    import torch
+
+    with torch.inference_mode():
+        want = ref(torch.from_numpy(x).cuda()).cpu().numpy()
+    assert got.dtype == np.int32 and (got == want).mean() >= 0.9
