@@ -83,12 +83,15 @@ TARGETS = {
     "agreement": Target("evaluator/contest/agreement.py", ("tests/test_agreement.py",), (),
                         "the contest gate and the agreement tool",
                         (("rows = res.all_rows.rows", "rows = res.all_rows.matches"),)),
-    "manifest": Target("evaluator/contest/manifest.py", ("tests/test_manifest.py",), (),
-                       "the manifest reader"),
-    "resolve": Target("engine/pipeline.py", ("tests/test_pipeline.py",),
+    "manifest": Target("evaluator/contest/manifest.py", ("tests/test_manifest.py",), (), "the manifest reader",
+                       (("blank.append(no)", "pass"),)),
+    "resolve": Target("engine/pipeline.py", ("tests/test_manifest.py",),
                       ("read_regular", "resolve_relative", "resolve_inside"), "input path resolution"),
-    "guard": Target("engine/guard.py", ("tests/test_precision.py",), (), "the margin guard and its statistics"),
-    "output": Target("evaluator/contest/output.py", ("tests/test_abi.py",), (), "the output reservation"),
+    "guard": Target("engine/guard.py", ("tests/test_guard.py",), (), "the margin guard and its statistics",
+                    (("range(0, low.numel(), self.batch)", "range(0, low.numel() // self.batch * self.batch, "
+                      "self.batch)"),
+                     ("round(self.rechecked / self.images, 6)", "round(self.changed / self.images, 6)"))),
+    "output": Target("evaluator/contest/output.py", ("tests/test_output_rules.py",), (), "the output reservation"),
 }
 
 
@@ -402,25 +405,43 @@ class Runner:
 
     def __init__(self, root: Path, fork: bool):
         self.root, self.fork, self.worker = root, fork, None
+        self.log = root.parent / f"{root.name}.pytest.log"  # the last run's output (outside the copy)
         if fork:
-            self.worker = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker"],
-                                           cwd=root, env=_env(root), stdin=subprocess.PIPE,
-                                           stdout=subprocess.PIPE, text=True, bufsize=1)
-            ready = self.worker.stdout.readline().strip()
-            if ready != "ready":
-                raise RuntimeError(f"mutation worker did not start: {ready!r}")
+            self._start()
+
+    def _start(self) -> None:
+        self.worker = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker"],
+                                       cwd=self.root, env=_env(self.root), stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, text=True, bufsize=1)
+        ready = self.worker.stdout.readline().strip()
+        if ready != "ready":
+            raise RuntimeError(f"mutation worker did not start: {ready!r}")
 
     def run(self, tests: list[str], timeout: float) -> tuple[str, float]:
         """('pass' | 'fail' | 'timeout', seconds)."""
         t0 = time.perf_counter()
         if self.worker is not None:
-            self.worker.stdin.write(json.dumps({"tests": tests, "timeout": timeout}) + "\n")
-            self.worker.stdin.flush()
-            outcome = self.worker.stdout.readline().strip() or "fail"
-            return outcome, time.perf_counter() - t0
+            for attempt in (1, 2):
+                try:
+                    self.worker.stdin.write(json.dumps({"tests": tests, "timeout": timeout, "log": str(self.log)})
+                                            + "\n")
+                    self.worker.stdin.flush()
+                    outcome = self.worker.stdout.readline().strip()
+                except BrokenPipeError:
+                    outcome = ""
+                if outcome:
+                    return outcome, time.perf_counter() - t0
+                # the worker itself died (not the tests): never count that as a kill
+                print(f"mutate: the worker exited ({self.worker.poll()}); starting a new one", file=sys.stderr)
+                self.worker.kill()
+                self.worker.wait()
+                if attempt == 2:
+                    raise RuntimeError("the mutation worker died twice on the same mutant")
+                self._start()
         cmd = [sys.executable, "-m", "pytest", *_pytest_args(tests)]
-        proc = subprocess.Popen(cmd, cwd=self.root, env=_env(self.root), stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, start_new_session=True)
+        with open(self.log, "wb") as log:
+            proc = subprocess.Popen(cmd, cwd=self.root, env=_env(self.root), stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -429,7 +450,15 @@ class Runner:
             return "timeout", time.perf_counter() - t0
         return ("pass" if rc == 0 else "fail"), time.perf_counter() - t0
 
+    def tail(self, lines: int = 15) -> str:
+        """The end of the last run's pytest output."""
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
     def close(self) -> None:
+        self.log.unlink(missing_ok=True)
         if self.worker is not None:
             self.worker.stdin.close()
             self.worker.wait(timeout=30)
@@ -450,9 +479,10 @@ def worker() -> int:
         pid = os.fork()
         if pid == 0:  # child: its own process group, so a timeout kills what the tests started too
             os.setsid()
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, 1)
-            os.dup2(devnull, 2)
+            log = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(log, 1)
+            os.dup2(log, 2)
+            os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # the requests pipe is the worker's alone
             import pytest
 
             try:
@@ -505,8 +535,9 @@ def mutate_module(key: str, target: Target, root: Path, runner: Runner, timeout:
     mark_equivalent(mutants, equivalent)
     baseline, base_s = runner.run(list(target.tests), max(timeout, 600))
     if baseline != "pass":
+        log(f"mutate: {key}: the tests fail on the unmutated code ({baseline}):\n{runner.tail()}")
         return {"key": key, "file": target.path, "error": f"the tests fail on the unmutated code ({baseline})",
-                "tests": list(target.tests)}
+                "tests": list(target.tests), "output": runner.tail()}
     limit = max(timeout, 3 * base_s + 10)
     log(f"mutate: {key}: {len(mutants)} mutants of {target.path}, tests {' '.join(target.tests)} "
         f"(baseline {base_s:.1f} s, per-mutant timeout {limit:.0f} s)")
