@@ -83,9 +83,10 @@ TARGETS = {
     "agreement": Target("evaluator/contest/agreement.py", ("tests/test_agreement.py",), (),
                         "the contest gate and the agreement tool",
                         (("rows = res.all_rows.rows", "rows = res.all_rows.matches"),)),
-    "manifest": Target("evaluator/contest/manifest.py", ("tests/test_manifest.py",), (), "the manifest reader",
+    "manifest": Target("evaluator/contest/manifest.py", ("tests/test_manifest.py", "tests/test_input_rules.py"), (),
+                       "the manifest reader",
                        (("blank.append(no)", "pass"),)),
-    "resolve": Target("engine/pipeline.py", ("tests/test_manifest.py",),
+    "resolve": Target("engine/pipeline.py", ("tests/test_manifest.py", "tests/test_input_rules.py"),
                       ("read_regular", "resolve_relative", "resolve_inside"), "input path resolution"),
     "guard": Target("engine/guard.py", ("tests/test_guard.py",), (), "the margin guard and its statistics",
                     (("range(0, low.numel(), self.batch)", "range(0, low.numel() // self.batch * self.batch, "
