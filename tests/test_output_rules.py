@@ -70,23 +70,32 @@ def test_output_that_is_not_a_regular_file(inputs, tmp_path, kind):
         Output(path, *inputs)
 
 
-def test_stale_names_only_dead_processes_with_the_prefix():
+@pytest.fixture
+def live_pid():
+    """A process of this test's own that stays alive while the test runs."""
+    p = subprocess.Popen(["sleep", "60"])
+    yield p.pid
+    p.kill()
+    p.wait()
+
+
+def test_stale_names_only_dead_processes_with_the_prefix(live_pid):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True, check=True).stdout.strip()
     assert stale(f".tmp-p.i32-{dead}", ".tmp-p.i32-")
     assert not stale(f".tmp-p.i32-{os.getpid()}", ".tmp-p.i32-")  # this process
     assert not stale(f".tmp-q.i32-{dead}", ".tmp-p.i32-")
     assert not stale(".tmp-p.i32-abc", ".tmp-p.i32-")
-    assert not stale(f".tmp-p.i32-{os.getppid()}", ".tmp-p.i32-")  # alive
+    assert not stale(f".tmp-p.i32-{live_pid}", ".tmp-p.i32-")  # alive
 
 
-def test_a_stale_output_and_dead_temp_files_go_live_ones_stay(inputs, tmp_path):
+def test_a_stale_output_and_dead_temp_files_go_live_ones_stay(inputs, tmp_path, live_pid):
     out = tmp_path / "p.i32"
     out.write_bytes(b"old answers")
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True, check=True).stdout.strip()
     (tmp_path / f".tmp-p.i32-{dead}").write_bytes(b"x")
-    live = tmp_path / f".tmp-p.i32-{os.getppid()}"
+    live = tmp_path / f".tmp-p.i32-{live_pid}"
     live.write_bytes(b"x")
     o = Output(out, *inputs)
     try:
