@@ -15,8 +15,9 @@ On CUDA nothing here waits for the GPU per batch: batch n's margins are copied t
 pinned host buffer behind an event, and read when batch n+1 arrives (its work is then
 queued behind batch n's, so the wait costs no idle GPU); row indices go to the device
 through pinned memory, and the `changed` count and the re-check time stay on the device
-until the report. The batch's pixel tensor is kept until then: the upload ring and the
-GPU decoders hand over a fresh tensor for every batch.
+until the report. Low rows' pixels are copied into the re-check buffer as they are found;
+the batch's pixel tensor is kept only until the next batch (the upload ring and the GPU
+decoders hand over a fresh tensor for every batch).
 """
 from __future__ import annotations
 
@@ -73,7 +74,8 @@ class Guard:
         self._host = make_host or (lambda n: torch.empty(n, dtype=torch.float32, pin_memory=True))
         self.stats = GuardStats()
         self._pending: list[_Batch] = []          # CUDA: at most one batch awaiting its margins
-        self._rows: list[tuple[torch.Tensor, torch.Tensor, int]] = []   # (pixels, top1, row) in the buffer
+        self._buf: torch.Tensor | None = None     # [R, S, S, 3] uint8: pixels of the rows waiting
+        self._rows: list[tuple[torch.Tensor, int]] = []   # (top1, row) of each filled slot of _buf
         self._changed = None                       # CUDA: int64 [] changed count on the device
         self._timings: list = []                   # CUDA: (start, end) events around re-check calls
 
@@ -81,7 +83,7 @@ class Guard:
               ) -> torch.Tensor:
         """top1 [B] int32 (a copy), in which every row whose margin < tau gets the FP32 answer
         by the time `finish()` returns. x: [B, S, S, 3] uint8 on the graphs' device, left
-        unchanged by the caller until `finish()`; rows at and past `valid` are padding."""
+        unchanged by the caller until the next apply; rows at and past `valid` are padding."""
         n = x.shape[0] if valid is None else valid
         self.stats.images += n
         top1 = top1.clone()                        # [B]: a graph may reuse its output buffer
@@ -114,8 +116,14 @@ class Guard:
         self.stats.rechecked += len(low)
         if len(self.stats.margins) < 1000:
             self.stats.margins += [round(float(v), 4) for v in m[low[:1000 - len(self.stats.margins)]]]
-        for r in low.tolist():
-            self._rows.append((b.x, b.top1, r))
+        if self._buf is None:
+            self._buf = b.x.new_zeros((self.batch,) + tuple(b.x.shape[1:]))   # [R, S, S, 3]: the static shape
+        rows = low.tolist()
+        while rows:                                # copy the rows into the buffer's free slots now
+            k = len(self._rows)
+            take, rows = rows[: self.batch - k], rows[self.batch - k:]
+            self._buf[self._index(list(range(k, k + len(take))))] = b.x[self._index(take)]
+            self._rows += [(b.top1, r) for r in take]
             if len(self._rows) == self.batch:
                 self._flush()
 
@@ -136,15 +144,14 @@ class Guard:
     def _flush(self) -> None:
         """One FP32 call on the buffered rows (padded to the static batch); answers scattered back."""
         rows, self._rows = self._rows, []
-        x0 = rows[0][0]
-        chunk = x0.new_zeros((self.batch,) + tuple(x0.shape[1:]))          # [R, S, S, 3]: the static shape
-        groups: dict[int, tuple[torch.Tensor, torch.Tensor, list[int], list[int]]] = {}
-        for slot, (x, top1, r) in enumerate(rows):
-            g = groups.setdefault(id(top1), (x, top1, [], []))
-            g[2].append(r)
-            g[3].append(slot)
-        for x, _, rs, slots in groups.values():
-            chunk[self._index(slots)] = x[self._index(rs)]
+        chunk = self._buf                          # later writes to it queue behind this call (stream order)
+        if len(rows) < self.batch:
+            chunk[len(rows):] = 0                  # padding slots of the last call
+        groups: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
+        for slot, (top1, r) in enumerate(rows):
+            g = groups.setdefault(id(top1), (top1, [], []))
+            g[1].append(r)
+            g[2].append(slot)
         if self.deferred:
             start, end = self._timing_event(), self._timing_event()
             start.record()
@@ -153,7 +160,7 @@ class Guard:
         out = self.recheck(chunk)
         out = out[0] if isinstance(out, (list, tuple)) else out            # [R] int32
         changed = None
-        for _, top1, rs, slots in groups.values():
+        for top1, rs, slots in groups.values():
             ri, si = self._index(rs), self._index(slots)
             fixed = out[si].to(top1.dtype)
             diff = (fixed != top1[ri]).sum()

@@ -2,7 +2,8 @@
 
 A template is colour blobs over a background gradient with oriented stripes; each
 render jitters it. Used for generated cohorts, for fitting a test head whose logits
-look trained, and as the default calibration images of a guarded low-precision build.
+look trained, and as the smoke check of a guarded low-precision build (the guard's tau
+comes from natural photos: engine.calibrate).
 """
 from __future__ import annotations
 
