@@ -630,3 +630,29 @@ def test_cli_empty_results_file_scores_zero(tmp_path, capsys):
     rep = json.loads(capsys.readouterr().out)
     assert rep["raw"] == 0.0 and rep["missing"] == 200 and rep["validity"]["rows_read"] == 0
     assert math.isclose(rep["reward"], 0.0)
+
+
+# ---------------------------------------------------------------- boundaries the mutation run found untested
+
+
+def test_recall_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="at least one positive"):
+        recall_at_k(["a"], [], 5)
+    with pytest.raises(ValueError, match="k must be >= 1, got 0"):
+        recall_at_k(["a"], ["a"], 0)
+    assert recall_at_k(["a"], ["a"], 1) == 1.0  # k = 1 is the smallest k
+
+
+def test_reward_tolerates_only_rounding_above_1():
+    assert reward(1.0 + 1e-12) == 1.0  # a rounding error above 1 maps to 1
+    with pytest.raises(ValueError):
+        reward(1.0 + 3e-12)
+
+
+def test_report_names_the_first_ten_invalid_rows(tmp_path):
+    lines = [json.dumps({"query_id": i, "results": "no"}) for i in range(12)]
+    p = tmp_path / "run.jsonl"
+    p.write_text("\n".join(lines) + "\n")
+    rep = score_file(read_results(p), {"0": Label("cirr", ("t",))})
+    assert rep["validity"]["invalid_rows"] == 12
+    assert [e["line"] for e in rep["validity"]["invalid_examples"]] == list(range(1, 11))
