@@ -239,7 +239,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="folder of your own images (not evaluation data) to choose tau on, instead")
     g.add_argument("--calibration-count", type=int, default=256, help="calibration images used")
     g.add_argument("--guard-budget", type=float, default=10.0,
-                   help="estimated disagreements per 10,000 images that tau must keep under (the gate allows 100)")
+                   help="estimated disagreements per 10,000 images that tau must keep under")
     g.add_argument("--guard-safety", type=float, default=2.0, help="factor on the estimated disagreements")
     g.add_argument("--recheck-batch", type=_batch_size, default=8,
                    help="static batch of the FP32 re-check graph; auto: measured on the build device")

@@ -199,7 +199,7 @@ def classify(fn, pixels: np.ndarray, batch: int, margin: bool, device=None) -> t
     return top1, (margins if margin else None)
 
 
-PER = 10_000          # disagreements are counted per this many images (the contest cohort's size)
+PER = 10_000          # disagreements are counted per this many images
 TAIL_QUANTILE = 0.9   # margin errors above this quantile are modelled by an exponential tail
 
 
