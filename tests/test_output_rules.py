@@ -71,36 +71,38 @@ def test_output_that_is_not_a_regular_file(inputs, tmp_path, kind):
 
 
 @pytest.fixture
-def live_pid():
+def live():
     """A process of this test's own that stays alive while the test runs."""
     p = subprocess.Popen(["sleep", "60"])
-    yield p.pid
+    yield p
     p.kill()
     p.wait()
 
 
-def test_stale_names_only_dead_processes_with_the_prefix(live_pid):
+def test_stale_names_only_dead_processes_with_the_prefix(live):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True, check=True).stdout.strip()
     assert stale(f".tmp-p.i32-{dead}", ".tmp-p.i32-")
     assert not stale(f".tmp-p.i32-{os.getpid()}", ".tmp-p.i32-")  # this process
     assert not stale(f".tmp-q.i32-{dead}", ".tmp-p.i32-")
     assert not stale(".tmp-p.i32-abc", ".tmp-p.i32-")
-    assert not stale(f".tmp-p.i32-{live_pid}", ".tmp-p.i32-")  # alive
+    assert not stale(f".tmp-p.i32-{live.pid}", ".tmp-p.i32-")  # alive
+    with pytest.raises(subprocess.TimeoutExpired):  # asking whether it runs sends it no signal
+        live.wait(timeout=0.3)
 
 
-def test_a_stale_output_and_dead_temp_files_go_live_ones_stay(inputs, tmp_path, live_pid):
+def test_a_stale_output_and_dead_temp_files_go_live_ones_stay(inputs, tmp_path, live):
     out = tmp_path / "p.i32"
     out.write_bytes(b"old answers")
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True, check=True).stdout.strip()
     (tmp_path / f".tmp-p.i32-{dead}").write_bytes(b"x")
-    live = tmp_path / f".tmp-p.i32-{live_pid}"
-    live.write_bytes(b"x")
+    running = tmp_path / f".tmp-p.i32-{live.pid}"
+    running.write_bytes(b"x")
     o = Output(out, *inputs)
     try:
         assert not out.exists()  # an earlier run's file never passes for this one's
-        assert not (tmp_path / f".tmp-p.i32-{dead}").exists() and live.exists()
+        assert not (tmp_path / f".tmp-p.i32-{dead}").exists() and running.exists() and live.poll() is None
         assert o.tmp == tmp_path / f".tmp-p.i32-{os.getpid()}" and o.tmp.exists()
     finally:
         o.discard()
