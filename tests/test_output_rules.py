@@ -167,3 +167,12 @@ def test_a_link_output_is_written_through(inputs, tmp_path):
     o = Output(link, *inputs)
     o.commit(b"\x02\x00\x00\x00")
     assert link.is_symlink() and target.read_bytes() == b"\x02\x00\x00\x00"
+
+
+def test_a_temp_file_of_another_users_process_is_left_alone(monkeypatch):
+    """kill(pid, 0) answering EPERM means the process runs under another user: not stale."""
+    def not_permitted(pid, sig):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(output.os, "kill", not_permitted)
+    assert not stale(".tmp-p.i32-12345", ".tmp-p.i32-")
