@@ -562,6 +562,7 @@ def mutate_module(key: str, target: Target, root: Path, runner: Runner, timeout:
                                                                 "stale")}
     scored = counts["killed"] + counts["timeout"] + counts["survived"]
     return {"key": key, "file": target.path, "what": target.what, "tests": list(target.tests),
+            "run": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "functions": list(target.functions), "mutants": len(mutants), **counts,
             "score": (counts["killed"] + counts["timeout"]) / scored if scored else None,
             "seconds": round(time.perf_counter() - t0 + base_s, 1), "baseline_s": round(base_s, 1),
@@ -572,15 +573,16 @@ def mutate_module(key: str, target: Target, root: Path, runner: Runner, timeout:
 
 
 def markdown(report: dict) -> str:
-    rows = ["| module | what | mutants | killed | survived | equivalent | score | time |",
-            "|---|---|---:|---:|---:|---:|---:|---:|"]
+    rows = ["| module | what | tests run | mutants | killed | survived | equivalent | score | time | run |",
+            "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in report["modules"]:
+        tests = ", ".join(f"`{Path(t).name}`" for t in r.get("tests", []))
         if "error" in r:
-            rows.append(f"| `{r['file']}` | {r.get('what', '')} | error: {r['error']} | | | | | |")
+            rows.append(f"| `{r['file']}` | {r.get('what', '')} | {tests} | error: {r['error']} | | | | | | |")
             continue
         score = f"{100 * r['score']:.1f} %" if r["score"] is not None else "n/a"
-        rows.append(f"| `{r['file']}` | {r['what']} | {r['mutants']} | {r['killed'] + r['timeout']} | "
-                    f"{r['survived']} | {r['equivalent']} | {score} | {r['seconds']:.0f} s |")
+        rows.append(f"| `{r['file']}` | {r['what']} | {tests} | {r['mutants']} | {r['killed'] + r['timeout']} | "
+                    f"{r['survived']} | {r['equivalent']} | {score} | {r['seconds']:.0f} s | {r.get('run', '')} |")
     out = ["# Mutation report", "", f"Command: `{report['command']}`", "",
            "Score = killed / (mutants - equivalent); a timed-out mutant counts as killed.", "", *rows, ""]
     for r in report["modules"]:
@@ -650,8 +652,15 @@ def main(argv: list[str] | None = None) -> int:
             runner.close()
     text = markdown(report)
     print(text)
-    if args.out is not None:
+    if args.out is not None:  # modules run before and not rerun now stay in the report
         args.out.mkdir(parents=True, exist_ok=True)
+        old = args.out / "mutation.json"
+        if old.is_file():
+            rerun = {r["key"] for r in report["modules"]}
+            kept = [r for r in json.loads(old.read_text())["modules"] if r["key"] not in rerun]
+            report["modules"] = kept + report["modules"]
+            report["command"] = "python scripts/mutate.py (modules merged from several runs; see each module)"
+        text = markdown(report)
         (args.out / "mutation.json").write_text(json.dumps(report, indent=1) + "\n")
         (args.out / "mutation.md").write_text(text + "\n")
     low = [r["key"] for r in report["modules"] if "error" in r or (r["score"] is not None
