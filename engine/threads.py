@@ -32,9 +32,10 @@ class Budget:
         """Most threads a CPU classification run holds at once, child decoder process included,
         as measured with torch 2.14 and DALI 2.4 (tests/test_hostile.py checks it): main + readers
         + the decode thread + 2 x (intra_op - 1) OpenMP workers (torch's OpenMP and its BLAS's
-        each keep a pool), plus DALI's workers and its 3 input threads, plus the child's main thread."""
+        each keep a pool), plus DALI's workers and its 3 input threads, plus the child's main thread
+        and the thread that ends it when the parent is gone."""
         parent = 1 + self.readers + 1 + 2 * (self.intra_op - 1)
-        return parent + self.decoder + 3 + int(isolated_decoder)
+        return parent + self.decoder + 3 + 2 * int(isolated_decoder)
 
 
 def budget(device: str = "cpu") -> Budget:

@@ -59,6 +59,29 @@ def test_a_slow_image_costs_one_deadline_and_the_rest_of_its_batch_is_decoded(sl
     assert err.count("image 1 of this batch is unreadable") == 1 and "starting a fresh decoder process" in err
 
 
+def test_the_reference_beside_a_gpu_decoder_runs_in_a_child_under_the_deadline(slow_jpeg, monkeypatch):
+    """dali-gpu and nvjpeg decode in this process; the images they route to PIL go to this child."""
+    from engine.decoders.isolate import IsolatedDecoder, reference_decoder
+    from engine.decoders.pil import PilDecoder
+
+    monkeypatch.setenv("ENGINE_DECODE_DEADLINE_S", "2")
+    spec = tiny_spec()
+    good = _good(7)
+    ref = reference_decoder(spec, 4, 2, isolate=True)
+    try:
+        assert isinstance(ref, IsolatedDecoder) and ref.name == "pil"
+        ref.decode([good])
+        t0 = time.perf_counter()
+        out, failed = ref.decode([slow_jpeg, good])
+        took = time.perf_counter() - t0
+    finally:
+        ref.close()
+    assert list(failed) == [0] and "not decoded within 2 s" in failed[0]
+    assert np.array_equal(out[1], PilDecoder(spec, 1, 1).decode([good])[0][0]) and not out[0].any()
+    assert took < 2.0 + 20.0, took
+    assert isinstance(reference_decoder(spec, 4, 2, isolate=False), PilDecoder)
+
+
 def test_the_router_sends_a_jpeg_with_more_scans_than_dali_takes_to_the_reference(slow_jpeg):
     from engine.decoders.route import MAX_FAST_SCANS, jpeg_header, route
 

@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 
-from engine.decoders.pil import ReferencePool
+from engine.decoders.pil import PilDecoder
 from engine.decoders.route import route
 from engine.spec import Spec
 
@@ -36,9 +36,15 @@ class DaliDecoder:
         self.threads = threads or budget().decoder
         self.hw_decoder_load = settings.hw_decoder_load() if hw_decoder_load is None else hw_decoder_load
         self.name = f"dali-{device}"
-        # the reference for the images routed away from DALI: on the CPU DALI's workers already hold
-        # the thread budget (one PIL thread); beside a GPU decoder the CPU threads are free
-        self._reference = ReferencePool(spec, 1 if device == "cpu" else self.threads)
+        # the reference for the images routed away from DALI. On the CPU (in its own process by
+        # default) DALI's workers already hold the thread budget: one PIL thread. Beside a GPU
+        # decoder the CPU threads are free, and PIL runs in a child, each image under the deadline
+        if device == "cpu":
+            self._reference = PilDecoder(spec, batch_size, 1)
+        else:
+            from engine.decoders.isolate import reference_decoder
+
+            self._reference = reference_decoder(spec, batch_size, self.threads, settings.decoder_isolate())
         self._pipe = self._build()
 
     def _build(self):
@@ -103,18 +109,25 @@ class DaliDecoder:
                 else:
                     out[fast] = got
         slow = sorted(slow)
-        for k, px, why in self._reference.each([blobs[i] for i in slow],
-                                               None if progress is None else (lambda k: progress(slow[k]))):
-            i = slow[k]
-            if why is not None:
-                failed[i] = why
-            elif self.device == "gpu":
+        if slow:
+            sub = [blobs[i] for i in slow]
+            if progress is None:
+                px, f = self._reference.decode(sub)                   # [m, S, S, 3] uint8, zeros where failed
+            else:
+                px, f = self._reference.decode(sub, lambda k: progress(slow[k]))
+            failed.update({slow[k]: why for k, why in f.items()})
+            if self.device == "gpu":
                 import torch
 
-                out[i] = torch.from_numpy(px).to(out.device)
+                out[torch.as_tensor(slow, device=out.device)] = torch.from_numpy(px).to(out.device)
             else:
-                out[i] = px
+                out[slow] = px
         return out, failed
+
+    def close(self) -> None:
+        """Stop the reference's child process, if any."""
+        if hasattr(self._reference, "close"):
+            self._reference.close()
 
     def _rebuild(self) -> None:
         """Drop the pipeline that raised (undefined state) and build a fresh one; if that fails,

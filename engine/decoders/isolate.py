@@ -266,6 +266,21 @@ class IsolatedDecoder:
         return True
 
 
+def reference_decoder(spec: Spec, batch_size: int, threads: int | None = None, isolate: bool = True):
+    """The PIL reference for the images a GPU decoder routes away from itself (CMYK, progressive
+    beyond 256 scans, other formats): in a child process, each image under the decode deadline,
+    when `isolate` (ENGINE_DECODER_ISOLATE), else in this process. `.decode(blobs)` either way."""
+    from engine.decoders.pil import PilDecoder
+
+    if isolate:
+        try:
+            return IsolatedDecoder("pil", _REFERENCE_MODULE, spec, batch_size, threads)
+        except (OSError, AttributeError) as e:  # no memfd, no fork
+            print(f"[engine] pil: no child process ({type(e).__name__}: {e}); decoding in this process",
+                  file=sys.stderr)
+    return PilDecoder(spec, batch_size, threads)
+
+
 def _read_exact(f, n: int) -> bytes:
     data = f.read(n)
     if len(data) != n:

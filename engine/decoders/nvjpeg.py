@@ -12,7 +12,6 @@ import sys
 import numpy as np
 import torch
 
-from engine.decoders.pil import ReferencePool
 from engine.decoders.route import route
 from engine.geometry import window
 from engine.spec import Spec
@@ -45,12 +44,16 @@ class NvjpegDecoder:
             raise RuntimeError("nvjpeg decoding needs a CUDA GPU")
         from torchvision.io import ImageReadMode, decode_jpeg
 
+        from engine import settings
+        from engine.decoders.isolate import reference_decoder
         from engine.threads import budget
 
         self._decode_jpeg, self._rgb = decode_jpeg, ImageReadMode.RGB
         self.spec = spec
-        # every chroma-subsampled JPEG (most photos) takes this path: the whole CPU budget decodes
-        self._reference = ReferencePool(spec, threads or budget("cuda").decoder)
+        # every chroma-subsampled JPEG (most photos) takes this path: the whole CPU budget decodes,
+        # in a child process where each image has a deadline (ENGINE_DECODER_ISOLATE)
+        self._reference = reference_decoder(spec, batch_size, threads or budget("cuda").decoder,
+                                            settings.decoder_isolate())
 
     def decode(self, blobs: list[bytes | None]):
         n, s = len(blobs), self.spec.input_size
@@ -70,12 +73,16 @@ class NvjpegDecoder:
                       file=sys.stderr)
                 slow += fast
         slow = sorted(slow)
-        for k, px, why in self._reference.each([blobs[i] for i in slow]):
-            if why is None:
-                out[slow[k]] = torch.from_numpy(np.ascontiguousarray(px)).to("cuda")
-            else:
-                failed[slow[k]] = why
+        if slow:
+            px, f = self._reference.decode([blobs[i] for i in slow])    # [m, S, S, 3] uint8, zeros where failed
+            failed.update({slow[k]: why for k, why in f.items()})
+            out[torch.as_tensor(slow, device="cuda")] = torch.from_numpy(np.ascontiguousarray(px)).to("cuda")
         return out, failed
+
+    def close(self) -> None:
+        """Stop the reference's child process, if any."""
+        if hasattr(self._reference, "close"):
+            self._reference.close()
 
 
 def create(name: str, spec: Spec, batch_size: int, threads: int | None = None) -> NvjpegDecoder:
