@@ -324,14 +324,17 @@ def test_the_scratch_folder_is_removed_and_killed_runs_folders_swept(small_cohor
     assert sorted(p.name for p in tmp.iterdir()) == ["someone-elses"]
 
 
-def test_an_unusable_tmpdir_is_one_line(small_cohort, aot_artifact, tmp_path):
+def test_an_unusable_tmpdir_is_one_warning_and_the_run_still_answers(small_cohort, aot_artifact, tmp_path):
+    """The AOT graph is loaded from the artifact in place: a run needs no TMPDIR, and says it has none."""
     afile = tmp_path / "not-a-folder"
     afile.write_text("x")
-    m, root, watch, opened = _trap_manifest(tmp_path)
-    r = run_abi(m, root, tmp_path / "p.i32", aot_artifact, env={"TMPDIR": str(afile)}, timeout=120)
-    _one_error_line(r, "TMPDIR")
-    watch()
-    assert not opened
+    out = tmp_path / "p.i32"
+    m = small_cohort / "manifest.tsv"
+    r = run_abi(m, small_cohort, out, aot_artifact, env={"TMPDIR": str(afile)}, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    warned = [ln for ln in r.stderr.splitlines() if "TMPDIR" in ln and "not writable" in ln]
+    assert len(warned) == 1 and warned[0].startswith("run: warning:"), r.stderr[-3000:]
+    assert out.stat().st_size == 4 * len([ln for ln in m.read_text().splitlines() if ln.strip()])
 
 
 @pytest.mark.skipif(not shutil.which("prlimit"), reason="needs prlimit")
