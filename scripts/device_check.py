@@ -10,8 +10,11 @@ Steps (each timed, each skipped with a reason when the time left cannot hold it)
  4. aot_bf16     guarded AOT bf16 build, started in the background, while ...
  5. reference    ... the naive FP32 path (PIL + timm eager, batch 1) answers the first --ref-count rows
  6. abi_aot_bf16 the ABI end to end with it: images/s, agreement, GPU busy time, fixed costs,
-                 CUDA graph status (a failed capture is an alarm), the guard's re-checks
- 7. eager_*      bf16, fp16 and fp8 through the eager backend (no compile), each guarded, end to end
+                 CUDA graph status (a failed capture is an alarm), the guard's re-checks; then
+                 the same artifact raw (ENGINE_GUARD=0): `guard` puts raw agreement, guarded
+                 agreement, the re-checked fraction and the re-check seconds side by side
+ 7. eager_*      bf16, fp16 and fp8 through the eager backend (no compile), each guarded, end to
+                 end, each also raw (the same side-by-side record)
  8. batch_sweep  policy bf16 inference alone at several batch sizes (CUDA events)
  9. attention    SDPA backends (flash, efficient, cudnn, math) at EVA-02-L's shape
 10. topk         python -m kernels.topk: the CuPy kernel against torch.topk
@@ -102,14 +105,14 @@ def env_info(device: str) -> dict:
     return info
 
 
-def judge(c: Check, name: str, art: Path, cohort: Path, ref, n_ref: int, count: int) -> dict:
+def judge(c: Check, name: str, art: Path, cohort: Path, ref, n_ref: int, count: int, env_extra=None) -> dict:
     """Run the ABI on the cohort with `art`; agreement on the reference rows and the run's own report."""
     import numpy as np
 
     from evaluator.contest.agreement import agreement
 
     pred, report = c.out / f"pred_{name}.i32", c.logs / f"timing_{name}.json"
-    env = {**os.environ, "ENGINE_ARTIFACT": str(art), "CONTEST_REPORT": str(report)}
+    env = {**os.environ, "ENGINE_ARTIFACT": str(art), "CONTEST_REPORT": str(report), **(env_extra or {})}
     t = time.perf_counter()
     r = c.run(f"run_{name}", [str(REPO / "scripts" / "run"), str(cohort / "manifest.tsv"), str(cohort), str(pred)],
               timeout=c.left(), env=env)
@@ -130,6 +133,29 @@ def judge(c: Check, name: str, art: Path, cohort: Path, ref, n_ref: int, count: 
            "projected_10k_s": round(timing["stages"]["total"] - timing["stages"]["pipeline"] + 10000 / steady, 1)}
     if str(res["cuda_graph"]).startswith("failed"):
         c.doc["alarms"].append(f"{name}: CUDA graph capture failed: {res['cuda_graph']}")
+    return res
+
+
+def judge_guarded(c: Check, name: str, art: Path, cohort: Path, ref, n_ref: int, count: int) -> dict:
+    """judge() of a guarded artifact, then of the same artifact raw (ENGINE_GUARD=0), and the
+    guard's figures side by side: does it pay for itself on this device?"""
+    res = judge(c, name, art, cohort, ref, n_ref, count)
+    g = res.get("guard")
+    if "error" in res or not isinstance(g, dict):
+        return res
+    raw = judge(c, f"{name}_raw", art, cohort, ref, n_ref, count, {"ENGINE_GUARD": "0"})
+    if "error" in raw:
+        res["guard_side_by_side"] = {"error": raw["error"]}
+        return res
+    res["guard_side_by_side"] = {
+        "raw_agreement": raw["agreement"], "guarded_agreement": res["agreement"],
+        "raw_agreement_rate": raw["agreement_rate"], "guarded_agreement_rate": res["agreement_rate"],
+        "rechecked_fraction": g["fraction"], "recheck_seconds": g["seconds"], "recheck_calls": g["calls"],
+        "recheck_batch": g["recheck_batch"], "changed": g["changed"], "tau": g["tau"],
+        "raw_wall_s": raw["wall_s"], "guarded_wall_s": res["wall_s"],
+        "raw_images_per_s_steady": raw["images_per_s_steady"], "guarded_images_per_s_steady": res["images_per_s_steady"]}
+    if raw["agreement_rate"] > res["agreement_rate"]:
+        c.doc["alarms"].append(f"{name}: the guard lowered agreement ({raw['agreement']} raw, {res['agreement']} guarded)")
     return res
 
 
@@ -247,6 +273,7 @@ def _steps(a: argparse.Namespace, c: Check) -> int:
     log = open(c.logs / "build_aot_bf16.log", "w")  # noqa: SIM115 - closed once the build is waited for
     t_build = time.perf_counter()
     build = subprocess.Popen(build_cmd(model_args, aot_art, a.device, main_backend, "bf16", a.batch_size, *calib,
+                                       "--recheck-batch", "auto",
                                        "--recheck-backend", next(b for b in backends.BACKENDS if b != main_backend
                                                                  and not backends.get(b).COMPILED
                                                                  and backends.get(b).NEEDS_WEIGHTS)),
@@ -283,11 +310,15 @@ def _steps(a: argparse.Namespace, c: Check) -> int:
         if rc != 0:
             raise RuntimeError(f"build failed ({rc}); see logs/build_aot_bf16.log")
         meta = json.loads((aot_art / "manifest.json").read_text())
-        return {"build_s": round(time.perf_counter() - t_build, 1), "tau": meta["guard"]["tau"],
-                "calibration_disagreements": meta["guard"]["disagreements"], "backend": main_backend}
+        g = meta["guard"]
+        return {"build_s": round(time.perf_counter() - t_build, 1), "tau": g["tau"],
+                "budget_per_10k": g["budget_per_10k"], "estimated_per_10k": g["estimated_per_10k"],
+                "expected_rechecked_fraction": g["rechecked_fraction"], "recheck_batch": g["recheck_batch"],
+                "recheck_sweep": g.get("recheck_sweep"), "calibration": g["calibration"]["origin"],
+                "calibration_disagreements": g["disagreements"], "backend": main_backend}
 
     if c.step("aot_bf16", wait_build) and (aot_art / "manifest.json").is_file():
-        c.step("abi_aot_bf16", lambda: judge(c, "aot_bf16", aot_art, cohort, ref, n_ref, a.count), need_s=10)
+        c.step("abi_aot_bf16", lambda: judge_guarded(c, "aot_bf16", aot_art, cohort, ref, n_ref, a.count), need_s=10)
     eager = next(b for b in backends.BACKENDS if not backends.get(b).COMPILED and backends.get(b).NEEDS_WEIGHTS)
     for prec in ("bf16", "fp16", "fp8"):
         def eager_step(prec=prec) -> dict:
@@ -296,7 +327,7 @@ def _steps(a: argparse.Namespace, c: Check) -> int:
                       c.left())
             if r.returncode != 0:
                 raise RuntimeError(f"build failed: {r.stderr.strip()[-300:]}")
-            return {"backend": eager, **judge(c, f"eager_{prec}", art, cohort, ref, n_ref, a.count)}
+            return {"backend": eager, **judge_guarded(c, f"eager_{prec}", art, cohort, ref, n_ref, a.count)}
         c.step(f"eager_{prec}", eager_step, need_s=30)
     batches = [8, 16] if a.tiny else [32, 64, 80, 128]
     c.step("batch_sweep", lambda: batch_sweep(model, kwargs, size, ckpt, a.device, batches), need_s=20)

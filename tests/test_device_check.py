@@ -40,7 +40,12 @@ def test_cpu_rehearsal_runs_every_step(tmp_path):
     assert not [n for n, s in steps.items() if "error" in s or "skipped" in s], steps
     abi = steps["abi_aot_bf16"]
     assert abi["agreement_rate"] >= 0.95 and abi["cuda_graph"] == "off" and abi["guard"]["images"] == 24
-    assert steps["aot_bf16"]["tau"] > 0 and steps["reference"]["images"] == 24
+    assert steps["aot_bf16"]["tau"] >= 0 and steps["reference"]["images"] == 24
+    assert steps["aot_bf16"]["estimated_per_10k"] <= steps["aot_bf16"]["budget_per_10k"]
+    side = abi["guard_side_by_side"]                      # raw vs guarded, the re-checks' share and time
+    assert side["guarded_agreement"] == abi["agreement"] and side["rechecked_fraction"] == abi["guard"]["fraction"]
+    assert side["raw_agreement_rate"] >= 0.95 and side["recheck_seconds"] >= 0
+    assert "guard_side_by_side" in steps["eager_bf16"]
     assert steps["eager_fp8"]["agreement_rate"] >= 0.5
     assert steps["attention"]["fastest"] == "math" and steps["topk"]["validated"]
     assert doc["status"] == "done" and not doc["alarms"]
