@@ -23,11 +23,16 @@ def inputs(tmp_path):
     art = tmp_path / "art"
     art.mkdir()
     (art / "manifest.json").write_text("{}")
+    (art / "weights.safetensors").write_bytes(b"w")
     return manifest, images, art
 
 
 def test_a_plain_new_output_is_allowed(inputs, tmp_path):
     assert refusal(tmp_path / "p.i32", *inputs) is None
+    assert refusal(tmp_path / "p.i32") is None  # nothing to compare with
+    existing = tmp_path / "old.i32"
+    existing.write_bytes(b"old")
+    assert refusal(existing, tmp_path / "absent.tsv", *inputs[1:]) is None  # a manifest that cannot be stat'ed
     assert refusal(tmp_path / "images_p.i32", *inputs) is None  # a sibling sharing a prefix is outside
 
 

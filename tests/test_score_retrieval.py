@@ -656,3 +656,8 @@ def test_report_names_the_first_ten_invalid_rows(tmp_path):
     rep = score_file(read_results(p), {"0": Label("cirr", ("t",))})
     assert rep["validity"]["invalid_rows"] == 12
     assert [e["line"] for e in rep["validity"]["invalid_examples"]] == list(range(1, 11))
+
+
+def test_score_refuses_a_label_of_an_unknown_source():
+    with pytest.raises(ValueError, match="query q: unknown source 'fashioniq'"):
+        score({"q": ["t"]}, {"q": Label("fashioniq", ("t",))})
