@@ -1,0 +1,79 @@
+"""The guard's reported figures and argument bounds at their edges, and which CUDA events it
+makes (timing only where a time is read): cases the guard's mutation run found untested.
+Rows carry their id in the first pixel byte; the "FP32 graph" answers 1000 + id."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.guard import Guard
+
+
+def fp32(x: torch.Tensor) -> torch.Tensor:   # [R, 2, 2, 3] uint8 -> int32 [R]
+    return x[:, 0, 0, 0].to(torch.int32) + 1000
+
+
+def batch(margins: list[float]):
+    n = len(margins)
+    x = torch.zeros((n, 2, 2, 3), dtype=torch.uint8)
+    x[:, 0, 0, 0] = torch.arange(n, dtype=torch.uint8)
+    return x, torch.zeros(n, dtype=torch.int32), torch.tensor(margins, dtype=torch.float32)
+
+
+def test_report_before_any_image():
+    r = Guard(fp32, 0.5, 4).report()
+    assert r["images"] == 0 and r["rechecked"] == 0 and r["calls"] == 0
+    assert r["fraction"] == 0.0 and r["seconds"] == 0.0
+
+
+def test_reported_figures_are_rounded_as_documented():
+    g = Guard(fp32, 0.5, 4)
+    g.apply(*batch([0.1, 3.0, 3.0]))
+    r = g.report()
+    assert r["fraction"] == round(1 / 3, 6) and r["fraction"] != round(1 / 3, 7)  # 6 decimals
+    assert r["seconds"] == round(g.stats.seconds, 4) and g.stats.seconds > 0
+
+
+def test_tau_zero_and_a_recheck_batch_of_one_are_valid():
+    g = Guard(fp32, 0.0, 1)            # tau 0: no margin is below it
+    out = g.apply(*batch([0.0, 0.1]))
+    g.finish()
+    assert out.tolist() == [0, 0] and g.report()["rechecked"] == 0
+    g = Guard(fp32, 0.5, 1)            # one row per FP32 call
+    out = g.apply(*batch([0.1, 3.0, 0.2]))
+    g.finish()
+    assert out.tolist() == [1000, 0, 1002] and g.report()["calls"] == 2
+    for tau, size in ((-0.01, 1), (0.5, 0)):
+        with pytest.raises(ValueError, match="guard needs tau >= 0 and a batch >= 1"):
+            Guard(fp32, tau, size)
+
+
+class FakeEvent:
+    made: list[bool] = []   # enable_timing of every event made
+
+    def __init__(self, enable_timing: bool = False):
+        FakeEvent.made.append(enable_timing)
+        self.timing = enable_timing
+
+    def record(self):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, other):
+        assert self.timing and other.timing, "elapsed_time needs events made with enable_timing=True"
+        return 2.0
+
+
+def test_deferred_guard_times_only_the_recheck_events(monkeypatch):
+    """The margin-copy events carry no timing (cheaper); the events around FP32 calls do (read at report)."""
+    FakeEvent.made = []
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    g = Guard(fp32, 0.5, 4, deferred=True, make_host=lambda n: torch.empty(n, dtype=torch.float32))
+    out = g.apply(*batch([0.1, 3.0]))
+    g.apply(*batch([3.0, 0.2]))
+    r = g.report()
+    assert out.tolist() == [1000, 0] and r["rechecked"] == 2 and r["calls"] == 1
+    assert FakeEvent.made == [False, False, True, True]   # two margin copies, then one timed call
+    assert r["seconds"] == 0.002
