@@ -203,12 +203,15 @@ def _say(msg: str) -> None:
 
 
 def artifact_checkpoint(artifact: Path, given: Path | None) -> Path:
-    """The FP32 checkpoint `artifact` was built from: `given`, else the path its manifest records,
+    """The FP32 checkpoint `artifact` was built from: `given`, else the path its manifest records
+    (a relative one as the build saw it: from here, or from the repository, where build.sh runs),
     which must still hold the same bytes (SHA-256)."""
     from engine.io import sha256_file
 
     meta = json.loads((artifact / "manifest.json").read_text()).get("checkpoint") or {}
-    ck = given or (Path(meta["path"]) if meta.get("path") else None)
+    ck = given
+    if ck is None and meta.get("path"):
+        ck = next((c for c in (Path(meta["path"]), REPO / meta["path"]) if c.is_file()), Path(meta["path"]))
     if ck is None or not ck.is_file():
         raise Setup(f"no reference without the checkpoint {artifact} was built from ({ck or 'not recorded'} is not "
                     "a file): pass --reference R, or --checkpoint FILE")
@@ -221,6 +224,7 @@ def reference_for(artifact: Path, manifest: Path, image_root: Path, out: Path, c
     """`python -m evaluator.reference` on the cohort with the artifact's own spec (crop mode included)."""
     spec = json.loads((artifact / "manifest.json").read_text())["spec"]
     ck = artifact_checkpoint(artifact, checkpoint)
+    manifest, image_root, out, ck = (x.resolve() for x in (manifest, image_root, out, ck))   # the child runs in REPO
     cmd = [sys.executable, "-m", "evaluator.reference", str(manifest), str(image_root), str(out),
            "--model", spec["model"], "--input-size", str(spec["input_size"]), "--crop-mode", spec["crop_mode"],
            "--crop-pct", str(spec["crop_pct"]), "--checkpoint", str(ck)]
