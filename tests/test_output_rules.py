@@ -181,3 +181,22 @@ def test_a_temp_file_of_another_users_process_is_left_alone(monkeypatch):
 
     monkeypatch.setattr(output.os, "kill", not_permitted)
     assert not stale(".tmp-p.i32-12345", ".tmp-p.i32-")
+
+
+def test_a_leftover_temp_file_of_this_process_is_replaced(inputs, tmp_path):
+    mine = tmp_path / f".tmp-p.i32-{os.getpid()}"
+    mine.write_bytes(b"left by an earlier Output of this process")
+    o = Output(tmp_path / "p.i32", *inputs)
+    o.reserve(4)
+    o.commit(b"\x03\x00\x00\x00")
+    assert (tmp_path / "p.i32").read_bytes() == b"\x03\x00\x00\x00" and not mine.exists()
+
+
+def test_the_output_file_mode_is_0644_under_umask_022(inputs, tmp_path):
+    old = os.umask(0o022)
+    try:
+        o = Output(tmp_path / "p.i32", *inputs)
+        o.commit(b"")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "p.i32").stat().st_mode & 0o777 == 0o644
