@@ -338,3 +338,35 @@ def test_a_crash_at_commit_never_leaves_a_complete_looking_output(tmp_path, monk
     out.discard()
     assert list(tmp_path.iterdir()) == []
 
+
+
+def test_in_place_writing_refuses_an_output_with_other_hard_links(tmp_path, monkeypatch):
+    """A folder where no temp file can be made: OUTPUT is written in place, unless emptying it
+    would empty another name of the same file too."""
+    from evaluator.contest import output
+
+    real_open, real_unlink = os.open, os.unlink
+
+    def no_temp_files(path, flags, *mode):
+        if Path(path).name.startswith(".tmp-"):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return real_open(path, flags, *mode)
+
+    def no_unlink(path, *a, **k):                             # a read-only folder: no name can go either
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+
+    monkeypatch.setattr(output.os, "open", no_temp_files)
+    monkeypatch.setattr(output.os, "unlink", no_unlink)
+    out, other = tmp_path / "p.i32", tmp_path / "image.JPEG"
+    out.write_bytes(b"precious")
+    os.link(out, other)
+    with pytest.raises(output.OutputError, match="other hard links"):
+        output.Output(out)
+    assert out.read_bytes() == other.read_bytes() == b"precious"
+    monkeypatch.setattr(output.os, "unlink", real_unlink)
+    other.unlink()                                            # its only name: written in place
+    monkeypatch.setattr(output.os, "unlink", no_unlink)
+    o = output.Output(out)
+    o.reserve(8)
+    o.commit(np.arange(2, dtype="<i4").tobytes())
+    assert out.read_bytes() == np.arange(2, dtype="<i4").tobytes()

@@ -125,6 +125,9 @@ class Output:
         except OSError as e:
             if not (os.path.isfile(path) and os.access(path, os.W_OK)):
                 raise OutputError(f"cannot write OUTPUT in {folder}: {e.strerror or e}") from None
+            if os.stat(path).st_nlink > 1:   # emptying it in place would empty its other names too
+                raise OutputError(f"cannot write OUTPUT in {folder} ({e.strerror or e}), and OUTPUT has other "
+                                  f"hard links: writing it in place would change them: {path}") from None
             try:
                 self.fd, self.tmp = os.open(path, flags), None   # in place: emptied now, written at the end
             except OSError as e2:
