@@ -42,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -527,26 +528,42 @@ def resolve_target(name: str) -> tuple[str, Target]:
     raise ValueError(f"--module {name}: not a target ({', '.join(TARGETS)}), module or file")
 
 
+def carry_killed(mutants: list[Mutant], previous: dict) -> int:
+    """Incremental run: mutants an earlier report of this module found killed (same file, function,
+    operator and text) keep that status unrun; survivors and new mutants run. Returns the count."""
+    killed = Counter(tuple(m[k] for k in ("file", "function", "operator", "before", "after"))
+                     for m in previous.get("results", []) if m["status"] in ("killed", "timeout"))
+    carried = 0
+    for m in mutants:
+        if m.status == "" and killed[m.key()] > 0:
+            killed[m.key()] -= 1
+            m.status, m.reason = "killed", f"carried from the run of {previous.get('run', 'an earlier run')}"
+            carried += 1
+    return carried
+
+
 def mutate_module(key: str, target: Target, root: Path, runner: Runner, timeout: float,
-                  equivalent: list[dict], log=print) -> dict:
-    """Run every mutant of one target in the copy at root; the module's report dict."""
+                  equivalent: list[dict], log=print, previous: dict | None = None) -> dict:
+    """Run every mutant of one target in the copy at root (with `previous`, the module's earlier
+    report: only its survivors and new mutants); the module's report dict."""
     src = root / target.path
     original = src.read_bytes()
     mutants = mutants_of(src, target.path, target.functions, target.operators)
     mutants += planted_mutants(src, target.path, target.planted)
     mark_equivalent(mutants, equivalent)
+    carried = carry_killed(mutants, previous) if previous else 0
     baseline, base_s = runner.run(list(target.tests), max(timeout, 600))
     if baseline != "pass":
         log(f"mutate: {key}: the tests fail on the unmutated code ({baseline}):\n{runner.tail()}")
         return {"key": key, "file": target.path, "error": f"the tests fail on the unmutated code ({baseline})",
                 "tests": list(target.tests), "output": runner.tail()}
     limit = max(timeout, 3 * base_s + 10)
-    log(f"mutate: {key}: {len(mutants)} mutants of {target.path}, tests {' '.join(target.tests)} "
-        f"(baseline {base_s:.1f} s, per-mutant timeout {limit:.0f} s)")
+    log(f"mutate: {key}: {len(mutants)} mutants of {target.path} ({carried} killed before, not rerun), tests "
+        f"{' '.join(target.tests)} (baseline {base_s:.1f} s, per-mutant timeout {limit:.0f} s)")
     t0 = time.perf_counter()
     try:
         for i, m in enumerate(mutants, 1):
-            if m.status in ("equivalent", "stale"):
+            if m.status in ("equivalent", "stale", "killed"):
                 continue
             src.write_bytes(apply(original, m))
             outcome, m.seconds = runner.run(list(target.tests), limit)
@@ -563,7 +580,7 @@ def mutate_module(key: str, target: Target, root: Path, runner: Runner, timeout:
     scored = counts["killed"] + counts["timeout"] + counts["survived"]
     return {"key": key, "file": target.path, "what": target.what, "tests": list(target.tests),
             "run": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "functions": list(target.functions), "mutants": len(mutants), **counts,
+            "functions": list(target.functions), "mutants": len(mutants), **counts, "carried": carried,
             "score": (counts["killed"] + counts["timeout"]) / scored if scored else None,
             "seconds": round(time.perf_counter() - t0 + base_s, 1), "baseline_s": round(base_s, 1),
             "results": [{k: v for k, v in asdict(m).items() if k not in ("start", "end")} for m in mutants]}
@@ -581,10 +598,12 @@ def markdown(report: dict) -> str:
             rows.append(f"| `{r['file']}` | {r.get('what', '')} | {tests} | error: {r['error']} | | | | | | |")
             continue
         score = f"{100 * r['score']:.1f} %" if r["score"] is not None else "n/a"
-        rows.append(f"| `{r['file']}` | {r['what']} | {tests} | {r['mutants']} | {r['killed'] + r['timeout']} | "
+        killed = f"{r['killed'] + r['timeout']}" + (f" ({r['carried']} carried)" if r.get("carried") else "")
+        rows.append(f"| `{r['file']}` | {r['what']} | {tests} | {r['mutants']} | {killed} | "
                     f"{r['survived']} | {r['equivalent']} | {score} | {r['seconds']:.0f} s | {r.get('run', '')} |")
     out = ["# Mutation report", "", f"Command: `{report['command']}`", "",
-           "Score = killed / (mutants - equivalent); a timed-out mutant counts as killed.", "", *rows, ""]
+           "Score = killed / (mutants - equivalent - stale planted); a timed-out mutant counts as killed; "
+           "`carried`: killed in an earlier run of the module and not rerun (`--survivors`).", "", *rows, ""]
     for r in report["modules"]:
         planted = [m for m in r.get("results", []) if m["operator"] == "planted"]
         if planted:
@@ -615,6 +634,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="per-mutant limit in seconds (at least 3x the unmutated run + 10 s)")
     parser.add_argument("--equivalent", type=Path, default=REPO / EQUIVALENT_FILE, help="reviewed equivalent mutants")
     parser.add_argument("--min-score", type=float, default=0.9, help="exit 1 when a module scores below this")
+    parser.add_argument("--survivors", action="store_true",
+                        help="incremental: with --out, rerun only the mutants OUT/mutation.json did not record as "
+                             "killed (survivors, new code); the killed ones are carried")
     parser.add_argument("--list", action="store_true", help="print the mutants and exit without running tests")
     parser.add_argument("--no-fork", action="store_true", help="a fresh interpreter per mutant")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -640,6 +662,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     report = {"command": " ".join(["python scripts/mutate.py", *(argv if argv is not None else sys.argv[1:])]),
               "modules": []}
+    previous = {}
+    if args.survivors:
+        if args.out is None or not (args.out / "mutation.json").is_file():
+            parser.error("--survivors needs --out DIR holding an earlier mutation.json")
+        previous = {r["key"]: r for r in json.loads((args.out / "mutation.json").read_text())["modules"]}
     with tempfile.TemporaryDirectory(prefix="mutate-") as tmp:
         root = Path(tmp)
         copy_repo(root)
@@ -647,7 +674,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for key, t in chosen:
                 report["modules"].append(mutate_module(key, t, root, runner, args.timeout, equivalent,
-                                                       log=lambda s: print(s, file=sys.stderr, flush=True)))
+                                                       log=lambda s: print(s, file=sys.stderr, flush=True),
+                                                       previous=previous.get(key)))
         finally:
             runner.close()
     text = markdown(report)

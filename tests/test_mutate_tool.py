@@ -132,3 +132,14 @@ def test_cli_lists_mutants_and_refuses_an_unknown_module(mutate, capsys):
         mutate.main(["--list", "--module", "no.such.module"])
     assert e.value.code == 2
     assert "error: --module no.such.module: not a target" in capsys.readouterr().err
+
+
+def test_an_incremental_run_carries_the_killed_and_reruns_the_rest(mutate, project):
+    mutants = mutate.mutants_of(project / "rules.py", "rules.py", operators=FEW)
+    first = {"run": "earlier", "results": [
+        {"file": m.file, "function": m.function, "operator": m.operator, "before": m.before, "after": m.after,
+         "status": "survived" if ">" in m.after and ">=" not in m.after else "killed"} for m in mutants]}
+    again = mutate.mutants_of(project / "rules.py", "rules.py", operators=FEW)
+    assert mutate.carry_killed(again, first) == len(mutants) - 1
+    assert [m.after for m in again if m.status == ""] == ["(matches * 100 > 99 * rows)"]
+    assert all(m.reason == "carried from the run of earlier" for m in again if m.status == "killed")
