@@ -3,7 +3,8 @@
 DALI's CPU decoder can crash the process when a sample fails inside it (its thread pool
 outlives the error), and a hostile JPEG (thousands of progressive scans) can keep any
 decoder busy for minutes. So by default (`ENGINE_DECODER_ISOLATE=1`) the decoders a
-module lists in `ISOLABLE` run here, each image under a deadline of its own:
+module lists in `ISOLABLE` run here, and so does the PIL reference of the GPU decoders
+(`reference_decoder`), each image under a deadline of its own:
 
     parent                                    child (python -c ... engine.decoders.isolate)
       request: n, mode, n lengths, n blobs ──pipe──►  decoder.decode(blobs, progress)

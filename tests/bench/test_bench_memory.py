@@ -24,7 +24,8 @@ BUDGET = 256 << 20          # ENGINE_READAHEAD_BYTES's default, set explicitly
 
 @pytest.mark.slow
 def test_bench_peak_rss_is_flat_with_file_size(request, tmp_path):
-    if request.config.getoption("benchmark_disable", True):
+    opt = request.config.getoption
+    if opt("benchmark_disable", True) and not opt("benchmark_enable", False):
         pytest.skip("a benchmark: runs with --benchmark-enable")
     art = _null_artifact(tmp_path / "artifact")
     peaks = {}
