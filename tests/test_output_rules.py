@@ -200,3 +200,55 @@ def test_the_output_file_mode_is_0644_under_umask_022(inputs, tmp_path):
     finally:
         os.umask(old)
     assert (tmp_path / "p.i32").stat().st_mode & 0o777 == 0o644
+
+
+def test_reserve_allocates_even_one_byte(inputs, tmp_path):
+    o = Output(tmp_path / "p.i32", *inputs)
+    try:
+        o.reserve(1)
+        assert o.tmp.stat().st_size == 1
+    finally:
+        o.discard()
+
+
+def test_an_unwritable_folder_is_one_output_error():
+    """/proc takes no new file (even for root): the temp file cannot be made and OUTPUT is no file."""
+    with pytest.raises(OutputError, match="cannot write OUTPUT in /proc"):
+        Output(Path("/proc/p.i32"))
+
+
+def _folder_refuses_changes(monkeypatch, path: Path, open_fails: bool = False):
+    """As root every folder is writable: refuse unlinking OUTPUT and creating the temp file (and,
+    with open_fails, opening OUTPUT itself) as a read-only folder would."""
+    real_open, real_unlink = os.open, os.unlink
+
+    def unlink(p, *a, **k):
+        if Path(p) == path:
+            raise PermissionError(13, "Permission denied")
+        return real_unlink(p, *a, **k)
+
+    def open_(p, flags, *a, **k):
+        if Path(p).name.startswith(".tmp-") or (open_fails and Path(p) == path):
+            raise PermissionError(13, "Permission denied")
+        return real_open(p, flags, *a, **k)
+
+    monkeypatch.setattr(output.os, "unlink", unlink)
+    monkeypatch.setattr(output.os, "open", open_)
+
+
+def test_a_writable_output_in_an_unwritable_folder_is_written_in_place(inputs, tmp_path, monkeypatch):
+    out = tmp_path / "p.i32"
+    out.write_bytes(b"old answers, longer than the new")
+    _folder_refuses_changes(monkeypatch, out)
+    o = Output(out, *inputs)
+    assert o.tmp is None and out.stat().st_size == 0  # emptied now: stale answers never pass
+    o.commit(b"\x04\x00\x00\x00")
+    assert out.read_bytes() == b"\x04\x00\x00\x00"
+
+
+def test_in_place_output_that_cannot_be_opened_is_one_error(inputs, tmp_path, monkeypatch):
+    out = tmp_path / "p.i32"
+    out.write_bytes(b"old")
+    _folder_refuses_changes(monkeypatch, out, open_fails=True)
+    with pytest.raises(OutputError, match=f"cannot write OUTPUT {out}: Permission denied"):
+        Output(out, *inputs)

@@ -661,3 +661,12 @@ def test_report_names_the_first_ten_invalid_rows(tmp_path):
 def test_score_refuses_a_label_of_an_unknown_source():
     with pytest.raises(ValueError, match="query q: unknown source 'fashioniq'"):
         score({"q": ["t"]}, {"q": Label("fashioniq", ("t",))})
+
+
+@pytest.mark.parametrize("source, metrics", [("circo", "mAP@5/10/25/50"), ("cirr", "R@1/5/10/50")])
+def test_single_source_note_names_its_metrics_and_percent_is_100x(source, metrics):
+    rep = score({"q": ["a", "t"]}, {"q": Label(source, ("t",))})
+    assert rep["raw_note"] == f"only {source} labels given: raw = {source} mean {metrics}"
+    block = rep["sources"][source]
+    assert all(block["percent"][k] == pytest.approx(100 * v) for k, v in block["fraction"].items())
+    assert block["mean_percent"] == pytest.approx(100 * block["mean_fraction"]) and 0 < block["mean_fraction"] < 1
