@@ -77,3 +77,17 @@ def test_deferred_guard_times_only_the_recheck_events(monkeypatch):
     assert out.tolist() == [1000, 0] and r["rechecked"] == 2 and r["calls"] == 1
     assert FakeEvent.made == [False, False, True, True]   # two margin copies, then one timed call
     assert r["seconds"] == 0.002
+
+
+def test_the_first_1000_margins_are_kept_rounded_to_4_places():
+    g = Guard(lambda x: torch.zeros(x.shape[0], dtype=torch.int32), 0.5, 64)
+    margins = [0.123456] + [0.25] * 998 + [0.3, 0.4, 0.45]     # 1002 low rows: 999, then 3
+    x = torch.zeros((len(margins), 2, 2, 3), dtype=torch.uint8)
+    top1 = torch.zeros(len(margins), dtype=torch.int32)
+    m = torch.tensor(margins, dtype=torch.float32)
+    g.apply(x[:999], top1[:999], m[:999])
+    g.apply(x[999:], top1[999:], m[999:])
+    g.finish()
+    kept = g.stats.margins
+    assert len(kept) == 1000 and g.stats.rechecked == 1002
+    assert kept[0] == 0.1235 and kept[-2:] == [0.25, 0.3]       # rounded; cut exactly after the 1000th

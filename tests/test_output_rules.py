@@ -252,3 +252,14 @@ def test_in_place_output_that_cannot_be_opened_is_one_error(inputs, tmp_path, mo
     _folder_refuses_changes(monkeypatch, out, open_fails=True)
     with pytest.raises(OutputError, match=f"cannot write OUTPUT {out}: Permission denied"):
         Output(out, *inputs)
+
+
+def test_an_existing_output_it_may_not_write_is_not_written_in_place(inputs, tmp_path, monkeypatch):
+    out = tmp_path / "p.i32"
+    out.write_bytes(b"old")
+    _folder_refuses_changes(monkeypatch, out)
+    real_access = os.access
+    monkeypatch.setattr(output.os, "access", lambda p, mode: False if Path(p) == out else real_access(p, mode))
+    with pytest.raises(OutputError, match=f"cannot write OUTPUT in {tmp_path}: Permission denied"):
+        Output(out, *inputs)
+    assert out.read_bytes() == b"old"
