@@ -148,7 +148,10 @@ class ReadAhead:
             self._next += 1
 
     def _work(self, i: int) -> None:
-        got = self._read_one(i)
+        try:
+            got = self._read_one(i)
+        except BaseException as e:  # noqa: BLE001 - read_one catches what a read raises; this is a last resort
+            got = (None, f"{type(e).__name__}: {e}")
         size = len(got[0]) if got[0] else 0
         with self._cond:
             self._flight -= 1
