@@ -62,8 +62,8 @@ def _process_start() -> float:
 
 
 def private_tmpdir() -> Path | None:
-    """TMPDIR/eva-engine-run-<pid>, made the process's TMPDIR (the AOT loader unpacks its package
-    there) and removed on every exit path by the caller; folders of killed runs are removed first.
+    """TMPDIR/eva-engine-run-<pid>, made the process's TMPDIR (whatever a library writes there
+    stays in it) and removed on every exit path by the caller; folders of killed runs are removed first.
     None, said on stderr, when TMPDIR is not writable (an artifact that needs it then fails to load)."""
     import tempfile
 
