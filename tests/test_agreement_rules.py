@@ -13,3 +13,19 @@ def test_a_single_matching_row_passes_and_no_row_fails():
 def test_the_rate_of_an_empty_gate_is_zero():
     assert Agreement(0, 0, 3, 0.99).rate == 0.0 and ContestGate(0, 0, 0, 0.99).rate == 0.0
     assert ContestGate(3, 4, 1, 0.99).rate == 0.75 and Agreement(3, 4, 1, 0.99).rate == 0.75
+
+
+def test_read_i32_names_the_first_value_out_of_range(tmp_path):
+    import numpy as np
+    import pytest
+
+    from evaluator.contest.agreement import read_i32
+
+    ok = tmp_path / "ok.i32"
+    np.array([0, 999, 5], "<i4").tofile(ok)
+    assert read_i32(ok).tolist() == [0, 999, 5]                    # both ends are classes
+    for values, bad, row in (([0, 999, 1000, -1], 1000, 3), ([5, 0, -1, 1000], -1, 3), ([999, 1000], 1000, 2)):
+        path = tmp_path / "bad.i32"
+        np.array(values, "<i4").tofile(path)
+        with pytest.raises(ValueError, match=rf"value {bad} at row {row} is outside \[0, 999\]"):
+            read_i32(path)
