@@ -53,16 +53,17 @@ class FakeEvent:
 
     def __init__(self, enable_timing: bool = False):
         FakeEvent.made.append(enable_timing)
-        self.timing = enable_timing
+        self.timing, self.recorded = enable_timing, False
 
     def record(self):
-        pass
+        self.recorded = True
 
     def synchronize(self):
         pass
 
     def elapsed_time(self, other):
         assert self.timing and other.timing, "elapsed_time needs events made with enable_timing=True"
+        assert self.recorded and other.recorded, "elapsed_time needs both events recorded"
         return 2.0
 
 
@@ -91,3 +92,22 @@ def test_the_first_1000_margins_are_kept_rounded_to_4_places():
     kept = g.stats.margins
     assert len(kept) == 1000 and g.stats.rechecked == 1002
     assert kept[0] == 0.1235 and kept[-2:] == [0.25, 0.3]       # rounded; cut exactly after the 1000th
+
+
+def test_padding_slots_of_the_last_call_are_zero_and_a_tuple_answer_is_read():
+    """The partial last call's unused slots hold zeros, not the pixels of an earlier call's rows;
+    a graph that answers (top1, margins) gives its first element."""
+    seen = []
+
+    def graph(x):
+        seen.append(x.clone())
+        return fp32(x), torch.zeros(x.shape[0])
+
+    g = Guard(graph, 0.5, 4)
+    x, top1, m = batch([0.1] * 5)
+    x[:, 1, 1, 1] = 7                                    # every real row has non-zero pixels
+    out = g.apply(x, top1, m)
+    g.finish()
+    assert out.tolist() == [1000, 1001, 1002, 1003, 1004]
+    assert len(seen) == 2 and seen[1][0, 1, 1, 1] == 7
+    assert int(seen[1][1:].abs().sum()) == 0            # slots 1..3: padding, zeroed
