@@ -29,3 +29,18 @@ def test_read_i32_names_the_first_value_out_of_range(tmp_path):
         np.array(values, "<i4").tofile(path)
         with pytest.raises(ValueError, match=rf"value {bad} at row {row} is outside \[0, 999\]"):
             read_i32(path)
+
+
+def test_tsv_classes_are_0_to_999_inclusive(tmp_path):
+    import pytest
+
+    from evaluator.contest.agreement import read_tsv_answers
+
+    ok = tmp_path / "ok.tsv"
+    ok.write_text("a\t0\nb\t999\n")
+    assert read_tsv_answers(ok) == {"a": 0, "b": 999}
+    for value in (-1, 1000):
+        bad = tmp_path / "bad.tsv"
+        bad.write_text(f"a\t5\nb\t{value}\n")
+        with pytest.raises(ValueError, match=rf"bad.tsv:2: class {value} is outside \[0, 999\]"):
+            read_tsv_answers(bad)

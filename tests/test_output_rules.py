@@ -274,3 +274,12 @@ def test_commit_writes_everything_through_short_writes(inputs, tmp_path, monkeyp
     data = bytes(range(1, 17))
     o.commit(data)
     assert (tmp_path / "p.i32").read_bytes() == data
+
+
+def test_commit_and_discard_close_their_file(inputs, tmp_path):
+    before = set(os.listdir("/proc/self/fd"))
+    o = Output(tmp_path / "p.i32", *inputs)
+    o.commit(b"\x05\x00\x00\x00")
+    o2 = Output(tmp_path / "q.i32", *inputs)
+    o2.discard()
+    assert set(os.listdir("/proc/self/fd")) == before
