@@ -53,35 +53,45 @@ def test_tau_zero_and_a_recheck_batch_of_one_are_valid():
 
 
 class FakeEvent:
-    made: list[bool] = []   # enable_timing of every event made
+    made: list[bool] = []            # enable_timing of every event made
+    timed: list["FakeEvent"] = []    # the timing events, in the order they were made
+    synced: list["FakeEvent"] = []   # the timing events waited on
 
     def __init__(self, enable_timing: bool = False):
         FakeEvent.made.append(enable_timing)
         self.timing, self.recorded = enable_timing, False
+        if enable_timing:
+            FakeEvent.timed.append(self)
 
     def record(self):
         self.recorded = True
 
     def synchronize(self):
-        pass
+        if self.timing:
+            FakeEvent.synced.append(self)
 
     def elapsed_time(self, other):
         assert self.timing and other.timing, "elapsed_time needs events made with enable_timing=True"
         assert self.recorded and other.recorded, "elapsed_time needs both events recorded"
-        return 2.0
+        return 500.0                 # ms
 
 
 def test_deferred_guard_times_only_the_recheck_events(monkeypatch):
-    """The margin-copy events carry no timing (cheaper); the events around FP32 calls do (read at report)."""
-    FakeEvent.made = []
+    """The margin-copy events carry no timing (cheaper); the events around FP32 calls do, and the
+    report waits once, on the last call's end event, then reads them all."""
+    FakeEvent.made, FakeEvent.timed, FakeEvent.synced = [], [], []
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-    g = Guard(fp32, 0.5, 4, deferred=True, make_host=lambda n: torch.empty(n, dtype=torch.float32))
+    g = Guard(fp32, 0.5, 2, deferred=True, make_host=lambda n: torch.empty(n, dtype=torch.float32))
     out = g.apply(*batch([0.1, 3.0]))
-    g.apply(*batch([3.0, 0.2]))
+    g.apply(*batch([0.2, 0.3, 0.4]))
     r = g.report()
-    assert out.tolist() == [1000, 0] and r["rechecked"] == 2 and r["calls"] == 1
-    assert FakeEvent.made == [False, False, True, True]   # two margin copies, then one timed call
-    assert r["seconds"] == 0.002
+    assert out.tolist() == [1000, 0] and r["rechecked"] == 4 and r["calls"] == 2
+    assert FakeEvent.made == [False, False, True, True, True, True]   # two margin copies, two timed calls
+    assert FakeEvent.synced == [FakeEvent.timed[-1]]                  # the last call's end event
+    assert r["seconds"] == 1.0 and r["changed"] == 4                  # 2 x 500 ms
+    assert r["recheck_batch"] == 2 and r["tau"] == 0.5
+    again = g.report()                                                # a second report counts nothing twice
+    assert again["seconds"] == 1.0 and again["changed"] == 4 and again["calls"] == 2
 
 
 def test_the_first_1000_margins_are_kept_rounded_to_4_places():

@@ -646,7 +646,7 @@ def test_recall_rejects_bad_arguments():
 def test_reward_tolerates_only_rounding_above_1():
     assert reward(1.0 + 1e-12) == 1.0  # a rounding error above 1 maps to 1
     with pytest.raises(ValueError):
-        reward(1.0 + 3e-12)
+        reward(1.0 + 1.5e-12)  # the tolerance is 1e-12
 
 
 def test_report_names_the_first_ten_invalid_rows(tmp_path):
