@@ -15,3 +15,55 @@ def test_a_manifest_over_the_size_limit_is_refused_before_a_byte_is_read(tmp_pat
     with pytest.raises(ManifestError) as e:
         read_manifest(path)
     assert f"has {(1 << 30) + 1} bytes, above the limit of {1 << 30} (the manifest limit)" in str(e.value)
+
+
+def _short_reads(monkeypatch, most: int, then_empty: bool = False):
+    """os.read as a slow or shrinking file would answer: at most `most` bytes a call
+    (with then_empty, nothing after the first call)."""
+    import os
+
+    from engine import pipeline
+
+    real_read, calls = os.read, []
+
+    def read(fd, n):
+        calls.append(n)
+        if then_empty and len(calls) > 1:
+            return b""
+        return real_read(fd, min(n, most))
+
+    monkeypatch.setattr(pipeline.os, "read", read)
+    return calls
+
+
+def test_read_regular_reads_the_rest_after_a_short_read(tmp_path, monkeypatch):
+    from engine.pipeline import read_regular
+
+    path = tmp_path / "f.bin"
+    path.write_bytes(bytes(range(10)))
+    calls = _short_reads(monkeypatch, 3)
+    assert read_regular(path, 100) == bytes(range(10)) and len(calls) == 4
+
+
+def test_read_regular_stops_when_the_file_ends_early(tmp_path, monkeypatch):
+    from engine.pipeline import read_regular
+
+    path = tmp_path / "f.bin"
+    path.write_bytes(bytes(range(10)))
+    _short_reads(monkeypatch, 3, then_empty=True)
+    assert read_regular(path, 100) == bytes(range(3))  # what there was; never a loop
+
+
+def test_read_regular_closes_its_file_on_every_path(tmp_path):
+    import os
+
+    from engine.pipeline import read_regular
+
+    good = tmp_path / "f.bin"
+    good.write_bytes(b"abc")
+    before = set(os.listdir("/proc/self/fd"))
+    assert read_regular(good, 100) == b"abc"
+    for bad in (tmp_path, good):                                  # a directory; a file over the limit
+        with pytest.raises(ValueError):
+            read_regular(bad, 2)
+    assert set(os.listdir("/proc/self/fd")) == before
