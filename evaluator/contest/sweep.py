@@ -67,6 +67,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--{name} {getattr(a, name)}: not a file")
     if not a.image_root.is_dir():
         p.error(f"--image-root {a.image_root}: not a directory")
+    for name in ("checkpoint", "manifest", "image_root", "reference", "out", "json"):  # the children run in REPO
+        if getattr(a, name) is not None:
+            setattr(a, name, getattr(a, name).resolve())
     return a
 
 

@@ -432,8 +432,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_package(ns.folder, ns.out)
         if ns.command == "render":
             return cmd_render(ns.disclosure, ns.out)
-        fields = {k: v for k, v in vars(ns).items() if k != "command"}
-        fields["attach"], fields["labels"] = tuple(fields["attach"]), tuple(fields["labels"])
+        # absolute paths: the runs start in the source tree, not where the user typed them
+        fields = {k: v.resolve() if isinstance(v, Path) else v for k, v in vars(ns).items() if k != "command"}
+        fields["attach"] = tuple(x.resolve() for x in fields["attach"])
+        fields["labels"] = tuple(x.resolve() for x in fields["labels"])
         return cmd_run(RunArgs(**fields))
     except UsageError as exc:
         print(f"campaign: error: {exc}", file=sys.stderr)
