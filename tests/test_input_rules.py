@@ -67,3 +67,25 @@ def test_read_regular_closes_its_file_on_every_path(tmp_path):
         with pytest.raises(ValueError):
             read_regular(bad, 2)
     assert set(os.listdir("/proc/self/fd")) == before
+
+
+def test_read_regular_takes_a_file_of_exactly_the_limit(tmp_path):
+    from engine.pipeline import read_regular
+
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"abcd")
+    assert read_regular(path, 4) == b"abcd"
+    with pytest.raises(ValueError, match="has 4 bytes, above the limit of 3"):
+        read_regular(path, 3)
+
+
+@pytest.mark.parametrize("confine", [False, True])
+@pytest.mark.parametrize("rel, words", [("/etc/passwd", "absolute path refused"), ("\\\\server\\x", "absolute path refused"),
+                                        ("\\x.JPEG", "absolute path refused"), ("a\x00b.JPEG", "NUL byte in path"),
+                                        ("", "empty path"), ("a/../b.JPEG", "'..' component refused")])
+def test_resolve_relative_refuses_before_touching_the_filesystem(tmp_path, rel, words, confine):
+    from engine.pipeline import resolve_relative
+
+    with pytest.raises(ValueError, match=words):
+        resolve_relative(tmp_path, rel, "IMAGE_ROOT", confine)
+    assert resolve_relative(tmp_path, "a/b.JPEG") == str(tmp_path / "a" / "b.JPEG")
