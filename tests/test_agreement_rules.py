@@ -44,3 +44,16 @@ def test_tsv_classes_are_0_to_999_inclusive(tmp_path):
         bad.write_text(f"a\t5\nb\t{value}\n")
         with pytest.raises(ValueError, match=rf"bad.tsv:2: class {value} is outside \[0, 999\]"):
             read_tsv_answers(bad)
+
+
+def test_every_verdict_refuses_predictions_and_references_of_different_lengths():
+    import numpy as np
+    import pytest
+
+    from evaluator.contest.agreement import agreement, contest_gate, judge
+
+    pred, ref = np.array([1, 2, 3], np.int32), np.array([1, 2], np.int32)
+    for call in (lambda: judge(pred, ref, np.zeros(2, bool)), lambda: agreement(pred, ref),
+                 lambda: contest_gate(pred, ref)):
+        with pytest.raises(ValueError, match="3 predictions vs 2 reference answers"):
+            call()
