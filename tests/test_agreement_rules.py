@@ -57,3 +57,29 @@ def test_every_verdict_refuses_predictions_and_references_of_different_lengths()
                  lambda: contest_gate(pred, ref)):
         with pytest.raises(ValueError, match="3 predictions vs 2 reference answers"):
             call()
+
+
+def test_cli_bounds_of_gate_and_expect_rows(tmp_path, capsys):
+    import argparse
+
+    import numpy as np
+    import pytest
+
+    from evaluator.contest.agreement import _gate_value, _rows_value, main
+
+    assert _gate_value("1.0") == 1.0 and _rows_value("1") == 1                 # the inclusive ends
+    for parse, text in ((_gate_value, "0"), (_gate_value, "1.01"), (_rows_value, "0")):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse(text)
+    p = tmp_path / "p.i32"
+    np.array([3], "<i4").tofile(p)
+    assert main(["--predictions", str(p), "--reference", str(p), "--gate", "1.0", "--expect-rows", "1"]) == 0
+    for missing in ("--predictions", "--reference"):                          # both are required
+        argv = ["--predictions", str(p), "--reference", str(p)]
+        i = argv.index(missing)
+        with pytest.raises(SystemExit) as e:
+            main(argv[:i] + argv[i + 2:])
+        assert e.value.code == 2 and f"{missing}" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "Top-1 agreement of predictions with reference answers, and the contest gate." in capsys.readouterr().out
