@@ -483,6 +483,7 @@ def worker() -> int:
         pid = os.fork()
         if pid == 0:  # child: its own process group, so a timeout kills what the tests started too
             os.setsid()
+            signal.signal(signal.SIGHUP, signal.SIG_DFL)  # the tests' own processes get the default back
             log = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             os.dup2(log, 1)
             os.dup2(log, 2)

@@ -187,10 +187,15 @@ def test_a_temp_file_of_another_users_process_is_left_alone(monkeypatch):
 def test_a_leftover_temp_file_of_this_process_is_replaced(inputs, tmp_path):
     mine = tmp_path / f".tmp-p.i32-{os.getpid()}"
     mine.write_bytes(b"left by an earlier Output of this process")
-    o = Output(tmp_path / "p.i32", *inputs)
+    old = os.umask(0o022)
+    try:
+        o = Output(tmp_path / "p.i32", *inputs)
+    finally:
+        os.umask(old)
     o.reserve(4)
     o.commit(b"\x03\x00\x00\x00")
     assert (tmp_path / "p.i32").read_bytes() == b"\x03\x00\x00\x00" and not mine.exists()
+    assert (tmp_path / "p.i32").stat().st_mode & 0o777 == 0o644
 
 
 def test_the_output_file_mode_is_0644_under_umask_022(inputs, tmp_path):
@@ -245,6 +250,19 @@ def test_a_writable_output_in_an_unwritable_folder_is_written_in_place(inputs, t
     assert o.tmp is None and out.stat().st_size == 0  # emptied now: stale answers never pass
     o.commit(b"\x04\x00\x00\x00")
     assert out.read_bytes() == b"\x04\x00\x00\x00"
+    again = Output(out, *inputs)
+    again.discard()                                   # in place, nothing committed: no temp file to remove
+    assert out.exists() and out.stat().st_size == 0 and again.fd is None
+
+
+def test_an_in_place_output_with_other_hard_links_is_refused(inputs, tmp_path, monkeypatch):
+    out = tmp_path / "p.i32"
+    out.write_bytes(b"old")
+    os.link(out, tmp_path / "other_name")
+    _folder_refuses_changes(monkeypatch, out)
+    with pytest.raises(OutputError, match="OUTPUT has other hard links"):
+        Output(out, *inputs)
+    assert (tmp_path / "other_name").read_bytes() == b"old"
 
 
 def test_in_place_output_that_cannot_be_opened_is_one_error(inputs, tmp_path, monkeypatch):
