@@ -89,3 +89,14 @@ def test_resolve_relative_refuses_before_touching_the_filesystem(tmp_path, rel, 
     with pytest.raises(ValueError, match=words):
         resolve_relative(tmp_path, rel, "IMAGE_ROOT", confine)
     assert resolve_relative(tmp_path, "a/b.JPEG") == str(tmp_path / "a" / "b.JPEG")
+
+
+@pytest.mark.parametrize("rel, words", [("/etc/passwd", "absolute path refused"), ("\\x.JPEG", "absolute path refused"),
+                                        ("a\x00b.JPEG", "NUL byte in path"), ("../x.JPEG", "path escapes IMAGE_ROOT")])
+def test_resolve_inside_refuses_on_its_own(tmp_path, rel, words):
+    """resolve_inside is called directly too (not only after resolve_relative's checks)."""
+    from engine.pipeline import resolve_inside
+
+    with pytest.raises(ValueError, match=words):
+        resolve_inside(tmp_path, rel, "IMAGE_ROOT")
+    assert resolve_inside(tmp_path, "a.JPEG") == str(tmp_path.resolve() / "a.JPEG")
