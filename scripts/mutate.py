@@ -42,7 +42,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -533,13 +532,17 @@ def resolve_target(name: str) -> tuple[str, Target]:
 def carry_killed(mutants: list[Mutant], previous: dict) -> int:
     """Incremental run: mutants an earlier report of this module found killed (same file, function,
     operator and text) keep that status unrun; survivors and new mutants run. Returns the count."""
-    killed = Counter(tuple(m[k] for k in ("file", "function", "operator", "before", "after"))
-                     for m in previous.get("results", []) if m["status"] in ("killed", "timeout"))
+    killed: dict[tuple, list[str]] = {}
+    for m in previous.get("results", []):
+        if m["status"] in ("killed", "timeout"):
+            key = tuple(m[k] for k in ("file", "function", "operator", "before", "after"))
+            why = m.get("reason", "")
+            killed.setdefault(key, []).append(why if why.startswith("carried from") else
+                                              f"carried from the run of {previous.get('run', 'an earlier run')}")
     carried = 0
     for m in mutants:
-        if m.status == "" and killed[m.key()] > 0:
-            killed[m.key()] -= 1
-            m.status, m.reason = "killed", f"carried from the run of {previous.get('run', 'an earlier run')}"
+        if m.status == "" and killed.get(m.key()):
+            m.status, m.reason = "killed", killed[m.key()].pop()
             carried += 1
     return carried
 
@@ -577,12 +580,16 @@ def mutate_module(key: str, target: Target, root: Path, runner: Runner, timeout:
                     f"{m.before} -> {m.after}")
     finally:
         src.write_bytes(original)
+    prev = previous or {}
     counts = {s: sum(m.status == s for m in mutants) for s in ("killed", "timeout", "survived", "equivalent",
                                                                 "stale")}
     scored = counts["killed"] + counts["timeout"] + counts["survived"]
     return {"key": key, "file": target.path, "what": target.what, "tests": list(target.tests),
             "run": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "functions": list(target.functions), "mutants": len(mutants), **counts, "carried": carried,
+            # the module's last full run (an incremental run keeps its date and time)
+            "full_run": prev.get("full_run") or prev.get("run"), "full_seconds": prev.get("full_seconds") or
+            prev.get("seconds"),
             "score": (counts["killed"] + counts["timeout"]) / scored if scored else None,
             "seconds": round(time.perf_counter() - t0 + base_s, 1), "baseline_s": round(base_s, 1),
             "results": [{k: v for k, v in asdict(m).items() if k not in ("start", "end")} for m in mutants]}
@@ -592,8 +599,8 @@ def mutate_module(key: str, target: Target, root: Path, runner: Runner, timeout:
 
 
 def markdown(report: dict) -> str:
-    rows = ["| module | what | tests run | mutants | killed | survived | equivalent | score | time | run |",
-            "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    rows = ["| module | what | tests run | mutants | killed | survived | equivalent | score | full run | last run |",
+            "|---|---|---|---:|---:|---:|---:|---:|---|---|"]
     for r in report["modules"]:
         tests = ", ".join(f"`{Path(t).name}`" for t in r.get("tests", []))
         if "error" in r:
@@ -601,8 +608,10 @@ def markdown(report: dict) -> str:
             continue
         score = f"{100 * r['score']:.1f} %" if r["score"] is not None else "n/a"
         killed = f"{r['killed'] + r['timeout']}" + (f" ({r['carried']} carried)" if r.get("carried") else "")
+        full = (f"{r['full_run']} ({r['full_seconds']:.0f} s)" if r.get("full_seconds") else
+                f"{r.get('run', '')} ({r['seconds']:.0f} s)")
         rows.append(f"| `{r['file']}` | {r['what']} | {tests} | {r['mutants']} | {killed} | "
-                    f"{r['survived']} | {r['equivalent']} | {score} | {r['seconds']:.0f} s | {r.get('run', '')} |")
+                    f"{r['survived']} | {r['equivalent']} | {score} | {full} | {r.get('run', '')} ({r['seconds']:.0f} s) |")
     out = ["# Mutation report", "", f"Command: `{report['command']}`", "",
            "Score = killed / (mutants - equivalent - stale planted); a timed-out mutant counts as killed; "
            "`carried`: killed in an earlier run of the module and not rerun (`--survivors`).", "", *rows, ""]
