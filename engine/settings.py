@@ -267,7 +267,8 @@ def tmpdir() -> Path:
 # every switch a classification run reads: checked up front, before anything loads
 RUN_SWITCHES = ("artifact", "decoder", "cuda_graphs", "guard", "artifact_verify", "pipeline_depth", "readers",
                 "fast_exit", "t0", "threads", "max_file_bytes", "decoder_isolate", "debug", "progress", "tmpdir",
-                "decode_deadline_s", "max_pixels", "readahead_bytes", "hw_decoder_load")
+                "decode_deadline_s", "max_pixels", "readahead_bytes", "hw_decoder_load", "slow_decoder_ok",
+                "omp_wait_policy")
 
 
 def check(names: tuple[str, ...] = RUN_SWITCHES) -> None:

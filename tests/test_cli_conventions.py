@@ -242,12 +242,16 @@ def test_usage_errors_are_one_line_with_a_pointer_to_help():
 
 
 def test_help_names_every_setting_with_its_default():
+    from engine.settings import documented
     from evaluator import settings as ev
 
     r = subprocess.run([str(REPO / "scripts" / "run"), "--help"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0
     for var in ev.RUN_ENV:
         assert f"  {var} " in r.stdout, var
+    # a switch added to the engine's table is listed too
+    engine_vars = {v for v in documented() if v.startswith(("ENGINE_", "OMP_")) or v == "TMPDIR"}
+    assert engine_vars <= set(ev.RUN_ENV), engine_vars - set(ev.RUN_ENV)
     assert "ENGINE_GUARD" in r.stdout and "(default: 1)" in r.stdout
     text = " ".join(_py("-m", "engine.build", "--help").stdout.split())
     assert "--no-guard build the raw low-precision form" in text
