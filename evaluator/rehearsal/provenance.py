@@ -134,7 +134,7 @@ def provenance(artifact: Path, checkpoint: Path | None, repo: Path | None, extra
 
 def main(argv: list[str] | None = None) -> int:
     from engine.artifact import ArtifactError
-    from engine.cli import guard, parser
+    from engine.cli import error, guard, parser
 
     prog = "python -m evaluator.provenance"
     p = parser(prog, __doc__.split("\n\n")[0])
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--extra", type=Path, action="append", default=[], help="more files or folders to check")
     a = p.parse_args(argv)
     if not (a.artifact / "manifest.json").is_file():
-        p.error(f"{a.artifact} has no manifest.json (not an artifact)")
+        return error(prog, f"{a.artifact} has no manifest.json (not an artifact)")
 
     def body() -> int:
         rec = provenance(a.artifact, a.checkpoint, None if a.no_source else a.repo, a.extra)
