@@ -135,8 +135,11 @@ def run_rows_of_one_file(tmp: Path, size: int, rows: int, artifact: Path, **env:
 
 # measured on 2 cores (null backend, isolated DALI decoder, default 256 MiB budget): 64 rows of a
 # 50 KB file peak at ~0.5 GiB in the run's process and ~0.45 GiB in the decoder's; of a 63 MiB file
-# at ~1.1 and ~1.1 GiB (before the byte budget: 6.4 GB, 96 files read ahead whatever their size)
-BOUND_MIB = 1536
+# at 1.1-1.8 GiB and ~1.1 GiB (before the byte budget: 6.4 GB, 96 files read ahead whatever their
+# size). The process holds the budget's read-ahead, the chunk being decoded and its copy on the way
+# to the decoder child besides its ~0.6 GiB base, and how much of that overlaps depends on timing
+# (1.8 GiB seen on a busy machine): the stated bound is 2.5 GiB, whatever the file size.
+BOUND_MIB = 2560
 
 
 def test_64_rows_of_a_63_mib_file_stay_within_the_stated_bound(tmp_path):
