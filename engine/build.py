@@ -66,7 +66,10 @@ def build(spec: Spec, checkpoint: Path | None, out: Path, backend: str = backend
         raise RuntimeError("--device cuda needs a CUDA GPU on the build machine")
     if checkpoint is None and be.NEEDS_WEIGHTS:
         raise ValueError(f"backend {backend} needs --checkpoint")
+    from engine.fp32 import set_fp32_math
+
     t0 = time.perf_counter()
+    math = set_fp32_math()   # the calibration reference and the re-check graph: IEEE FP32 (ENGINE_TF32)
     net = load_model(spec, checkpoint) if be.NEEDS_WEIGHTS else None
     out = out.resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -74,7 +77,7 @@ def build(spec: Spec, checkpoint: Path | None, out: Path, backend: str = backend
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the run may be another (non-root) user
     try:
         extra = {"build": {"argv": sys.argv, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
-                 "precision_policy": describe_policy(spec.precision)}
+                 "precision_policy": describe_policy(spec.precision), "fp32_math": math}
         if batch_sweep:
             extra["build"]["batch_sweep"] = batch_sweep
         extra.update(be.save(net, spec, device, tmp, margin=guarded))

@@ -8,6 +8,7 @@ still gets a prediction.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import stat
@@ -204,13 +205,17 @@ def _decode_into(decoder, chunk: list[tuple], parts: list, failed: dict, clock, 
 def decoded_batches(read, n, bsz, decoder, readers: int = 8, ahead_batches: int = 2,
                     clock: Callable[[], float] = time.perf_counter, busy: dict | None = None,
                     timeline: list | None = None, max_bytes: int | None = None) -> Iterator[tuple]:
-    """Yields (batch index, lo, hi, uint8 [hi-lo, S, S, 3], {row in batch: reason}) for items 0..n-1.
+    """Yields (batch index, lo, hi, uint8 [hi-lo, S, S, 3], {row in batch: reason}, ready) for items 0..n-1.
 
     `read(i)` runs on reader threads, up to `ahead_batches` batches ahead of the decoder and
     within `max_bytes` of encoded bytes (ENGINE_READAHEAD_BYTES, see ReadAhead); a batch whose
     files hold more than `max_bytes` goes to the decoder in chunks of at most that (one file
     at least), so memory follows the byte budget, not the file count. `busy` (seconds per
     stage) and `timeline` (decode intervals) are filled when given.
+
+    A GPU decoder (one with a `stream`) does all its work for a batch on that stream, the
+    chunks' concatenation included; `ready` is the event after it (engine.gpu_streams), to be
+    taken over by the consumer with `take_batch`. A host decoder's `ready` is None.
     """
     if max_bytes is None:
         from engine import settings
@@ -228,25 +233,56 @@ def decoded_batches(read, n, bsz, decoder, readers: int = 8, ahead_batches: int 
         finally:
             busy["read"] += clock() - t  # summed over reader threads
 
+    stream = getattr(decoder, "stream", None)       # a GPU decoder's own stream
     ahead = ReadAhead(read_one, n, readers, bsz * (ahead_batches + 1), max_bytes)
     try:
         for b in range((n + bsz - 1) // bsz):
             lo, hi = b * bsz, min(n, (b + 1) * bsz)
             parts, failed, chunk, chunk_bytes, start = [], {}, [], 0, clock()
-            for i in range(lo, hi):
-                got = ahead.take(i)
-                size = len(got[0]) if got[0] else 0
-                if chunk and chunk_bytes + size > max_bytes:
-                    _decode_into(decoder, chunk, parts, failed, clock, busy)
-                    chunk, chunk_bytes = [], 0
-                chunk.append(got)
-                chunk_bytes += size
-            _decode_into(decoder, chunk, parts, failed, clock, busy)
-            chunk = []
+            with _on_stream(stream):
+                for i in range(lo, hi):
+                    got = ahead.take(i)
+                    size = len(got[0]) if got[0] else 0
+                    if chunk and chunk_bytes + size > max_bytes:
+                        _decode_into(decoder, chunk, parts, failed, clock, busy)
+                        chunk, chunk_bytes = [], 0
+                    chunk.append(got)
+                    chunk_bytes += size
+                _decode_into(decoder, chunk, parts, failed, clock, busy)
+                chunk = []
+                arr = _concat(parts)
+                ready = _hand_over(stream)
             timeline.append({"stage": "decode", "batch": b, "start": start, "end": clock()})
-            yield b, lo, hi, _concat(parts), failed
+            yield b, lo, hi, arr, failed, ready
     finally:
         ahead.close()
+
+
+def _on_stream(stream):
+    """The producer's stream as this thread's current one (a GPU decoder), else nothing."""
+    if stream is None:
+        return contextlib.nullcontext()
+    import torch
+
+    return torch.cuda.stream(stream)
+
+
+def _hand_over(stream):
+    if stream is None:
+        return None
+    from engine.gpu_streams import hand_over
+
+    return hand_over(stream)
+
+
+def take_batch(arr, ready):
+    """The consumer's side of a decoded batch: on the device, wait for its producer's event and keep
+    it alive for this thread's stream (engine.gpu_streams.take_over); a host batch as it is."""
+    if ready is None:
+        return arr
+    from engine.gpu_streams import take_over
+
+    return take_over(arr, ready)
 
 
 LEAVE_S = 0.5   # how long a consumer that stops waits for the decode worker
@@ -305,7 +341,8 @@ def classify(read: Callable[[int], bytes], n: int, decoder, runtime, readers: in
     if depth > 0:
         batches = in_thread(batches, depth)
     try:
-        for b, lo, hi, arr, failed in batches:
+        for b, lo, hi, arr, failed, ready in batches:
+            arr = take_batch(arr, ready)   # a GPU decoder's batch: inference's stream waits for its event
             if hi - lo < bsz:
                 arr = _pad(arr, bsz)  # pad the last batch: the compiled graph has a static shape
             t = clock()

@@ -52,22 +52,30 @@ class Runtime:
     """
 
     def __init__(self, fn, artifact: Artifact, device: torch.device, cuda_graphs: bool | None = None,
-                 guard: Guard | None = None):
+                 guard: Guard | None = None, capture: bool = True, fp32_math: dict | None = None):
         self._fn, self.artifact, self.device, self.guard = fn, artifact, device, guard
         self.batch_size = artifact.batch_size
         self.name = artifact.backend
-        shape = (self.batch_size, artifact.spec.input_size, artifact.spec.input_size, 3)
-        self._ring = UploadRing(shape, device) if device.type == "cuda" else None
+        self.fp32_math = fp32_math
+        self._shape = (self.batch_size, artifact.spec.input_size, artifact.spec.input_size, 3)
+        self._ring = UploadRing(self._shape, device) if device.type == "cuda" else None
         self.gpu_busy_s = 0.0       # summed CUDA-event time of the graph calls (report mode)
         self._events: list = []
-        if cuda_graphs is None:
-            cuda_graphs = settings.cuda_graphs()
+        self._want_graphs = settings.cuda_graphs() if cuda_graphs is None else cuda_graphs
         self.cuda_graph_status = "off"
-        if device.type == "cuda" and cuda_graphs:
-            self._fn, self.cuda_graph_status = _capture(fn, shape, device)
-            if guard is not None:
-                rshape = (guard.batch,) + shape[1:]
-                guard.recheck, _ = _capture(guard.recheck, rshape, device)
+        if capture:
+            self.capture_graphs()
+
+    def capture_graphs(self) -> str:
+        """Capture the CUDA graphs (the static batch, and the guard's re-check batch); returns the
+        status. `load_runtime(..., capture=False)` leaves this to the caller, who first finishes
+        whatever else touches the device (a GPU decoder's pipeline allocates while it builds)."""
+        if self.device.type == "cuda" and self._want_graphs and self.cuda_graph_status == "off":
+            self._fn, self.cuda_graph_status = _capture(self._fn, self._shape, self.device)
+            if self.guard is not None:
+                rshape = (self.guard.batch,) + self._shape[1:]
+                self.guard.recheck, _ = _capture(self.guard.recheck, rshape, self.device)
+        return self.cuda_graph_status
 
     @property
     def cuda_graph(self) -> bool:
@@ -118,6 +126,8 @@ class Runtime:
     def report(self) -> dict:
         """What the timing report records of the runtime: graphs and the guard's work."""
         out = {"cuda_graph": self.cuda_graph_status}
+        if self.fp32_math is not None:
+            out["fp32_math"] = self.fp32_math
         if self._events:
             torch.cuda.synchronize(self.device)
             out["gpu_busy_s"] = round(sum(s.elapsed_time(e) for s, e in self._events) / 1000, 4)
@@ -141,7 +151,9 @@ def _capture(fn, shape: tuple[int, ...], device: torch.device):
                 fn(static_in)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph), torch.inference_mode():
+        # thread_local: a CUDA call another thread makes meanwhile (a library's allocation) neither
+        # breaks this capture nor fails there; the callers also capture only once the decoder is built
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"), torch.inference_mode():
             static_out = fn(static_in)
     except Exception as e:  # noqa: BLE001 - any capture failure falls back to eager launches
         why = f"{type(e).__name__}: {e}".replace("\n", " ")[:200]
@@ -166,11 +178,20 @@ def recheck_view(artifact: Artifact) -> Artifact:
 
 
 def load_runtime(artifact: Artifact, device: str | None = None, cuda_graphs: bool | None = None,
-                 guard: bool | None = None) -> Runtime:
-    """The artifact's model, ready to run on its device (its backend from the registry)."""
+                 guard: bool | None = None, capture: bool = True) -> Runtime:
+    """The artifact's model, ready to run on its device (its backend from the registry).
+    `capture=False`: the CUDA graphs are captured when the caller calls `capture_graphs()`.
+    FP32 math is set here for the process (engine.fp32: TF32 off unless ENGINE_TF32=1)."""
+    from engine.fp32 import set_fp32_math
+
     dev = torch.device(device or artifact.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"artifact was built for {artifact.device} but CUDA is not available")
+    math = set_fp32_math()
+    built = artifact.meta.get("fp32_math")
+    if built and built != math:
+        print(f"[engine] FP32 math differs from the build's ({built}, now {math}): the guard's tau was "
+              "chosen against the build's FP32 (ENGINE_TF32)", file=sys.stderr)
     try:
         backend = backends.get(artifact.backend)
     except ValueError as e:
@@ -186,4 +207,4 @@ def load_runtime(artifact: Artifact, device: str | None = None, cuda_graphs: boo
     if g and not use_guard:
         inner = fn
         fn = lambda x: inner(x)[0]  # noqa: E731 - raw answers: drop the margin output
-    return Runtime(fn, artifact, dev, cuda_graphs, checker)
+    return Runtime(fn, artifact, dev, cuda_graphs, checker, capture=capture, fp32_math=math)

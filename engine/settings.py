@@ -14,6 +14,7 @@ on and 0, false, no, off for off (an empty value is the default).
 | ENGINE_ARTIFACT | path | artifacts/default | the artifact directory scripts/run loads |
 | ENGINE_DECODER | decoder name | the artifact's | pil, dali-cpu, dali-gpu, nvjpeg: the off switch for fast decoding |
 | ENGINE_CUDA_GRAPHS | 0/1 | 1 | replay the static batch from a captured CUDA graph |
+| ENGINE_TF32 | 0/1 | 0 | let FP32 matmuls and convolutions on CUDA use TF32 (0: IEEE FP32, as a frozen FP32 reference computes; 1: to match a reference that ran with TF32) |
 | ENGINE_GUARD | 0/1 | 1 | re-check near-ties of a guarded low-precision artifact in FP32 (0: raw answers) |
 | ENGINE_ARTIFACT_VERIFY | quick/size/sha256 | quick | at load: sizes + a sampled SHA-256 of each file, sizes only, or the full SHA-256 (engine.artifact) |
 | ENGINE_PIPELINE_DEPTH | int >= 0 | 2 | decoded batches in flight ahead of inference |
@@ -132,6 +133,10 @@ def decoder() -> str | None:
 
 def cuda_graphs() -> bool:
     return read("ENGINE_CUDA_GRAPHS", flag, True)
+
+
+def tf32() -> bool:
+    return read("ENGINE_TF32", flag, False)
 
 
 def artifact_verify() -> str:
@@ -265,7 +270,7 @@ def tmpdir() -> Path:
 
 
 # every switch a classification run reads: checked up front, before anything loads
-RUN_SWITCHES = ("artifact", "decoder", "cuda_graphs", "guard", "artifact_verify", "pipeline_depth", "readers",
+RUN_SWITCHES = ("artifact", "decoder", "cuda_graphs", "tf32", "guard", "artifact_verify", "pipeline_depth", "readers",
                 "fast_exit", "t0", "threads", "max_file_bytes", "decoder_isolate", "debug", "progress", "tmpdir",
                 "decode_deadline_s", "max_pixels", "readahead_bytes", "hw_decoder_load", "slow_decoder_ok",
                 "omp_wait_policy")

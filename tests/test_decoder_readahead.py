@@ -40,7 +40,7 @@ def _run(sizes: list[int], bsz: int, budget: int, readers: int = 4):
 
     dec = Recorder(alive)
     rows = []
-    for _, lo, hi, arr, failed in decoded_batches(read, len(sizes), bsz, dec, readers, 2, max_bytes=budget):
+    for _, lo, hi, arr, failed, _ in decoded_batches(read, len(sizes), bsz, dec, readers, 2, max_bytes=budget):
         assert failed == {} and arr.shape[0] == hi - lo
         rows += [int(v) for v in arr[:, 0, 0, 0]]
     return rows, dec.calls, alive["peak"]

@@ -45,6 +45,14 @@ class DaliDecoder:
             from engine.decoders.isolate import reference_decoder
 
             self._reference = reference_decoder(spec, batch_size, self.threads, settings.decoder_isolate())
+        # gpu: all its device work on a stream of its own, handed over with an event (engine.gpu_streams);
+        # _copied: the event after the last copy out of DALI's output, which DALI reuses at its next run
+        self.stream = None
+        self._copied = None
+        if device == "gpu":
+            from engine.gpu_streams import producer_stream
+
+            self.stream = producer_stream()
         self._pipe = self._build()
 
     def _build(self):
@@ -117,9 +125,9 @@ class DaliDecoder:
                 px, f = self._reference.decode(sub, lambda k: progress(slow[k]))
             failed.update({slow[k]: why for k, why in f.items()})
             if self.device == "gpu":
-                import torch
+                from engine.gpu_streams import upload
 
-                out[torch.as_tensor(slow, device=out.device)] = torch.from_numpy(px).to(out.device)
+                out.index_copy_(0, upload(slow, out.device), upload(px, out.device))   # pinned: no sync
             else:
                 out[slow] = px
         return out, failed
@@ -149,6 +157,11 @@ class DaliDecoder:
 
     def _run(self, blobs, sizes, anchors):
         p = self._pipe
+        if self._copied is not None:
+            # the last batch's copy out of DALI's buffer (queued on this decoder's own stream, which
+            # never waits for inference) must be done before DALI may reuse that buffer
+            self._copied.synchronize()
+            self._copied = None
         p.feed_input("enc", [np.frombuffer(b, np.uint8) for b in blobs])
         p.feed_input("size", sizes)
         p.feed_input("anchor", anchors)
@@ -158,17 +171,22 @@ class DaliDecoder:
         return res.as_array()  # [m, S, S, 3] uint8
 
     def _merge_gpu(self, tl, idx, out):
+        """DALI's output rows -> rows `idx` of `out`, on the current stream (the decoder's own, set
+        by the pipeline): no host wait here; `_run` waits for the copy before DALI's next run."""
         import torch
         from nvidia.dali.plugin.pytorch import feed_ndarray
 
-        s = self.spec.input_size
-        got = torch.empty((len(idx), s, s, 3), dtype=torch.uint8, device="cuda")  # [m, S, S, 3]
+        from engine.gpu_streams import upload
+
         stream = torch.cuda.current_stream()
-        feed_ndarray(tl.as_tensor(), got, cuda_stream=stream)
-        # the copy is async on `stream`, and DALI may reuse its output buffer at the next run:
-        # wait for the copy before `tl` is released
-        stream.synchronize()
-        out[torch.as_tensor(idx, device="cuda")] = got
+        whole = list(idx) == list(range(out.shape[0]))
+        s = self.spec.input_size
+        got = out if whole else torch.empty((len(idx), s, s, 3), dtype=torch.uint8, device=out.device)
+        feed_ndarray(tl.as_tensor(), got, cuda_stream=stream)        # [m, S, S, 3], async on `stream`
+        self._copied = torch.cuda.Event()
+        self._copied.record(stream)
+        if not whole:
+            out.index_copy_(0, upload(idx, out.device), got)
 
 
 def create(name: str, spec: Spec, batch_size: int, threads: int | None = None) -> DaliDecoder:

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import sys
 
-import numpy as np
 import torch
 
 from engine.decoders.route import route
 from engine.geometry import window
+from engine.gpu_streams import upload
 from engine.spec import Spec
 
 _MODES = {"bicubic": "bicubic", "bilinear": "bilinear", "nearest": "nearest"}
@@ -46,10 +46,17 @@ class NvjpegDecoder:
 
         from engine import settings
         from engine.decoders.isolate import reference_decoder
+        from engine.gpu_streams import producer_stream
         from engine.threads import budget
 
         self._decode_jpeg, self._rgb = decode_jpeg, ImageReadMode.RGB
         self.spec = spec
+        # the decoder's own stream (the pipeline makes it current and hands each batch over with an
+        # event), and a landing stream that only ever holds torchvision's outputs: torchvision
+        # allocates them on the caller's stream but writes them from its own stream without waiting
+        # for the caller, so a block freed there must carry no queued reader (engine.gpu_streams)
+        self.stream = producer_stream()
+        self._landing = producer_stream()
         # every chroma-subsampled JPEG (most photos) takes this path: the whole CPU budget decodes,
         # in a child process where each image has a deadline (ENGINE_DECODER_ISOLATE)
         self._reference = reference_decoder(spec, batch_size, threads or budget("cuda").decoder,
@@ -65,7 +72,7 @@ class NvjpegDecoder:
         if fast:
             data = [torch.frombuffer(bytearray(blobs[i]), dtype=torch.uint8) for i in fast]
             try:
-                imgs = self._decode_jpeg(data, mode=self._rgb, device="cuda")  # list of [3, H, W]
+                imgs = self._decode(data)                                      # list of [3, H, W]
                 for i, img in zip(fast, imgs):
                     out[i] = resize_crop_gpu(img, self.spec)
             except RuntimeError as e:
@@ -76,8 +83,19 @@ class NvjpegDecoder:
         if slow:
             px, f = self._reference.decode([blobs[i] for i in slow])    # [m, S, S, 3] uint8, zeros where failed
             failed.update({slow[k]: why for k, why in f.items()})
-            out[torch.as_tensor(slow, device="cuda")] = torch.from_numpy(np.ascontiguousarray(px)).to("cuda")
+            out.index_copy_(0, upload(slow, out.device), upload(px, out.device))   # pinned: no sync
         return out, failed
+
+    def _decode(self, data: list[torch.Tensor]) -> list[torch.Tensor]:
+        """torchvision's batched nvJPEG decode, its outputs landing on `_landing`; the current stream
+        waits for them on the device and keeps them alive while its queued kernels read them."""
+        here = torch.cuda.current_stream()
+        with torch.cuda.stream(self._landing):
+            imgs = self._decode_jpeg(data, mode=self._rgb, device="cuda")   # list of [3, H, W] uint8
+        here.wait_stream(self._landing)
+        for img in imgs:
+            img.record_stream(here)
+        return imgs
 
     def close(self) -> None:
         """Stop the reference's child process, if any."""

@@ -25,14 +25,16 @@ def embed_images(read: Callable[[int], bytes], items: Sequence[int], decoder, en
                  batch_size: int, readers: int = 8, depth: int = 2) -> Iterator[EmbeddedBatch]:
     """Yield EmbeddedBatch for `items` in order. `read(item)` returns encoded bytes or raises;
     `encode(uint8 [m, S, S, 3]) -> [m, D]` unit rows (torch, any device)."""
-    from engine.pipeline import decoded_batches, in_thread
+    from engine.gpu_streams import upload
+    from engine.pipeline import decoded_batches, in_thread, take_batch
 
     items = list(items)
     batches = decoded_batches(lambda i: read(items[i]), len(items), batch_size, decoder, readers, max(depth, 1))
     if depth > 0:
         batches = in_thread(batches, depth)  # batch n+1 decodes while batch n runs through the tower
     try:
-        for _, lo, hi, arr, failed in batches:
+        for _, lo, hi, arr, failed, ready in batches:
+            arr = take_batch(arr, ready)   # a GPU decoder's batch: this stream waits for its event
             chunk = items[lo:hi]
             ok = np.ones(len(chunk), bool)
             ok[list(failed)] = False
@@ -40,7 +42,7 @@ def embed_images(read: Callable[[int], bytes], items: Sequence[int], decoder, en
             if len(idx) == len(chunk):
                 emb = encode(arr)
             elif len(idx):
-                sel = idx if isinstance(arr, np.ndarray) else torch.as_tensor(idx, device=arr.device)
+                sel = idx if isinstance(arr, np.ndarray) else upload(idx, arr.device)   # pinned: no sync
                 emb = encode(arr[sel])
             else:
                 emb = None

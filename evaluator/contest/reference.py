@@ -37,10 +37,12 @@ def reference_top1(spec, checkpoint: Path, paths: list[Path | None], device: str
     from engine import settings
     from engine.checkpoint import load_model
     from engine.decoders.pil import reference_tensor
+    from engine.fp32 import set_fp32_math
     from engine.pipeline import read_regular
     from engine.progress import Progress
 
     max_bytes = settings.max_file_bytes()
+    set_fp32_math()                     # IEEE FP32 on CUDA too (ENGINE_TF32=1 to match a TF32 reference)
     model = load_model(spec, checkpoint).to(device)
     out = np.full(len(paths), -1, np.int32)
     with torch.inference_mode(), Progress(len(paths), "reference", unit="images") as bar:
@@ -73,7 +75,8 @@ def parse_args(argv: list[str] | None):
     from engine.cli import parser
 
     p = parser(PROG, __doc__.split("\n\n")[0], {
-        **settings.env_help(("ENGINE_THREADS", "OMP_WAIT_POLICY", "ENGINE_MAX_FILE_BYTES", "ENGINE_PROGRESS")),
+        **settings.env_help(("ENGINE_THREADS", "OMP_WAIT_POLICY", "ENGINE_MAX_FILE_BYTES", "ENGINE_PROGRESS",
+                           "ENGINE_TF32")),
         "ENGINE_DEBUG": "1: tracebacks instead of one-line errors"})
     p.add_argument("manifest", type=Path, help="request_id<TAB>relative/path per row")
     p.add_argument("image_root", type=Path, help="folder the manifest paths are relative to")
@@ -84,7 +87,7 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--crop-mode", choices=("center", "squash"), help="spec override")
     p.add_argument("--crop-pct", type=float, help="spec override")
     p.add_argument("--model-kwargs", type=_json_object, help="timm create_model kwargs as a JSON object")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (FP32 either way; TF32 left at torch's defaults)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (IEEE FP32 either way: TF32 off unless ENGINE_TF32=1)")
     return p.parse_args(argv)
 
 
@@ -106,7 +109,7 @@ def run(a) -> int:
     from engine.cli import UsageError
 
     t0 = time.perf_counter()
-    settings.check(("threads", "readers", "omp_wait_policy", "max_file_bytes", "progress"))
+    settings.check(("threads", "readers", "omp_wait_policy", "max_file_bytes", "progress", "tf32"))
     threaded = thread_settings(a.device)      # before torch loads (engine.checkpoint imports it)
     from engine.checkpoint import CheckpointError
     from engine.spec import resolve_spec
@@ -140,7 +143,9 @@ def run(a) -> int:
     except CheckpointError as e:
         raise UsageError(str(e)) from e
     top1.astype("<i4").tofile(a.output)
-    print(json.dumps({"images": len(rows), "unreadable": int((top1 < 0).sum()),
+    from engine.fp32 import fp32_math
+
+    print(json.dumps({"images": len(rows), "unreadable": int((top1 < 0).sum()), "fp32_math": fp32_math(),
                       "seconds": round(time.perf_counter() - t0, 3), "threads": threaded["env"]}), file=sys.stderr)
     return 0
 

@@ -303,7 +303,7 @@ def _run(argv, wall0: float, held: Held) -> int:
         # built on a thread while the model loads (a DALI GPU pipeline takes about a second)
         pending = start_decoder(decoder_name, art.spec, art.batch_size, budget.decoder, isolate)
     try:
-        runtime = load_runtime(art)
+        runtime = load_runtime(art, capture=False)   # CUDA graphs: captured once the decoder is built
     except (ArtifactError, RuntimeError, OSError) as e:
         if _is_oom(e):
             raise
@@ -311,6 +311,7 @@ def _run(argv, wall0: float, held: Held) -> int:
         raise RunError(f"cannot load artifact {a.artifact}: {e}{hint}") from None
     if pending is not None:
         decoder = pending.result()
+    runtime.capture_graphs()   # no other thread touches the device now (a DALI GPU build allocates)
     t_loaded = time.perf_counter()
 
     root, real_root, confine = a.image_root, os.path.realpath(a.image_root), a.confine
