@@ -1,5 +1,5 @@
 #!/bin/sh
-# Install the locked test stack and run the whole suite (lint + tests), CPU only.
+# Install the locked test stack and run the whole suite (lint, static check, tests), CPU only.
 # CI runs exactly this (.ci/run). GPU tests skip cleanly without CUDA.
 #
 # Python packages: requirements/lock.txt (the contest stack, the same lock the Dockerfile
@@ -25,4 +25,5 @@ elif ! command -v chromium >/dev/null 2>&1; then
 fi
 export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"  # busy-waiting OpenMP threads starve 2-core machines
 python3 -m ruff check .
+python3 scripts/static_check.py  # names that do not resolve (imports, module attributes), also in tests that skip here
 python3 -m pytest -q "$@"

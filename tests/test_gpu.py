@@ -25,11 +25,16 @@ def _blobs(cohort):
 def test_gpu_decoders_match_the_reference(small_cohort, name, crop_mode):
     if name == "dali-gpu":
         pytest.importorskip("nvidia.dali")
-    from engine.decoders import _create
+    from engine.decoders import make_decoder
 
     spec = tiny_spec(crop_mode)
     items, blobs = _blobs(small_cohort)
-    got, failed = _create(name, spec, len(blobs), None).decode(blobs)
+    decoder = make_decoder(name, spec, len(blobs), None, isolate=False)
+    assert decoder.name == name, f"{name} fell back to {decoder.name} (see stderr)"  # test this one, not PIL
+    try:
+        got, failed = decoder.decode(blobs)
+    finally:
+        decoder.close()
     got = got.cpu().numpy()
     broken = {i for i, it in enumerate(items) if it["encoding"].startswith("broken")}
     assert set(failed) == broken
