@@ -1,13 +1,24 @@
 """Row-wise top-k of a [queries x gallery] score matrix, fused with one excluded column per row.
 
-The excluded column is each query's reference image (-1 = none). Three entry points:
+The excluded column is each query's reference image (-1 = none). Entry points:
 
 - `topk_reference`: the plain torch twin (CPU or CUDA tensors, numpy accepted).
-- `topk_cupy`: a CuPy RawKernel, one thread block per row (CUDA only, k <= 64,
+- `topk_cupy`: a CuPy kernel, one thread block per row (CUDA only, k <= 64,
   float16/float32). CuPy is optional and imported only here.
-- `topk`: the guard. Picks the kernel for CUDA tensors when CuPy imports; otherwise the
-  reference, saying why on stderr once per reason. `KERNELS_TOPK=torch` (or `cupy`)
-  decides what `backend="auto"` means; an explicit `backend=` argument wins.
+- `topk`: the guard. Picks the kernel for CUDA tensors when CuPy imports and the kernel
+  passed its first-call check (`self_check`: its answer on a slice of the call and on a
+  tie-heavy matrix equals the reference's exactly); otherwise the reference, saying why on
+  stderr once per reason. A failed check (or an exception in it) is one stderr line and
+  the reference for the rest of the process. `KERNELS_TOPK=torch` (or `cupy`: the kernel,
+  unchecked) decides what `backend="auto"` means; an explicit `backend=` argument wins.
+- `store_compiled(folder)` / `stored` arguments: the index build compiles the kernel once
+  (NVRTC) into FOLDER/topk.json + FOLDER/topk-sm<arch>.cubin; a query run given that
+  folder loads the binary (no NVRTC). A missing or unusable one is compiled at run time,
+  and said once on stderr.
+
+Host syncs: a kernel call reads the device at most once (the range check of an exclusion
+given as a device tensor; host exclusions are checked on the host). `to_host` brings
+values and indices back with one sync.
 
 Order and padding rules (identical in all backends, so indices compare exactly):
 - higher score first; equal scores -> lower gallery index first;
@@ -22,8 +33,10 @@ Order and padding rules (identical in all backends, so indices compare exactly):
 
 from __future__ import annotations
 
-import functools
+import hashlib
+import json
 import sys
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -169,6 +182,15 @@ topk_f16(const unsigned short* scores, const long long* exclude, int n_cols, int
 """
 
 
+SOURCE_SHA256 = hashlib.sha256(KERNEL_SOURCE.encode()).hexdigest()
+FUNCTIONS = ("topk_f32", "topk_f16")
+# CuPy's RawModule adds -ftz=true to every compile: the stored module is built with the
+# same options, so it is the binary a run-time compile would make
+NVRTC_OPTIONS = ("-ftz=true",)
+RECORD = "topk.json"  # the stored module's record, beside its binary
+CHECK_ROWS = 8  # rows of the call the first-call check compares
+
+
 def _as_torch(scores) -> torch.Tensor:
     """torch tensors pass through; numpy via from_numpy; CuPy (or any DLPack) via DLPack."""
     if isinstance(scores, torch.Tensor):
@@ -190,18 +212,26 @@ def _check_scores(t: torch.Tensor, k: int) -> None:
 
 
 def _exclude_tensor(exclude, n_rows: int, n_cols: int, device) -> torch.Tensor:
-    """Exclusion as int64 [Q] on `device`; None -> all -1. Values must be in [-1, N)."""
+    """Exclusion as int64 [Q] on `device`; None -> all -1. Values must be in [-1, N).
+
+    Host data (numpy, lists, a tensor on another device than `device`) is checked on the
+    host, then copied; a tensor already on `device` is checked with one read of its
+    (min, max): the only host sync of a kernel call."""
     if exclude is None:
         return torch.full((n_rows,), -1, dtype=torch.int64, device=device)
-    if isinstance(exclude, torch.Tensor):
-        ex = exclude.to(device=device, dtype=torch.int64)
+    on_device = isinstance(exclude, torch.Tensor) and exclude.device == torch.device(device)
+    if on_device:
+        ex = exclude.to(dtype=torch.int64)
     else:
-        ex = torch.as_tensor(np.asarray(exclude, dtype=np.int64), device=device)
-    if ex.shape != (n_rows,):
+        host = exclude.numpy(force=True) if isinstance(exclude, torch.Tensor) else exclude
+        ex = np.asarray(host, dtype=np.int64)
+    if tuple(ex.shape) != (n_rows,):
         raise ValueError(f"exclude must have shape ({n_rows},), got {tuple(ex.shape)}")
-    if n_rows and (int(ex.min()) < -1 or int(ex.max()) >= n_cols):
-        raise ValueError(f"exclude values must lie in [-1, {n_cols})")
-    return ex.contiguous()
+    if n_rows:
+        lo, hi = torch.stack(torch.aminmax(ex)).tolist() if on_device else (int(ex.min()), int(ex.max()))
+        if lo < -1 or hi >= n_cols:
+            raise ValueError(f"exclude values must lie in [-1, {n_cols})")
+    return ex.contiguous() if on_device else torch.as_tensor(ex, device=device)
 
 
 def topk_reference(scores, k: int, exclude=None, rows_per_chunk: int | None = None):
@@ -213,8 +243,12 @@ def topk_reference(scores, k: int, exclude=None, rows_per_chunk: int | None = No
     """
     t = _as_torch(scores)
     _check_scores(t, k)
+    return _reference(t, k, _exclude_tensor(exclude, *t.shape, t.device), rows_per_chunk)
+
+
+def _reference(t: torch.Tensor, k: int, ex: torch.Tensor, rows_per_chunk: int | None = None):
+    """topk_reference on checked input: `ex` int64 [Q] on t's device, values in [-1, N)."""
     n_rows, n_cols = t.shape
-    ex = _exclude_tensor(exclude, n_rows, n_cols, t.device)
     values = torch.full((n_rows, k), float("-inf"), dtype=torch.float32, device=t.device)
     indices = torch.full((n_rows, k), -1, dtype=torch.int64, device=t.device)
     take = min(k, n_cols)
@@ -243,71 +277,239 @@ def topk_reference(scores, k: int, exclude=None, rows_per_chunk: int | None = No
     return values, indices
 
 
-@functools.lru_cache(maxsize=None)
-def _cupy_kernel(name: str):
+# ---------------------------------------------------------------- the compiled module
+
+
+_said: set[str] = set()  # stderr lines already printed (once each per process)
+
+
+def _say(line: str) -> None:
+    if line not in _said:
+        _said.add(line)
+        print(f"kernels.topk: {line}", file=sys.stderr)
+
+
+def _binary_format(binary) -> tuple[bytes, str]:
+    """NVRTC's output as (bytes, "cubin" | "ptx"): CuPy returns (code, mapping) or the code alone."""
+    if isinstance(binary, tuple):
+        binary = binary[0]
+    if isinstance(binary, str):
+        binary = binary.encode()
+    return bytes(binary), "cubin" if bytes(binary[:4]) == b"\x7fELF" else "ptx"
+
+
+def cuda_unavailable() -> str | None:
+    """Why no kernel can be compiled here (no CUDA device, no CuPy), or None."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    try:
+        import cupy  # noqa: F401 - optional, imported only when the kernel is wanted
+    except ImportError as e:
+        return f"cupy is not importable ({e})"
+    return None
+
+
+def store_compiled(folder: Path, device_index: int = 0) -> dict:
+    """Compile the kernel with NVRTC for this GPU into `folder` (created): RECORD + the binary.
+
+    Returns the record (what was stored), or {"stored": False, "reason": ...} when CUDA or
+    CuPy is absent or the compile fails (the run then compiles at its first kernel call)."""
+    from engine.io import write_atomic
+
+    why = cuda_unavailable()
+    if why is not None:
+        return {"stored": False, "reason": why}
+    import cupy
+    from cupy.cuda import compiler
+
+    try:
+        with cupy.cuda.Device(device_index) as dev:
+            arch = str(dev.compute_capability)
+            binary, fmt = _binary_format(compiler.compile_using_nvrtc(KERNEL_SOURCE, NVRTC_OPTIONS))
+    except Exception as e:  # a failed build-time compile leaves the run to compile (and say so)
+        return {"stored": False, "reason": f"NVRTC compile failed ({type(e).__name__}: {str(e).strip()[:200]})"}
+    folder.mkdir(parents=True, exist_ok=True)
+    name = f"topk-sm{arch}.{fmt}"
+    write_atomic(folder / name, binary)
+    record = {"stored": True, "file": name, "format": fmt, "arch": arch, "functions": list(FUNCTIONS),
+              "source_sha256": SOURCE_SHA256, "sha256": hashlib.sha256(binary).hexdigest(),
+              "options": list(NVRTC_OPTIONS), "cupy": getattr(cupy, "__version__", None)}
+    write_atomic(folder / RECORD, (json.dumps(record, indent=1) + "\n").encode())
+    return record
+
+
+def stored_module(folder: Path | None, arch: str) -> tuple[Path | None, str | None]:
+    """(the stored binary, None) when `folder` holds one compiled from this source for this
+    GPU architecture, else (None, why not)."""
+    if folder is None:
+        return None, "no stored module was given"
+    path = Path(folder) / RECORD
+    if not path.is_file():
+        return None, f"{path} is missing"
+    try:
+        record = json.loads(path.read_text())
+        name = record["file"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return None, f"{path} is unreadable ({type(e).__name__})"
+    if not isinstance(name, str) or Path(name).name != name:
+        return None, f"{path} names no plain file"
+    if record.get("source_sha256") != SOURCE_SHA256:
+        return None, f"{path} was compiled from another kernel source"
+    if str(record.get("arch")) != arch:
+        return None, f"{path} was compiled for sm_{record.get('arch')}, this GPU is sm_{arch}"
+    binary = Path(folder) / name
+    if not binary.is_file():
+        return None, f"{binary} is missing"
+    from engine.io import sha256_file
+
+    if sha256_file(binary) != record.get("sha256"):
+        return None, f"{binary} does not match its recorded SHA-256"
+    return binary, None
+
+
+_modules: dict = {}  # (stored folder, device index) -> {function name: CuPy function}
+
+
+def _functions(stored: Path | None, device_index: int) -> dict:
+    """The kernel's functions on this device: from the stored binary when usable, else
+    compiled now by NVRTC (said once on stderr)."""
+    key = (str(stored) if stored is not None else None, device_index)
+    if key in _modules:
+        return _modules[key]
     import cupy  # optional dependency, imported only when the kernel is chosen
 
-    return cupy.RawKernel(KERNEL_SOURCE, name)
+    with cupy.cuda.Device(device_index) as dev:
+        binary, why = stored_module(stored, str(dev.compute_capability))
+        if binary is not None:
+            try:
+                module = cupy.RawModule(path=str(binary))
+                funcs = {name: module.get_function(name) for name in FUNCTIONS}
+            except Exception as e:  # a binary this driver cannot load: compile instead, and say why
+                why = f"loading {binary} failed ({type(e).__name__}: {str(e).strip()[:200]})"
+        if why is not None:
+            if stored is not None:  # a caller that stores nothing expects the compile
+                _say(f"compiling the kernel with NVRTC: {why}")
+            module = cupy.RawModule(code=KERNEL_SOURCE)  # CuPy adds NVRTC_OPTIONS itself
+            funcs = {name: module.get_function(name) for name in FUNCTIONS}
+    _modules[key] = funcs
+    return funcs
 
 
-def topk_cupy(scores, k: int, exclude=None):
-    """Top-k per row with the CuPy kernel; same contract as `topk_reference`.
-
-    `scores`: a CUDA torch tensor or CuPy array, float16 or float32, [Q, N]; 1 <= k <= 64.
-    Returns torch tensors on the same device (values float32, indices int64). The launch
-    goes on torch's current stream, so it orders with surrounding torch work.
-    """
-    t = _as_torch(scores)
-    _check_scores(t, k)
-    if not t.is_cuda:
-        raise ValueError(f"topk_cupy needs a CUDA tensor, got device {t.device}")
-    if t.dtype not in CUPY_DTYPES:
-        raise TypeError(f"topk_cupy supports float16 and float32, got {t.dtype}")
-    if not 1 <= k <= MAX_K:
-        raise ValueError(f"topk_cupy supports 1 <= k <= {MAX_K}, got {k}")
-    if t.shape[1] >= _NO_INDEX:
-        raise ValueError(f"gallery of {t.shape[1]} columns exceeds int32 indexing")
-    import cupy
-
-    t = t.contiguous()
-    n_rows, n_cols = t.shape
-    ex = _exclude_tensor(exclude, n_rows, n_cols, t.device)
-    values = torch.empty((n_rows, k), dtype=torch.float32, device=t.device)
-    indices = torch.empty((n_rows, k), dtype=torch.int64, device=t.device)
-    if n_rows == 0:
-        return values, indices
-    kernel = _cupy_kernel("topk_f16" if t.dtype == torch.float16 else "topk_f32")
-    stream = torch.cuda.current_stream(t.device)
-    with cupy.cuda.Device(t.device.index), cupy.cuda.ExternalStream(stream.cuda_stream):
-        args = (
-            cupy.from_dlpack(t),  # zero-copy views of the torch buffers
-            cupy.from_dlpack(ex),
-            np.int32(n_cols),
-            np.int32(k),
-            cupy.from_dlpack(values),
-            cupy.from_dlpack(indices),
-        )
-        kernel((n_rows,), (BLOCK,), args)  # grid: one block per row
-    return values, indices
+# ---------------------------------------------------------------- the kernel call
 
 
-_said: set[str] = set()  # fallback reasons already printed (once each per process)
-
-
-def _fall_back(reason: str) -> None:
-    if reason not in _said:
-        _said.add(reason)
-        print(f"kernels.topk: using the torch reference: {reason}", file=sys.stderr)
-
-
-def _cupy_unavailable(t: torch.Tensor, k: int) -> str | None:
-    """Why the kernel cannot take this call, or None when it can."""
+def _refusal(t: torch.Tensor, k: int) -> str | None:
+    """Why the kernel cannot take these scores (device, dtype, k, size), or None."""
     if not t.is_cuda:
         return f"scores are on {t.device.type}, not CUDA"
     if t.dtype not in CUPY_DTYPES:
         return f"dtype {t.dtype} is not supported by the kernel (float16/float32)"
     if not 1 <= k <= MAX_K:
         return f"k={k} is outside the kernel's 1..{MAX_K}"
+    if t.shape[1] >= _NO_INDEX:
+        return f"gallery of {t.shape[1]} columns exceeds int32 indexing"
+    return None
+
+
+def _launch(t: torch.Tensor, ex: torch.Tensor, k: int, values: torch.Tensor, indices: torch.Tensor,
+            stored: Path | None) -> None:
+    """Run the kernel on torch's current stream: t [Q, N] contiguous -> values, indices [Q, k]."""
+    import cupy
+
+    fn = _functions(stored, t.device.index)["topk_f16" if t.dtype == torch.float16 else "topk_f32"]
+    stream = torch.cuda.current_stream(t.device)
+    with cupy.cuda.Device(t.device.index), cupy.cuda.ExternalStream(stream.cuda_stream):
+        args = (
+            cupy.from_dlpack(t),  # zero-copy views of the torch buffers
+            cupy.from_dlpack(ex),
+            np.int32(t.shape[1]),
+            np.int32(k),
+            cupy.from_dlpack(values),
+            cupy.from_dlpack(indices),
+        )
+        fn((t.shape[0],), (BLOCK,), args)  # grid: one block per row
+
+
+def _kernel(t: torch.Tensor, k: int, ex: torch.Tensor, stored: Path | None = None):
+    """The kernel on checked input (see _reference); no host sync."""
+    t = t.contiguous()
+    values = torch.empty((t.shape[0], k), dtype=torch.float32, device=t.device)
+    indices = torch.empty((t.shape[0], k), dtype=torch.int64, device=t.device)
+    if t.shape[0]:
+        _launch(t, ex, k, values, indices, stored)
+    return values, indices
+
+
+def topk_cupy(scores, k: int, exclude=None, stored: Path | None = None):
+    """Top-k per row with the CuPy kernel; same contract as `topk_reference`.
+
+    `scores`: a CUDA torch tensor or CuPy array, float16 or float32, [Q, N]; 1 <= k <= 64.
+    Returns torch tensors on the same device (values float32, indices int64). The launch
+    goes on torch's current stream, so it orders with surrounding torch work. `stored`: a
+    folder written by `store_compiled` (else the kernel is compiled by NVRTC).
+    """
+    t = _as_torch(scores)
+    _check_scores(t, k)
+    why = _refusal(t, k)
+    if why is not None:
+        raise (TypeError if t.is_cuda and t.dtype not in CUPY_DTYPES else ValueError)(f"topk_cupy: {why}")
+    return _kernel(t, k, _exclude_tensor(exclude, *t.shape, t.device), stored)
+
+
+def _tie_case(dtype: torch.dtype, device, n_rows: int = 4, n_cols: int = 3 * BLOCK + 17):
+    """A tie-heavy [4, 785] matrix and its exclusions: a 0.5 grid, NaN, -inf, -0.0, a tie at
+    the top of every row, row 0's best column excluded."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.round(torch.randn(n_rows, n_cols, generator=g) * 2) / 2
+    u = torch.rand(n_rows, n_cols, generator=g)
+    x[u < 0.05], x[(u >= 0.05) & (u < 0.07)], x[(u >= 0.07) & (u < 0.1)] = float("nan"), float("-inf"), -0.0
+    x[:, [n_cols - 1, n_cols // 2, 0]] = 9.0
+    ex = torch.tensor([0] + [-1] * (n_rows - 1), dtype=torch.int64)
+    return x.to(device=device, dtype=dtype), ex.to(device)
+
+
+def self_check(t: torch.Tensor, k: int, ex: torch.Tensor, stored: Path | None = None) -> str | None:
+    """Why the kernel's answer differs from the reference's, or None when it is exact: on
+    this call's first CHECK_ROWS rows (its dtype, k and exclusions) and on `_tie_case`.
+    An exception in the kernel is a reason too. Syncs the host (once per process)."""
+    cases = [("this call's first rows", t[:CHECK_ROWS], ex[:CHECK_ROWS]),
+             ("a tie-heavy matrix", *_tie_case(t.dtype, t.device))]
+    try:
+        for what, s, e in cases:
+            gv, gi = _kernel(s, k, e, stored)
+            wv, wi = _reference(s, k, e)
+            bad = int(((gi != wi) | (gv != wv)).any(1).sum())
+            if bad:
+                return f"{t.dtype}, k={k}: indices or values differ in {bad} of {s.shape[0]} rows of {what}"
+    except Exception as e:  # any failure of the kernel (compile, load, launch) leaves the reference in charge
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        return f"{t.dtype}, k={k}: the kernel raised {type(e).__name__}: {first}"
+    return None
+
+
+_trusted: set = set()  # (device, dtype) whose first kernel call matched the reference
+_distrust: list[str] = []  # why the kernel failed its check: then the reference for the rest of the process
+
+
+def _kernel_trusted(t: torch.Tensor, k: int, ex: torch.Tensor, stored: Path | None) -> bool:
+    if _distrust:
+        return False
+    if (t.device, t.dtype) in _trusted:
+        return True
+    why = self_check(t, k, ex, stored)
+    if why is not None:
+        _distrust.append(why)
+        _say(f"using the torch reference for the rest of the run: the CuPy kernel failed its first-call check ({why})")
+        return False
+    _trusted.add((t.device, t.dtype))
+    return True
+
+
+def _cupy_unavailable(t: torch.Tensor, k: int) -> str | None:
+    """Why the kernel cannot take this call, or None when it can."""
+    why = _refusal(t, k)
+    if why is not None:
+        return why
     try:
         import cupy  # noqa: F401
     except ImportError as e:
@@ -315,11 +517,17 @@ def _cupy_unavailable(t: torch.Tensor, k: int) -> str | None:
     return None
 
 
-def topk(scores, k: int, exclude=None, backend: str = "auto"):
+def _fall_back(reason: str) -> None:
+    _say(f"using the torch reference: {reason}")
+
+
+def topk(scores, k: int, exclude=None, backend: str = "auto", stored: Path | None = None):
     """Top-k per row, dispatching to the CuPy kernel or the torch reference.
 
-    backend: "cupy", "torch", or "auto" (the kernel when it can run, else the reference
-    with a one-time line on stderr). With "auto", env `KERNELS_TOPK=torch|cupy` forces one.
+    backend: "cupy" (the kernel, unchecked), "torch", or "auto": the kernel when it can run
+    and passed its first-call check, else the reference with a one-time line on stderr.
+    With "auto", env `KERNELS_TOPK=torch|cupy` forces one. `stored`: the folder of a module
+    compiled at build time (`store_compiled`); None compiles with NVRTC.
     """
     if backend not in ("auto", "cupy", "torch"):
         raise ValueError(f"backend must be auto, cupy or torch, got {backend!r}")
@@ -333,13 +541,27 @@ def topk(scores, k: int, exclude=None, backend: str = "auto"):
     if backend == "torch":
         return topk_reference(scores, k, exclude)
     if backend == "cupy":
-        return topk_cupy(scores, k, exclude)
+        return topk_cupy(scores, k, exclude, stored)
     t = _as_torch(scores)
+    _check_scores(t, k)
     reason = _cupy_unavailable(t, k)
+    ex = _exclude_tensor(exclude, *t.shape, t.device)  # the call's one host sync, at most
     if reason is not None:
         _fall_back(reason)
-        return topk_reference(t, k, exclude)
-    return topk_cupy(t, k, exclude)
+        return _reference(t, k, ex)
+    if not _kernel_trusted(t, k, ex, stored):
+        return _reference(t, k, ex)
+    return _kernel(t, k, ex, stored)
+
+
+def to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """CPU copies of `tensors` with one host sync: non-blocking copies (into pinned memory)
+    on the current stream, then one wait for that stream. Host tensors pass through."""
+    if not any(t.is_cuda for t in tensors):
+        return [t.cpu() for t in tensors]
+    out = [t.to("cpu", non_blocking=True) for t in tensors]
+    torch.cuda.current_stream(next(t.device for t in tensors if t.is_cuda)).synchronize()
+    return out
 
 
 def _bench(fn, reps: int) -> float:

@@ -52,6 +52,9 @@ def test_build_script_writes_the_index():
     assert not (built_index() / BUILD_DIR).exists()
     err = (workspace() / "build.stderr").read_text()
     assert "images/s" in err and "unreadable image 'broken-0'" in err
+    if not torch.cuda.is_available():   # the top-k kernel is compiled into the index only where CUDA is
+        assert m["kernels"] == {"topk": {"stored": False, "reason": "no CUDA device"}}
+        assert not (built_index() / "kernels").exists() and "top-k kernel: not stored (no CUDA device)" in err
 
 
 def test_stored_rows_equal_the_towers():

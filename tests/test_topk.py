@@ -2,16 +2,20 @@
 CUDA source (compiled by nvcc, and run as C++ on CPU threads), plus GPU tests by marker."""
 
 import itertools
+import json
 import math
 import shutil
 import subprocess
+import sys
+import types
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from kernels import topk as topk_mod
-from kernels.topk import KERNEL_SOURCE, MAX_K, topk, topk_cupy, topk_reference
+from kernels.topk import KERNEL_SOURCE, MAX_K, store_compiled, to_host, topk, topk_cupy, topk_reference
 
 SHAPES = [(1, 1), (3, 7), (5, 100), (17, 1000)]
 KS = [1, 5, 50]
@@ -186,6 +190,287 @@ def test_topk_explicit_backends(fresh_fallback_messages):
 def test_topk_cupy_validates_before_importing_cupy():
     with pytest.raises(ValueError, match="CUDA"):
         topk_cupy(torch.zeros(2, 3), 1)
+
+
+# ---------------------------------------------------------------- first-call check (fake kernels)
+# The kernel's launch (`_launch`) is replaced by a torch stand-in and the guard's CUDA/CuPy
+# test (`_cupy_unavailable`) by an accept-all, so the dispatcher's kernel branch runs on CPU.
+
+
+@pytest.fixture
+def fake_kernel(fresh_fallback_messages, monkeypatch):
+    """Install a fake launch: `install(answer)` where answer(t, k, ex) -> (values, indices);
+    returns the list of launches made (row counts)."""
+    monkeypatch.setattr(topk_mod, "_trusted", set())
+    monkeypatch.setattr(topk_mod, "_distrust", [])
+    monkeypatch.setattr(topk_mod, "_cupy_unavailable", lambda t, k: None)
+    launches = []
+
+    def install(answer):
+        def launch(t, ex, k, values, indices, stored):
+            launches.append(t.shape[0])
+            v, i = answer(t, k, ex)
+            values.copy_(v)
+            indices.copy_(i)
+
+        monkeypatch.setattr(topk_mod, "_launch", launch)
+        return launches
+
+    return install
+
+
+def _swapped_ties(t, k, ex):
+    """The reference's answer with the first two columns swapped: a wrong tie order."""
+    v, i = topk_mod._reference(t, k, ex)
+    return v[:, [1, 0, *range(2, k)]], i[:, [1, 0, *range(2, k)]]
+
+
+def test_a_mismatching_kernel_is_dropped_for_the_run_with_one_line(fake_kernel, capsys):
+    launches = fake_kernel(_swapped_ties)
+    scores, exclude = case_inputs((17, 1000), 5, torch.float32, True, seed=5)
+    for _ in range(3):
+        assert_same(topk(scores, 5, exclude), brute_topk(scores, 5, exclude))
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "failed its first-call check" in err and "differ in" in err
+    assert launches == [min(17, topk_mod.CHECK_ROWS)]  # the check's one launch; never again
+    assert_same(topk(scores.half(), 5, exclude), brute_topk(scores.half(), 5, exclude))
+    assert launches == [8] and capsys.readouterr().err == ""  # other dtypes too, silently
+
+
+def test_a_kernel_that_raises_is_dropped_with_one_line(fake_kernel, capsys):
+    def broken(t, k, ex):
+        raise RuntimeError("no kernel image is available for execution on the device\nsecond line")
+
+    fake_kernel(broken)
+    scores = make_scores(5, 100, torch.float16)
+    assert_same(topk(scores, 5), brute_topk(scores, 5))
+    assert_same(topk(scores, 5), brute_topk(scores, 5))
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "raised RuntimeError: no kernel image" in err and "second line" not in err
+
+
+def test_a_kernel_whose_ties_are_wrong_only_in_the_tie_case_is_dropped(fake_kernel, capsys):
+    # tie-free call data passes; the planted tie-heavy matrix catches the wrong tie order
+    def wrong_on_ties(t, k, ex):
+        return _swapped_ties(t, k, ex) if t.shape[0] == 4 else topk_mod._reference(t, k, ex)
+
+    launches = fake_kernel(wrong_on_ties)
+    scores = torch.randn(16, 500, generator=torch.Generator().manual_seed(2))
+    assert_same(topk(scores, 7), brute_topk(scores, 7))
+    assert launches == [8, 4] and "a tie-heavy matrix" in capsys.readouterr().err
+
+
+def test_a_matching_kernel_is_kept_without_a_word(fake_kernel, capsys):
+    launches = fake_kernel(topk_mod._reference)
+    for dtype in DTYPES:
+        scores, exclude = case_inputs((17, 1000), 50, dtype, True, seed=6)
+        for _ in range(2):
+            assert_same(topk(scores, 50, exclude), brute_topk(scores, 50, exclude))
+    # per dtype: the check's two launches (call rows, tie case), then one per call
+    assert launches == [8, 4, 17, 17] * 2
+    assert capsys.readouterr().err == ""
+
+
+SYNCS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__", "cpu", "numpy")
+
+
+def _count_host_reads(monkeypatch, fn):
+    """How many times fn() reads a tensor's value into Python (each is a host sync on CUDA)."""
+    reads = []
+    with monkeypatch.context() as m:
+        for name in SYNCS:
+            def counted(self, *a, _orig=getattr(torch.Tensor, name), _name=name, **kw):
+                reads.append(_name)
+                return _orig(self, *a, **kw)
+
+            m.setattr(torch.Tensor, name, counted)
+        out = fn()
+    return reads, out
+
+
+def test_a_kernel_call_reads_the_device_at_most_once(fake_kernel, monkeypatch):
+    fake_kernel(topk_mod._reference)
+    scores, exclude = case_inputs((17, 1000), 50, torch.float32, True, seed=8)
+    topk(scores, 50, exclude)  # the first call runs the check (its syncs are once per process)
+    reads, got = _count_host_reads(monkeypatch, lambda: topk(scores, 50, exclude))
+    assert reads == ["tolist"]  # the exclusion's (min, max), read in one transfer
+    assert_same(got, brute_topk(scores, 50, exclude))
+    assert _count_host_reads(monkeypatch, lambda: topk(scores, 50))[0] == []
+    host = exclude.numpy()
+    assert _count_host_reads(monkeypatch, lambda: topk(scores, 50, host))[0] == []  # checked on the host
+    with pytest.raises(ValueError, match="exclude values"):
+        topk(scores, 50, torch.full((17,), 1000))
+
+
+def test_to_host_waits_once_for_values_and_indices(monkeypatch):
+    copies, waits = [], []
+
+    class DeviceTensor:  # a CUDA tensor as to_host sees it
+        is_cuda, device = True, torch.device("cuda", 0)
+
+        def __init__(self, host):
+            self.host = host
+
+        def to(self, device, non_blocking=False):
+            copies.append((device, non_blocking))
+            return self.host
+
+    class Stream:
+        def synchronize(self):
+            waits.append(1)
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    v, i = to_host(DeviceTensor(torch.zeros(2, 3)), DeviceTensor(torch.ones(2, 3, dtype=torch.int64)))
+    assert copies == [("cpu", True), ("cpu", True)] and waits == [1]
+    assert v.dtype == torch.float32 and i.dtype == torch.int64
+    assert [t.tolist() for t in to_host(torch.ones(1))] == [[1.0]]  # host tensors pass through
+
+
+# ---------------------------------------------------------------- the stored module (fake CuPy)
+
+
+class FakeCupy:
+    """What kernels.topk uses of CuPy: Device, the NVRTC compiler, RawModule; records each use."""
+
+    def __init__(self, arch="90", binary=b"\x7fELF fake cubin"):
+        self.compiled, self.modules = [], []
+        self.arch, self.binary = arch, binary
+        fake = self
+        self.cupy = types.ModuleType("cupy")
+        self.cupy.__version__ = "14.2.0"
+        self.cuda = types.ModuleType("cupy.cuda")
+        self.compiler = types.ModuleType("cupy.cuda.compiler")
+        self.cupy.cuda, self.cuda.compiler = self.cuda, self.compiler
+
+        class Device:
+            def __init__(self, index=0):
+                self.compute_capability = fake.arch
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                return False
+
+        class RawModule:
+            def __init__(self, code=None, path=None, options=()):
+                fake.modules.append("nvrtc" if code is not None else Path(path).name)
+                self.path = path
+
+            def get_function(self, name):
+                if self.path is not None and Path(self.path).read_bytes().startswith(b"bad"):
+                    raise RuntimeError("CUDA_ERROR_INVALID_IMAGE: device kernel image is invalid")
+                return name
+
+        def compile_using_nvrtc(source, options=()):
+            fake.compiled.append(options)
+            return fake.binary, None
+
+        self.cuda.Device, self.cupy.RawModule, self.compiler.compile_using_nvrtc = Device, RawModule, compile_using_nvrtc
+
+    def install(self, monkeypatch):
+        for name, mod in (("cupy", self.cupy), ("cupy.cuda", self.cuda), ("cupy.cuda.compiler", self.compiler)):
+            monkeypatch.setitem(sys.modules, name, mod)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(topk_mod, "_modules", {})
+        monkeypatch.setattr(topk_mod, "_said", set())
+        return self
+
+
+def test_the_build_stores_the_compiled_kernel_and_says_what(monkeypatch, tmp_path):
+    fake = FakeCupy().install(monkeypatch)
+    record = store_compiled(tmp_path / "kernels")
+    assert fake.compiled == [topk_mod.NVRTC_OPTIONS]
+    assert record["stored"] and record["file"] == "topk-sm90.cubin" and record["format"] == "cubin"
+    assert record["arch"] == "90" and record["source_sha256"] == topk_mod.SOURCE_SHA256
+    assert record["functions"] == ["topk_f32", "topk_f16"] and record["cupy"] == "14.2.0"
+    assert sorted(p.name for p in (tmp_path / "kernels").iterdir()) == ["topk-sm90.cubin", "topk.json"]
+    assert json.loads((tmp_path / "kernels" / "topk.json").read_text()) == record
+    assert (tmp_path / "kernels" / "topk-sm90.cubin").read_bytes() == fake.binary
+
+
+def test_ptx_from_nvrtc_is_stored_as_ptx(monkeypatch, tmp_path):
+    FakeCupy(binary=".version 8.0\n.target sm_90\n").install(monkeypatch)
+    record = store_compiled(tmp_path)
+    assert record["file"] == "topk-sm90.ptx" and record["format"] == "ptx"
+
+
+def test_nothing_is_stored_without_cuda_or_when_the_compile_fails(monkeypatch, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert store_compiled(tmp_path / "a") == {"stored": False, "reason": "no CUDA device"}
+    fake = FakeCupy().install(monkeypatch)
+
+    def fails(source, options=()):
+        raise RuntimeError("nvrtc: error: invalid value for --gpu-architecture")
+
+    fake.compiler.compile_using_nvrtc = fails
+    record = store_compiled(tmp_path / "b")
+    assert record["stored"] is False and "NVRTC compile failed (RuntimeError: nvrtc: error" in record["reason"]
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_the_run_loads_the_stored_kernel_without_nvrtc(monkeypatch, tmp_path, capsys):
+    fake = FakeCupy().install(monkeypatch)
+    store_compiled(tmp_path)
+    assert topk_mod._functions(tmp_path, 0) == {"topk_f32": "topk_f32", "topk_f16": "topk_f16"}
+    topk_mod._functions(tmp_path, 0)  # cached: loaded once
+    assert fake.modules == ["topk-sm90.cubin"] and capsys.readouterr().err == ""
+
+
+def _tamper(folder, what):
+    record = json.loads((folder / "topk.json").read_text())
+    if what == "binary":
+        (folder / record["file"]).write_bytes(b"\x7fELF other")
+    elif what == "missing binary":
+        (folder / record["file"]).unlink()
+    elif what == "record":
+        (folder / "topk.json").write_text("{not json")
+    elif what == "name":
+        record["file"] = "../elsewhere.cubin"
+    else:
+        record[what] = "80" if what == "arch" else "0" * 64
+    if what in ("name", "arch", "source_sha256"):
+        (folder / "topk.json").write_text(json.dumps(record))
+
+
+@pytest.mark.parametrize("what, why", [
+    ("absent", "topk.json is missing"),
+    ("record", "topk.json is unreadable"),
+    ("name", "names no plain file"),
+    ("source_sha256", "compiled from another kernel source"),
+    ("arch", "compiled for sm_80, this GPU is sm_90"),
+    ("missing binary", "topk-sm90.cubin is missing"),
+    ("binary", "does not match its recorded SHA-256"),
+])
+def test_an_unusable_stored_kernel_is_compiled_once_and_said_once(monkeypatch, tmp_path, capsys, what, why):
+    fake = FakeCupy().install(monkeypatch)
+    folder = tmp_path / "kernels"
+    if what != "absent":
+        store_compiled(folder)
+        _tamper(folder, what)
+    binary, reason = topk_mod.stored_module(folder, "90")
+    assert binary is None and why in reason
+    topk_mod._functions(folder, 0)
+    topk_mod._functions(folder, 1)  # a second device compiles too, without a second line
+    err = capsys.readouterr().err
+    assert fake.modules == ["nvrtc", "nvrtc"]
+    assert err.count("\n") == 1 and "compiling the kernel with NVRTC" in err and why in err
+
+
+def test_a_stored_kernel_the_driver_refuses_is_compiled_instead(monkeypatch, tmp_path, capsys):
+    fake = FakeCupy(binary=b"bad image").install(monkeypatch)
+    store_compiled(tmp_path)
+    assert topk_mod.stored_module(tmp_path, "90") == (tmp_path / "topk-sm90.ptx", None)  # the file itself is intact
+    topk_mod._functions(tmp_path, 0)
+    assert fake.modules == ["topk-sm90.ptx", "nvrtc"]
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "loading" in err and "CUDA_ERROR_INVALID_IMAGE" in err
+
+
+def test_no_stored_folder_compiles_silently(monkeypatch, capsys):
+    fake = FakeCupy().install(monkeypatch)
+    topk_mod._functions(None, 0)
+    assert fake.modules == ["nvrtc"] and capsys.readouterr().err == ""
 
 
 # ---------------------------------------------------------------- CUDA source on CPU

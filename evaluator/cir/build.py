@@ -363,10 +363,22 @@ def commit_with_extras(cfg: BuildConfig, emb, ids: list, meta: dict, towers, inf
     except Stopped as e:
         _log(f"pic2word: {e} (stopped as asked; resumable)")
         return STOPPED
-    meta = {**meta, **extra_meta, "extras_key": ekey}
+    meta = {**meta, **extra_meta, "extras_key": ekey, "kernels": store_kernels(cfg.index_dir)}
     meta["timing"] = {**meta.get("timing", {}), "extras_s": round(time.perf_counter() - t0, 3)}
     commit(cfg.index_dir, emb, ids, meta, files)
     return 0
+
+
+def store_kernels(index_dir: Path) -> dict:
+    """Compile the query run's kernels now (CUDA + CuPy present), so the run loads them without
+    NVRTC: {"topk": what kernels.topk.store_compiled stored, or why nothing was}."""
+    from evaluator.cir.index import KERNEL_DIR
+    from kernels.topk import store_compiled
+
+    topk = store_compiled(index_dir / KERNEL_DIR)
+    _log(f"top-k kernel: stored {topk['file']} (sm_{topk['arch']})" if topk["stored"]
+         else f"top-k kernel: not stored ({topk['reason']}); a CUDA query run compiles it")
+    return {"topk": topk}
 
 
 def reuse_embeddings(cfg: BuildConfig, old: dict, towers, info: dict, ekey: dict, method: dict) -> int:

@@ -5,6 +5,9 @@
     INDEX_DIR/ids-<build>.json              [N] image ids (as given: str or int), row order
     INDEX_DIR/<extra>-<build>.<ext>         optional build-time extras named in meta.json `files`
                                             (pic2word mapping, gallery-derived text bank, DBA rows)
+    INDEX_DIR/kernels/topk.json, topk-sm<arch>.cubin   the top-k kernel compiled at build time
+                                            (CUDA + CuPy builds; kernels.topk.store_compiled,
+                                            recorded in meta.json `kernels`)
     INDEX_DIR/.build/progress.json          resume key of an unfinished build
     INDEX_DIR/.build/chunk-000012.npz       finished chunks (each written to a temp name, renamed)
 
@@ -31,6 +34,7 @@ from engine.io import write_atomic
 FORMAT = "cir-index/1"
 BUILD_DIR = ".build"
 EXTRA_FILES = ("pic2word", "text_bank", "dba")   # optional data files (evaluator.cir.extras)
+KERNEL_DIR = "kernels"   # compiled kernels the query run loads instead of compiling (kernels.topk)
 
 
 class IndexLoadError(RuntimeError):

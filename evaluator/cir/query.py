@@ -316,7 +316,10 @@ class QueryPipeline:
     def answer(self, batch) -> list[list[tuple[int, float]]]:
         """[(gallery row, score), ...] per request: at most k, best first, the reference excluded."""
         from engine.retrieval.rescore import alpha_qe
-        from kernels.topk import topk
+        from evaluator.cir.index import KERNEL_DIR
+        from kernels.topk import to_host, topk
+
+        stored = self.index.dir / KERNEL_DIR                               # compiled at build time, if any
 
         m = self.method
         ref_t = self._refs(batch) if not self.cached else torch.tensor(
@@ -328,7 +331,7 @@ class QueryPipeline:
             q = self._compose(batch, self._texts(batch, ref_t), ref_t)
         cos, scores, state = self._score(q, ref_t)
         if m.aqe:
-            _, nb = topk(scores, min(m.aqe, self.k), ref_t)                 # [B, n] (-1 padded)
+            _, nb = topk(scores, min(m.aqe, self.k), ref_t, stored=stored)  # [B, n] (-1 padded)
             ok = (nb >= 0).unsqueeze(-1)
             sims = cos.gather(1, nb.clamp(min=0)).clamp(min=0) * ok.squeeze(-1)
             # scale-free weights: each neighbour's cosine relative to the best one's. alpha-QE's raw
@@ -339,11 +342,12 @@ class QueryPipeline:
             q = alpha_qe(q, self.gallery[nb.clamp(min=0)] * ok, sims, m.aqe_alpha)
             cos, scores, state = self._score(q, ref_t)
         depth = min(max(self.k, m.reinspect if self.reinspector else 0), len(self.index.ids))
-        vals, idx = topk(scores, depth, ref_t)                             # [B, depth] each
+        vals, idx = topk(scores, depth, ref_t, stored=stored)              # [B, depth] each
         if self.reinspector is not None:
             vals, idx = self._reinspect(batch, q, vals, idx, state)
         out = []
-        for vs, js in zip(vals[:, :self.k].cpu().tolist(), idx[:, :self.k].cpu().tolist()):
+        vals, idx = to_host(vals[:, :self.k], idx[:, :self.k])             # one host sync for both
+        for vs, js in zip(vals.tolist(), idx.tolist()):
             out.append([(j, v) for v, j in zip(vs, js) if j >= 0 and np.isfinite(v)])
         return out
 
