@@ -56,36 +56,49 @@ class GuardConfig:
     smoke_count: int = 32                 # renders that check the low-precision graph is not broken
 
 
+@dataclasses.dataclass
+class AutoConfig:
+    """What `auto` leaves to the measurement (engine.autotune), and its limits."""
+    precision: bool = True                # measure the precisions (else the spec's)
+    batch_size: bool = True               # measure the preset's batch sizes (else the spec's)
+    backend: bool = True                  # measure the backends that import (else the build's)
+    precisions: tuple[str, ...] | None = None   # candidates to measure; None: the device's native ones
+    budget_s: float | None = None         # the search's time budget; None: the device preset's
+    verify: bool = True                   # run the chosen artifact end to end against FP32
+
+
 def build(spec: Spec, checkpoint: Path | None, out: Path, backend: str = backends.DEFAULT,
-          device: str = "cpu", guard: GuardConfig | None = None, batch_sweep: dict | None = None) -> dict:
-    """Build the artifact for `spec` with `backend` (a name in engine.backends) and return its manifest."""
-    be = backends.get(backend)
-    guard = guard or GuardConfig()
-    guarded = guard.enabled and spec.precision != "fp32" and be.NEEDS_WEIGHTS
-    if device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("--device cuda needs a CUDA GPU on the build machine")
-    if checkpoint is None and be.NEEDS_WEIGHTS:
-        raise ValueError(f"backend {backend} needs --checkpoint")
+          device: str = "cpu", guard: GuardConfig | None = None, batch_sweep: dict | None = None,
+          auto: AutoConfig | None = None) -> dict:
+    """Build the artifact for `spec` with `backend` (a name in engine.backends) and return its manifest.
+    `auto`: measure the candidates on this machine and build the fastest that holds (engine.autotune)."""
     from engine.fp32 import set_fp32_math
 
+    guard = guard or GuardConfig()
+    be = backends.get(backend) if auto is None or not auto.backend else None
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda needs a CUDA GPU on the build machine")
+    if checkpoint is None and (be is None or be.NEEDS_WEIGHTS):
+        raise ValueError(f"backend {backend} needs --checkpoint")
     t0 = time.perf_counter()
     math = set_fp32_math()   # the calibration reference and the re-check graph: IEEE FP32 (ENGINE_TF32)
-    net = load_model(spec, checkpoint) if be.NEEDS_WEIGHTS else None
+    net = load_model(spec, checkpoint) if be is None or be.NEEDS_WEIGHTS else None
     out = out.resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the run may be another (non-root) user
     try:
         extra = {"build": {"argv": sys.argv, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
-                 "precision_policy": describe_policy(spec.precision), "fp32_math": math}
+                 "fp32_math": math}
         if batch_sweep:
             extra["build"]["batch_sweep"] = batch_sweep
-        extra.update(be.save(net, spec, device, tmp, margin=guarded))
-        if guarded:
-            extra["guard"] = _build_guard(be, backend, net, spec, device, tmp, guard)
-        extra["build"]["seconds"] = round(time.perf_counter() - t0, 3)
-        ck_sha = sha256_file(checkpoint) if checkpoint is not None else None
-        meta = write_manifest(tmp, spec, backend, device, checkpoint, ck_sha, extra)
+        if auto is not None:
+            from engine import build_auto
+
+            spec, backend, meta = build_auto.build_measured(net, spec, checkpoint, backend, device, guard, auto,
+                                                            tmp, extra, t0)
+        else:
+            meta = _assemble(be, backend, net, spec, checkpoint, device, tmp, guard, extra, t0)
         if out.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
             os.replace(out, old / "a")
@@ -99,29 +112,55 @@ def build(spec: Spec, checkpoint: Path | None, out: Path, backend: str = backend
     return meta
 
 
+def _assemble(be, backend: str, net, spec: Spec, checkpoint: Path | None, device: str, tmp: Path,
+              guard: GuardConfig, extra: dict, t0: float, saved: dict | None = None,
+              chosen_guard: tuple | None = None) -> dict:
+    """The artifact's files and manifest in `tmp`: the backend's graph (`saved`: its manifest extras,
+    when the search already wrote its files there), below fp32 the guard, then manifest.json."""
+    guarded = guard.enabled and spec.precision != "fp32" and be.NEEDS_WEIGHTS
+    extra = {**extra, "precision_policy": describe_policy(spec.precision)}
+    extra.update(saved if saved is not None else be.save(net, spec, device, tmp, margin=guarded))
+    if guarded:
+        extra["guard"] = _build_guard(be, backend, net, spec, device, tmp, guard, chosen_guard)
+    extra["build"] = {**extra["build"], "seconds": round(time.perf_counter() - t0, 3)}
+    ck_sha = sha256_file(checkpoint) if checkpoint is not None else None
+    return write_manifest(tmp, spec, backend, device, checkpoint, ck_sha, extra)
+
+
 SMOKE_AGREEMENT = 0.5   # raw low precision agreeing with FP32 on fewer renders than this: a broken build
 
 
-def _build_guard(be, backend: str, net, spec: Spec, device: str, tmp: Path, cfg: GuardConfig) -> dict:
-    """Choose tau with the compiled low-precision graph, then build the FP32 re-check graph."""
+def calibration_pixels(spec: Spec, cfg: GuardConfig) -> tuple:
+    """(pixels [N, S, S, 3] uint8, origin record) of the guard's calibration source."""
+    from engine import calibrate
+
+    if cfg.calibration_images is not None:
+        return calibrate.folder_pixels(cfg.calibration_images, spec, cfg.calibration_count)
+    if cfg.calibration_source == "renders":
+        return calibrate.generated_pixels(spec, cfg.calibration_count)
+    if cfg.calibration_source == "photos":
+        return calibrate.photo_pixels(spec, cfg.calibration_count)
+    raise ValueError(f"calibration source must be one of {calibrate.SOURCES}, got {cfg.calibration_source!r}")
+
+
+def _build_guard(be, backend: str, net, spec: Spec, device: str, tmp: Path, cfg: GuardConfig,
+                 chosen_guard: tuple | None = None) -> dict:
+    """Choose tau with the compiled low-precision graph, then build the FP32 re-check graph.
+    `chosen_guard`: (choose_tau's record, origin) when the search already chose tau with this graph."""
     from engine import calibrate
     from engine.model import wrap
 
     t0 = time.perf_counter()
-    if cfg.calibration_images is not None:
-        pixels, origin = calibrate.folder_pixels(cfg.calibration_images, spec, cfg.calibration_count)
-    elif cfg.calibration_source == "renders":
-        pixels, origin = calibrate.generated_pixels(spec, cfg.calibration_count)
-    elif cfg.calibration_source == "photos":
-        pixels, origin = calibrate.photo_pixels(spec, cfg.calibration_count)
-    else:
-        raise ValueError(f"calibration source must be one of {calibrate.SOURCES}, got {cfg.calibration_source!r}")
     view = Artifact(tmp, spec, backend, device, spec.precision, spec.batch_size, {}, {"guard": True})
     low = be.load(view, torch.device(device))                       # the graph the run will execute
     ref = wrap(net, dataclasses.replace(spec, precision="fp32"), device, margin=True)
-    low_top1, margins = calibrate.classify(low, pixels, spec.batch_size, margin=True, device=device)
-    ref_top1, ref_margins = calibrate.classify(ref, pixels, 16, margin=True, device=device)
-    chosen = calibrate.choose_tau(low_top1, margins, ref_top1, ref_margins, cfg.budget, cfg.safety)
+    if chosen_guard is not None:
+        chosen, origin = chosen_guard
+    else:
+        pixels, origin = calibration_pixels(spec, cfg)
+        low_top1, margins = calibrate.classify(low, pixels, spec.batch_size, margin=True, device=device)
+        ref_top1, ref_margins = calibrate.classify(ref, pixels, 16, margin=True, device=device)
+        chosen = calibrate.choose_tau(low_top1, margins, ref_top1, ref_margins, cfg.budget, cfg.safety)
     smoke = _smoke(calibrate, low, ref, spec, device, cfg.smoke_count)
     rbatch, rsweep = cfg.recheck_batch, None
     if rbatch == "auto":
@@ -173,9 +212,6 @@ def measure_recheck_batch(net, spec: Spec, device: str, fraction: float) -> tupl
                   "expected_seconds_per_10k": {str(b): round(v, 3) for b, v in cost.items()}}
 
 
-AUTO_BATCHES = {"cuda": (32, 40, 50, 64, 80, 100, 128), "cpu": (8, 16, 32)}  # 10,000 = 125 x 80: divisors pad less
-
-
 def _batch_size(text: str) -> int | str:
     if text == "auto":
         return text
@@ -198,7 +234,9 @@ def measure_batch_size(spec: Spec, checkpoint: Path | None, device: str, candida
     net = net if net is not None else load_model(spec, checkpoint)
     rates = {}
     with torch.inference_mode():
-        for b in candidates or AUTO_BATCHES.get(device, AUTO_BATCHES["cpu"]):
+        from engine.presets import preset
+
+        for b in candidates or preset(device).batch_sizes:
             m = wrap(net, dataclasses.replace(spec, batch_size=b), device)
             x = torch.randint(0, 256, (b, spec.input_size, spec.input_size, 3), dtype=torch.uint8, device=device)
             m(x)
@@ -224,10 +262,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint", type=Path, help="local .safetensors / .pth / .bin (every backend but null needs one)")
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--precision", choices=PRECISIONS, default="fp32")
-    p.add_argument("--backend", choices=tuple(backends.BACKENDS), default=backends.DEFAULT)
+    p.add_argument("--precision", choices=PRECISIONS + ("auto",), default="fp32",
+                   help="auto: measured on this machine (engine.autotune): the fastest of the device's native "
+                        "precisions that holds the guard's disagreement budget")
+    p.add_argument("--backend", choices=tuple(backends.BACKENDS) + ("auto",), default=backends.DEFAULT,
+                   help="auto: the fastest measured of the backends that import here")
     p.add_argument("--batch-size", type=_batch_size,
-                   help="static batch; auto: the fastest of a short measured sweep on the build device")
+                   help="static batch; auto: the fastest of the device preset's batch sizes (engine.presets), "
+                        "measured on the compiled graph")
+    s = p.add_argument_group("measured build (any of precision, batch size, backend auto)")
+    s.add_argument("--search-budget-s", type=float, default=None,
+                   help="time for the whole search (default: the device preset's: cpu 900, cuda 1500)")
+    s.add_argument("--search-precisions", default=None,
+                   help="comma-separated precisions to measure for --precision auto, native or not "
+                        "(default: the ones this device runs natively)")
+    s.add_argument("--no-verify", dest="verify", action="store_false",
+                   help="skip the chosen artifact's end-to-end check through scripts/run")
     p.add_argument("--input-size", type=int)
     p.add_argument("--crop-mode", choices=CROP_MODES)
     p.add_argument("--crop-pct", type=float)
@@ -253,26 +303,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--calibration-count must be >= 16, --guard-safety >= 1 and --guard-budget > 0")
     if a.recheck_batch == "auto" and a.checkpoint is None:
         p.error("--recheck-batch auto measures the model: it needs --checkpoint")
+    a.auto = "auto" in (a.precision, a.backend, a.batch_size)
+    if a.auto and a.checkpoint is None:
+        p.error("auto measures the model: it needs --checkpoint")
+    if a.search_precisions is not None:
+        a.search_precisions = tuple(x.strip() for x in a.search_precisions.split(",") if x.strip())
+        bad = [x for x in a.search_precisions if x not in PRECISIONS]
+        if bad or not a.search_precisions:
+            p.error(f"--search-precisions takes {', '.join(PRECISIONS)}, got {', '.join(bad) or 'nothing'}")
+    if a.search_budget_s is not None and a.search_budget_s <= 0:
+        p.error("--search-budget-s must be > 0")
     return a
 
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     try:
-        auto = a.batch_size == "auto"
-        spec = resolve_spec(a.model, precision=a.precision, batch_size=None if auto else a.batch_size,
-                            input_size=a.input_size, crop_mode=a.crop_mode, crop_pct=a.crop_pct,
-                            interpolation=a.interpolation, num_classes=a.num_classes, model_kwargs=a.model_kwargs)
-        sweep = None
-        if auto:
-            if a.checkpoint is None:
-                raise ValueError("--batch-size auto measures the model: it needs --checkpoint")
-            best, sweep = measure_batch_size(spec, a.checkpoint, a.device)
-            spec = dataclasses.replace(spec, batch_size=best)
-            print(f"engine.build: batch size {best} (measured: {sweep['images_per_s']} images/s)", file=sys.stderr)
+        from engine.presets import preset
+
+        pre = preset(a.device)
+        fixed_batch = a.batch_size if a.batch_size not in (None, "auto") else (pre.batch_size if a.auto else None)
+        spec = resolve_spec(a.model, precision="fp32" if a.precision == "auto" else a.precision,
+                            batch_size=fixed_batch, input_size=a.input_size, crop_mode=a.crop_mode,
+                            crop_pct=a.crop_pct, interpolation=a.interpolation, num_classes=a.num_classes,
+                            model_kwargs=a.model_kwargs)
         guard = GuardConfig(a.guard, a.calibration_images, a.calibration_count, a.guard_safety, a.recheck_batch,
                             a.recheck_backend, a.guard_budget, a.calibration_source)
-        meta = build(spec, a.checkpoint, a.out, backend=a.backend, device=a.device, guard=guard, batch_sweep=sweep)
+        auto = None
+        if a.auto:
+            auto = AutoConfig(a.precision == "auto", a.batch_size == "auto", a.backend == "auto",
+                              a.search_precisions, a.search_budget_s, a.verify)
+        meta = build(spec, a.checkpoint, a.out, backend=backends.DEFAULT if a.backend == "auto" else a.backend,
+                     device=a.device, guard=guard, auto=auto)
     except (OSError, ValueError, RuntimeError) as e:
         print(f"engine.build: error: {e}", file=sys.stderr)
         return 2

@@ -61,7 +61,9 @@ class Runtime:
         self._ring = UploadRing(self._shape, device) if device.type == "cuda" else None
         self.gpu_busy_s = 0.0       # summed CUDA-event time of the graph calls (report mode)
         self._events: list = []
-        self._want_graphs = settings.cuda_graphs() if cuda_graphs is None else cuda_graphs
+        if cuda_graphs is None:
+            cuda_graphs = settings.cuda_graphs()
+        self._want_graphs = artifact.meta.get("cuda_graphs", True) if cuda_graphs is None else cuda_graphs
         self.cuda_graph_status = "off"
         if capture:
             self.capture_graphs()

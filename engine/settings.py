@@ -13,7 +13,7 @@ on and 0, false, no, off for off (an empty value is the default).
 |---|---|---|---|
 | ENGINE_ARTIFACT | path | artifacts/default | the artifact directory scripts/run loads |
 | ENGINE_DECODER | decoder name | the artifact's | pil, dali-cpu, dali-gpu, nvjpeg: the off switch for fast decoding |
-| ENGINE_CUDA_GRAPHS | 0/1 | 1 | replay the static batch from a captured CUDA graph |
+| ENGINE_CUDA_GRAPHS | 0/1 | the artifact's (1) | replay the static batch from a captured CUDA graph (an auto build records whether that measured faster) |
 | ENGINE_TF32 | 0/1 | 0 | let FP32 matmuls and convolutions on CUDA use TF32 (0: IEEE FP32, as a frozen FP32 reference computes; 1: to match a reference that ran with TF32) |
 | ENGINE_GUARD | 0/1 | 1 | re-check near-ties of a guarded low-precision artifact in FP32 (0: raw answers) |
 | ENGINE_ARTIFACT_VERIFY | quick/size/sha256 | quick | at load: sizes + a sampled SHA-256 of each file, sizes only, or the full SHA-256 (engine.artifact) |
@@ -131,8 +131,9 @@ def decoder() -> str | None:
     return read("ENGINE_DECODER", _decoder_name, None)
 
 
-def cuda_graphs() -> bool:
-    return read("ENGINE_CUDA_GRAPHS", flag, True)
+def cuda_graphs() -> bool | None:
+    """None: unset, the artifact decides (its manifest's `cuda_graphs`, else on)."""
+    return read("ENGINE_CUDA_GRAPHS", flag, None)
 
 
 def tf32() -> bool:

@@ -35,9 +35,26 @@ PACKAGE_MODEL_DIR = ("data", "aotinductor", "model")   # where a .pt2 keeps the 
 SOURCES = (".cpp", ".h", ".hpp", ".cu", ".c")            # the package's C++ sources: not needed to load
 
 
-def save(net: torch.nn.Module, spec, device: str, out_dir: Path, margin: bool = False) -> dict:
+OPTIONS = ("default", "max-autotune")   # compile options engine.autotune may time against each other
+
+
+def inductor_configs(device: str, options: str = "default") -> dict:
+    """Inductor's settings for an option: on the CPU freezing (weights folded in, prepacked by
+    oneDNN); max-autotune times GEMM kernels at compile time, on the CPU Inductor's C++ GEMM
+    templates against ATen's (oneDNN / MKL)."""
+    if options not in OPTIONS:
+        raise ValueError(f"aot options must be one of {OPTIONS}, got {options!r}")
+    configs: dict = {"freezing": True} if device == "cpu" else {}
+    if options == "max-autotune":
+        configs["max_autotune"] = True
+        configs["max_autotune_gemm_backends"] = "CPP,ATEN" if device == "cpu" else "TRITON,ATEN"
+    return configs
+
+
+def save(net: torch.nn.Module, spec, device: str, out_dir: Path, margin: bool = False,
+         options: str = "default") -> dict:
     ep, example = export_top1(net, spec, device, margin)
-    configs = {"freezing": True} if device == "cpu" else {}
+    configs = inductor_configs(device, options)
     package = out_dir / ".model.pt2"
     workers = _compile_workers()
     cache = _inductor_cache_dir()
@@ -56,7 +73,7 @@ def save(net: torch.nn.Module, spec, device: str, out_dir: Path, margin: bool = 
           f"{used / 2**30:.2f} GiB; unpacked {len(files)} files into {DIR}/", file=sys.stderr)
     return {"aot": {"dir": DIR, "so": f"{DIR}/{SO}", "files": files, "compile_seconds": round(seconds, 3),
                     "compile_workers": workers, "inductor_cache_bytes": used,
-                    "example_shape": list(example.shape), "inductor_configs": configs,
+                    "example_shape": list(example.shape), "inductor_configs": configs, "options": options,
                     "outputs": ["top1", "margin"] if margin else ["top1"]}}
 
 

@@ -1,0 +1,169 @@
+"""The real measurements behind engine.autotune: what this machine runs natively, and each
+candidate's compiled graph timed and checked against FP32 on the calibration images.
+
+Timing follows the usual rules: the graph is warmed up first (lazy inits, autotuned
+kernels, a first-call allocation), every clock read is synchronised with the device, and
+the rate is the batch over the median of several timed calls.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine import backends, calibrate
+from engine.artifact import Artifact
+from engine.autotune import Agreement, Candidate
+from engine.model import wrap
+from engine.spec import Spec
+
+MIN_CALLS, MIN_SECONDS, WARMUP = 3, 1.5, 2
+
+
+def native_precisions(device: str) -> tuple[list[str], dict[str, str]]:
+    """(precisions this device runs natively, {precision: why not} for the others), read from torch:
+    the CPU capability and oneDNN's bf16/fp16 support, or the GPU's compute capability."""
+    out, skipped = ["fp32"], {}
+    if device == "cpu":
+        cap = torch.backends.cpu.get_cpu_capability()
+        isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+        limited = bool(isa) and not isa.startswith(("AVX512", "AVX10", "ALL"))
+        wide = cap.startswith("AVX512") or "AMX" in cap
+        for p, supported in (("bf16", torch.ops.mkldnn._is_mkldnn_bf16_supported),
+                             ("fp16", torch.ops.mkldnn._is_mkldnn_fp16_supported)):
+            if wide and not limited and supported():
+                out.append(p)
+            else:
+                skipped[p] = (f"no native {p} on this CPU (capability {cap}"
+                              + (f", ONEDNN_MAX_CPU_ISA={isa}" if isa else "")
+                              + f", oneDNN {p} {'yes' if supported() else 'no'}): emulated, measure it with "
+                              "--search-precisions")
+        skipped["fp8"] = "no fp8 GEMMs on the CPU"
+        return out, skipped
+    major, minor = torch.cuda.get_device_capability()
+    cc = (major, minor)
+    for p, need in (("bf16", (8, 0)), ("fp16", (7, 0)), ("fp8", (8, 9))):
+        if cc >= need:
+            out.append(p)
+        else:
+            skipped[p] = f"compute capability {major}.{minor} < {need[0]}.{need[1]}"
+    return out, skipped
+
+
+def importable_backends(device: str, wanted=("aot", "eager", "trt")) -> tuple[list[str], dict[str, str]]:
+    """The backends of `wanted` that can build here, and why the others cannot."""
+    import importlib.util
+
+    out, skipped = [], {}
+    for b in wanted:
+        if b == "trt" and (device != "cuda" or importlib.util.find_spec("torch_tensorrt") is None):
+            skipped[f"backend {b}"] = "needs CUDA and torch_tensorrt"
+            continue
+        out.append(b)
+    return out, skipped
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def rate(fn, x: torch.Tensor, device: str, clock=time.perf_counter) -> float:
+    """images/s of fn on batch x: after WARMUP calls, the batch over the median call time of at
+    least MIN_CALLS calls and MIN_SECONDS seconds, each call synchronised."""
+    with torch.inference_mode():
+        for _ in range(WARMUP):
+            fn(x)
+        _sync(device)
+        times: list[float] = []
+        start = clock()
+        while len(times) < MIN_CALLS or clock() - start < MIN_SECONDS:
+            t = clock()
+            fn(x)
+            _sync(device)
+            times.append(clock() - t)
+            if len(times) >= 50:
+                break
+    return x.shape[0] / statistics.median(times)
+
+
+@dataclasses.dataclass
+class Handle:
+    fn: object                      # fn(uint8 [B, S, S, 3]) -> top-1 (, margin)
+    folder: Path | None             # the backend's files (None: eager, nothing written)
+    extras: dict                    # the backend's manifest extras
+
+
+class Measurer:
+    """engine.autotune.Measurer on the real network: `pixels` [N, S, S, 3] are the calibration
+    images, `ref` the FP32 graph's (top-1, margins) on them; compiled candidates are written
+    under `workdir/<name>`."""
+
+    def __init__(self, net, spec: Spec, device: str, pixels: np.ndarray, ref: tuple[np.ndarray, np.ndarray],
+                 workdir: Path, budget: float = 10.0, safety: float = 2.0):
+        self.net, self.spec, self.device, self.pixels = net, spec, device, pixels
+        self.ref_top1, self.ref_margins = ref
+        self.workdir, self.budget, self.safety = workdir, budget, safety
+        s = spec.input_size
+        self._x = {}
+        self._shape = lambda b: (b, s, s, 3)
+
+    def _batch(self, b: int) -> torch.Tensor:
+        if b not in self._x:   # real calibration pixels, so the timed graph sees natural inputs
+            x = np.resize(self.pixels, self._shape(b)).astype(np.uint8)
+            self._x[b] = torch.from_numpy(x).to(self.device)
+        return self._x[b]
+
+    def _spec(self, c_precision: str, b: int) -> Spec:
+        return dataclasses.replace(self.spec, precision=c_precision, batch_size=b)
+
+    def screen(self, precision: str, batch_size: int) -> float:
+        m = wrap(self.net, self._spec(precision, batch_size), self.device, margin=precision != "fp32")
+        return rate(m, self._batch(batch_size), self.device)
+
+    def compile(self, c: Candidate) -> Handle:
+        spec = self._spec(c.precision, c.batch_size)
+        margin = c.precision != "fp32"
+        if c.backend == "eager":
+            return Handle(wrap(self.net, spec, self.device, margin=margin), None, {})
+        be = backends.get(c.backend)
+        folder = self.workdir / c.name.replace("/", "_").replace("+", "_")
+        folder.mkdir(parents=True)
+        kwargs = {"options": c.options} if c.options != "default" else {}
+        extras = be.save(self.net, spec, self.device, folder, margin=margin, **kwargs)
+        view = Artifact(folder, spec, c.backend, self.device, c.precision, c.batch_size, {},
+                        {"guard": True} if margin else {})
+        return Handle(be.load(view, torch.device(self.device)), folder, extras)
+
+    def time(self, h: Handle, c: Candidate) -> float:
+        fn = h.fn
+        if c.cuda_graphs:
+            from engine.runtime import _capture
+
+            fn, status = _capture(fn, self._shape(c.batch_size), torch.device(self.device))
+            if status != "captured":
+                raise RuntimeError(f"CUDA graph capture {status}")
+        return rate(fn, self._batch(c.batch_size), self.device)
+
+    def agree(self, h: Handle, c: Candidate) -> Agreement:
+        n = len(self.pixels)
+        if c.precision == "fp32":
+            top1, _ = calibrate.classify(h.fn, self.pixels, c.batch_size, margin=False, device=self.device)
+            wrong = int((top1 != self.ref_top1).sum())
+            allowed = max(1, int(self.budget * n / calibrate.PER))   # the calibration set resolves 1 image
+            return Agreement(1 - wrong / n, wrong <= allowed,
+                             f"{wrong} of {n} calibration images disagree with the FP32 graph" if wrong > allowed
+                             else "")
+        top1, margins = calibrate.classify(h.fn, self.pixels, c.batch_size, margin=True, device=self.device)
+        g = calibrate.choose_tau(top1, margins, self.ref_top1, self.ref_margins, self.budget, self.safety)
+        guarded = np.where(margins < g["tau"], self.ref_top1, top1)   # the guard's FP32 answers below tau
+        agreement = float((guarded == self.ref_top1).mean())
+        holds = g["estimated_per_10k"] <= self.budget
+        why = "" if holds else (f"no tau holds the budget: {g['estimated_per_10k']:.1f} estimated disagreements "
+                                f"per 10,000 > {self.budget:g}")
+        return Agreement(agreement, holds, why, g["tau"], g["rechecked_fraction"], g["estimated_per_10k"], g)

@@ -1,0 +1,236 @@
+"""`engine.build ... auto`: measure the candidates here, build the fastest that holds, verify it end
+to end, and fall back to what is known to work.
+
+After the search (engine.autotune) ranks the candidates that hold the disagreement budget,
+the first is assembled into the artifact (its compiled graph reused from the search, the
+guard's re-check graph added below fp32) and run through `scripts/run` on the calibration
+images written as JPEGs; its answers must agree with the FP32 eager path (PIL decoding,
+as the reference) on at least the preset's verify gate. A candidate that fails that is
+one stderr line, and the next is tried; when none is left, the build is the plain eager
+FP32 path without CUDA graphs, said loudly. The manifest's `build.search` records every
+candidate measured, the verification and the choice.
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from engine import autotune, backends
+from engine.presets import preset
+from engine.spec import Spec
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _say(msg: str) -> None:
+    print(f"engine.build: {msg}", file=sys.stderr, flush=True)
+
+
+def search_config(spec: Spec, backend: str, device: str, auto) -> tuple[autotune.SearchConfig, dict]:
+    """The candidates `auto` measures on this machine, and what it skips (with why)."""
+    from engine.autotune_measure import importable_backends, native_precisions
+
+    pre = preset(device)
+    skipped: dict[str, str] = {}
+    if auto.precision:
+        if auto.precisions:
+            precisions = tuple(auto.precisions)
+        else:
+            native, skipped = native_precisions(device)
+            precisions = tuple(native)
+    else:
+        precisions = (spec.precision,)
+    batches = pre.batch_sizes if auto.batch_size else (spec.batch_size,)
+    if auto.backend:
+        names, why = importable_backends(device)
+        skipped.update(why)
+    else:
+        names = [backend]
+    options = tuple(o for o in pre.options if o == "default" or o in getattr(backends.get("aot"), "OPTIONS", ()))
+    cfg = autotune.SearchConfig(precisions, tuple(batches), tuple(names), device,
+                                auto.budget_s if auto.budget_s is not None else pre.search_budget_s,
+                                options, pre.cuda_graphs)
+    return cfg, skipped
+
+
+def build_measured(net, spec: Spec, checkpoint, backend: str, device: str, guard, auto, tmp: Path, extra: dict,
+                   t0: float):
+    """Search, assemble the best candidate in `tmp`, verify it; returns (spec, backend, manifest)."""
+    from engine import build as engine_build
+    from engine import calibrate
+    from engine.model import wrap
+
+    cfg, skipped = search_config(spec, backend, device, auto)
+    pixels, origin = engine_build.calibration_pixels(spec, guard)
+    ref = wrap(net, dataclasses.replace(spec, precision="fp32"), device, margin=True)
+    ref_top1, ref_margins = calibrate.classify(ref, pixels, 16, margin=True, device=device)
+    work = Path(tempfile.mkdtemp(prefix=".search.", dir=tmp.parent))   # the candidates' graphs, beside the artifact
+    try:
+        return _search_and_assemble(engine_build, net, spec, checkpoint, backend, device, guard, auto, tmp, extra,
+                                    t0, cfg, skipped, pixels, origin, (ref_top1, ref_margins), work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _search_and_assemble(engine_build, net, spec, checkpoint, backend, device, guard, auto, tmp, extra, t0, cfg,
+                         skipped, pixels, origin, ref, work):
+    from engine.autotune_measure import Measurer
+
+    _say(f"autotune: measuring {', '.join(cfg.precisions)} x batch {', '.join(map(str, cfg.batch_sizes))} x "
+         f"{', '.join(cfg.backends)} on {device_name(device)} (budget {cfg.budget_s:.0f} s)"
+         + (f"; skipped: {'; '.join(f'{k}: {v}' for k, v in skipped.items())}" if skipped else ""))
+    m = Measurer(net, spec, device, pixels, ref, work, guard.budget, guard.safety)
+    result = autotune.search(m, cfg, skipped)
+    record = {"device": device_name(device), "budget_s": cfg.budget_s, "seconds": round(result.seconds, 1),
+              "calibration": origin, "skipped": result.skipped, "tie": autotune.TIE, "prune": autotune.PRUNE}
+    verify: list[dict] = []
+    for trial in result.ranked:
+        c = trial.candidate
+        cspec = dataclasses.replace(spec, precision=c.precision, batch_size=c.batch_size)
+        handle = result.handles[c.name]
+        _clear(tmp)
+        try:
+            saved = _adopt(handle, tmp)
+            gargs = (trial.guard, origin) if c.precision != "fp32" else None
+            meta = _assemble(engine_build, c, net, cspec, checkpoint, device, tmp, guard, extra, t0, saved, gargs,
+                             result, record, verify, chosen=c.name)
+        except Exception as e:  # noqa: BLE001 - a candidate that cannot be assembled: the next one
+            trial.status, trial.why = "failed", f"assembly: {autotune._why(e)}"
+            _say(f"autotune: {c.name}: cannot assemble the artifact ({autotune._why(e)}); trying the next")
+            verify.append({"candidate": c.name, "ok": False, "why": f"assembly: {autotune._why(e)}"})
+            continue
+        pre = preset(device)
+        v = (verify_artifact(tmp, net, cspec, device, pixels, pre.verify_images, pre.verify_gate) if auto.verify
+             else {"ok": True, "skipped": "verification off"})
+        verify.append({"candidate": c.name, **v})
+        if v["ok"]:
+            autotune.mark(result.trials, trial, chosen=True)
+            meta = _rewrite(engine_build, tmp, meta, result, verify)    # the record with its verification
+            _say("autotune:\n" + autotune.format_table(result, c.name))
+            _say(f"autotune: chose {c.name}: {trial.effective_images_per_s:.1f} images/s on the compiled graph"
+                 + (f", verified end to end: {v['agreement']:.2%} of {v['images']} images agree with FP32 eager"
+                    if "agreement" in v else ""))
+            return cspec, c.backend, meta
+        trial.status, trial.why = "failed", f"end-to-end check: {v['why']}"
+        _say(f"autotune: {c.name} failed its end-to-end check ({v['why']}); trying the next")
+    # nothing held, built or verified: the plain path that is known to work
+    _clear(tmp)
+    _say("autotune:\n" + autotune.format_table(result, None))
+    _say("autotune: WARNING: no measured candidate held, built and verified; building the plain eager FP32 "
+         "path without CUDA graphs")
+    c = autotune.Candidate("fp32", spec.batch_size, "eager")
+    fspec = dataclasses.replace(spec, precision="fp32")
+    meta = _assemble(engine_build, c, net, fspec, checkpoint, device, tmp, guard, extra, t0, None, None, result,
+                     record, verify, chosen=None, fallback=True)
+    return fspec, "eager", meta
+
+
+def _assemble(engine_build, c, net, cspec, checkpoint, device, tmp, guard, extra, t0, saved, gargs, result,
+              record, verify, chosen, fallback: bool = False) -> dict:
+    """The artifact in `tmp` (the guard below fp32, the manifest with the search's record)."""
+    search = {**record, "candidates": result.table(), "chosen": chosen, "verify": verify,
+              "fallback": "eager FP32 without CUDA graphs: nothing measured held" if fallback else None}
+    ex = {**extra, "build": {**extra["build"], "search": search}, "cuda_graphs": bool(c.cuda_graphs)}
+    return engine_build._assemble(backends.get(c.backend), c.backend, net, cspec, checkpoint, device, tmp, guard,
+                                  ex, t0, saved, gargs)
+
+
+def _rewrite(engine_build, tmp: Path, meta: dict, result, verify: list) -> dict:
+    """manifest.json again, its search record now with the final table and the verification."""
+    from engine.artifact import DIGEST_KEY, write_manifest
+    from engine.spec import Spec as SpecType
+
+    own = ("format", "spec", "backend", "device", "precision", "batch_size", "checkpoint", "files", "versions",
+           "graph", DIGEST_KEY)
+    extra = {k: v for k, v in meta.items() if k not in own}
+    extra["build"] = {**extra["build"], "search": {**extra["build"]["search"], "candidates": result.table(),
+                                                   "verify": verify}}
+    ck = meta["checkpoint"]
+    (tmp / "manifest.json").unlink()
+    return write_manifest(tmp, SpecType.from_dict(meta["spec"]), meta["backend"], meta["device"],
+                          Path(ck["path"]) if ck else None, ck["sha256"] if ck else None, extra)
+
+
+def _clear(tmp: Path) -> None:
+    """Empty the artifact folder (what a candidate that failed left there)."""
+    for p in tmp.iterdir():
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+
+def _adopt(handle, tmp: Path) -> dict | None:
+    """The search's compiled files of the chosen candidate, moved into the artifact; their manifest
+    extras (None: eager, whose weights the assembly writes)."""
+    if handle.folder is None:
+        return None
+    for p in handle.folder.iterdir():
+        os.replace(p, tmp / p.name)
+    handle.folder = tmp
+    return handle.extras
+
+
+def device_name(device: str) -> str:
+    """The machine a figure holds for: the CPU capability as torch reports it, or the GPU."""
+    import platform
+
+    import torch
+
+    if device == "cuda":
+        p = torch.cuda.get_device_properties(0)
+        return f"{p.name} (compute capability {p.major}.{p.minor})"
+    return f"{platform.machine()} CPU, capability {torch.backends.cpu.get_cpu_capability()}, " \
+           f"{torch.get_num_threads()} threads"
+
+
+def verify_artifact(artifact: Path, net, spec: Spec, device: str, pixels: np.ndarray, count: int,
+                    gate: float) -> dict:
+    """The artifact end to end through scripts/run on `count` calibration images written as JPEGs,
+    against the FP32 eager path (PIL decoding, batch 16) on the same files."""
+    from PIL import Image
+
+    from engine import calibrate
+    from engine.decoders.pil import PilDecoder
+    from engine.model import wrap
+
+    n = min(count, len(pixels))
+    with tempfile.TemporaryDirectory(prefix="engine-verify-") as d:
+        root = Path(d)
+        rows, blobs = [], []
+        for i in range(n):
+            buf = io.BytesIO()
+            Image.fromarray(pixels[i]).save(buf, "JPEG", quality=95)
+            (root / "images" / f"v{i:04d}.jpg").write_bytes(buf.getvalue())
+            blobs.append(buf.getvalue())
+            rows.append(f"v{i}\tv{i:04d}.jpg\n")
+        (root / "manifest.tsv").write_text("".join(rows))
+        fp32 = wrap(net, dataclasses.replace(spec, precision="fp32"), device)
+        px, failed = PilDecoder(spec, 16, 1).decode(blobs)                   # [n, S, S, 3] as the reference
+        want, _ = calibrate.classify(fp32, px, 16, margin=False, device=device)
+        (root / "images").mkdir()
+        out, report = root / "pred.i32", root / "report.json"      # outside IMAGE_ROOT (root/images)
+        env = {**os.environ, "ENGINE_ARTIFACT": str(artifact), "CONTEST_REPORT": str(report)}
+        t = time.perf_counter()
+        r = subprocess.run([str(REPO / "scripts" / "run"), str(root / "manifest.tsv"), str(root / "images"), str(out)],
+                           env=env, capture_output=True, text=True, timeout=1800)
+        wall = time.perf_counter() - t
+        if r.returncode != 0:
+            last = (r.stderr.strip().splitlines() or ["no output"])[-1][:300]
+            return {"ok": False, "images": n, "why": f"scripts/run exited {r.returncode}: {last}"}
+        got = np.fromfile(out, "<i4")
+        agreement = float((got == want).mean()) if len(got) == n else 0.0
+        rep = json.loads(report.read_text()) if report.is_file() else {}
+        res = {"images": n, "agreement": round(agreement, 5), "gate": gate, "wall_s": round(wall, 2),
+               "images_per_s": rep.get("images_per_s"), "cuda_graph": rep.get("runtime", {}).get("cuda_graph"),
+               "ok": agreement >= gate and len(got) == n}
+        if not res["ok"]:
+            res["why"] = f"{agreement:.2%} of {n} images agree with FP32 eager, under {gate:.0%}"
+        return res

@@ -1,0 +1,241 @@
+"""The measured build's search, on fake timings (no timed tests): what it compiles, what it rejects
+and why, what it chooses, and how the build falls back when nothing holds."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_spec
+
+from engine.autotune import Agreement, Candidate, SearchConfig, rank, search
+
+
+class Clock:
+    """A fake clock: each measured action advances it by what the fake says it cost."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class FakeMeasurer:
+    """Planted rates (eager screen and compiled graph) per (precision, batch, backend, options);
+    `fail_compile` / `fail_run` / `disagree` plant failures; `costs` advance the clock."""
+
+    def __init__(self, clock, screen, graph, fail_compile=(), fail_run=(), disagree=(), fraction=0.0,
+                 compile_s=10.0):
+        self.clock, self._screen, self._graph = clock, screen, graph
+        self.fail_compile, self.fail_run, self.disagree = set(fail_compile), set(fail_run), set(disagree)
+        self.fraction, self.compile_s = fraction, compile_s
+        self.compiled: list[str] = []
+
+    def screen(self, p, b):
+        self.clock.t += 1
+        return self._screen[(p, b)]
+
+    def compile(self, c):
+        self.clock.t += self.compile_s if c.backend == "aot" else 0.5
+        self.compiled.append(c.name)
+        if c.name.replace("+graphs", "") in self.fail_compile:   # one compile serves graphs on and off
+            raise RuntimeError("planted: the backend cannot build this")
+        return c.name
+
+    def time(self, h, c):
+        self.clock.t += 1
+        if c.name in self.fail_run:
+            raise RuntimeError("planted: CUDA graph capture failed")
+        return self._graph[(c.precision, c.batch_size, c.backend, c.options)]
+
+    def agree(self, h, c):
+        if c.name.replace("+graphs", "") in self.disagree:
+            return Agreement(0.9, False, "planted: 26 of 256 calibration images disagree with the FP32 graph")
+        low = c.precision != "fp32"
+        guard = {"tau": 0.01, "rechecked_fraction": self.fraction, "estimated_per_10k": 2.0, "budget_per_10k": 10.0,
+                 "safety": 2.0, "images": 16, "disagreements": 0}
+        return Agreement(1.0, True, "", 0.01 if low else None, self.fraction if low else 0.0, 2.0 if low else None,
+                         guard if low else None)
+
+
+def _cfg(**k) -> SearchConfig:
+    base = dict(precisions=("fp32", "bf16"), batch_sizes=(8, 16), backends=("aot",), device="cpu", budget_s=600)
+    return SearchConfig(**{**base, **k})
+
+
+# an AVX2 machine: emulated bf16 is far slower than fp32, eager and compiled
+AVX2_SCREEN = {("fp32", 8): 30.0, ("fp32", 16): 32.0, ("bf16", 8): 5.0, ("bf16", 16): 5.5}
+AVX2_GRAPH = {("fp32", 8, "aot", "default"): 40.0, ("fp32", 16, "aot", "default"): 43.0,
+              ("bf16", 8, "aot", "default"): 7.0, ("bf16", 16, "aot", "default"): 8.0}
+
+
+def test_on_a_cpu_without_native_bf16_the_search_rejects_bf16_because_it_measured_slower(capsys):
+    clock = Clock()
+    m = FakeMeasurer(clock, AVX2_SCREEN, AVX2_GRAPH)
+    res = search(m, _cfg(), clock=clock)
+    assert res.ranked[0].candidate == Candidate("fp32", 16, "aot")
+    bf16 = next(t for t in res.trials if t.candidate.name == "aot/bf16/b16")
+    assert bf16.status == "holds" and "8.0 images/s against 43.0 of aot/fp32/b16" in bf16.why
+    # bf16/b16 is compiled although it screens under PRUNE x the best: it is its precision's best batch
+    assert "aot/bf16/b16" in m.compiled and "aot/bf16/b8" not in m.compiled
+    assert [r["status"] for r in res.table()].count("not compiled") == 1
+
+
+def test_where_bf16_measures_faster_and_holds_it_is_chosen():
+    clock = Clock()
+    screen = {("fp32", 8): 30.0, ("fp32", 16): 32.0, ("bf16", 8): 55.0, ("bf16", 16): 60.0}
+    graph = {**AVX2_GRAPH, ("bf16", 16, "aot", "default"): 90.0, ("bf16", 8, "aot", "default"): 80.0}
+    res = search(FakeMeasurer(clock, screen, graph, fraction=0.02), _cfg(), clock=clock)
+    best = res.ranked[0]
+    assert best.candidate == Candidate("bf16", 16, "aot")
+    # the guard's expected re-checks are paid at the FP32 rate: 1 / (1/90 + 0.02/43)
+    assert best.effective_images_per_s == pytest.approx(1 / (1 / 90 + 0.02 / 43))
+
+
+def test_a_tie_goes_to_the_simpler_candidate():
+    clock = Clock()
+    screen = {("fp32", 8): 30.0, ("fp32", 16): 32.0, ("bf16", 8): 31.0, ("bf16", 16): 33.0}
+    graph = {**AVX2_GRAPH, ("bf16", 16, "aot", "default"): 44.0}   # 2 % faster than fp32/b16: a tie
+    res = search(FakeMeasurer(clock, screen, graph), _cfg(), clock=clock)
+    assert res.ranked[0].candidate == Candidate("fp32", 16, "aot")
+    assert res.ranked[1].candidate == Candidate("bf16", 16, "aot")
+
+
+def test_failing_and_disagreeing_candidates_are_skipped_with_one_line_each(capsys):
+    clock = Clock()
+    screen = {("fp32", 8): 30.0, ("fp32", 16): 32.0, ("bf16", 8): 50.0, ("bf16", 16): 60.0}
+    graph = {**AVX2_GRAPH, ("bf16", 16, "aot", "default"): 90.0, ("bf16", 8, "aot", "default"): 85.0}
+    m = FakeMeasurer(clock, screen, graph, fail_compile={"aot/bf16/b16"}, disagree={"aot/bf16/b8"},
+                     fail_run={"aot/fp32/b16+graphs"})
+    res = search(m, _cfg(device="cuda", cuda_graphs=(True, False)), clock=clock)
+    err = capsys.readouterr().err.splitlines()
+    rows = {r["name"]: r for r in res.table()}
+    for name in ("aot/bf16/b16", "aot/bf16/b16+graphs"):
+        assert rows[name]["status"] == "failed" and "cannot build" in rows[name]["why"]
+    for name in ("aot/bf16/b8", "aot/bf16/b8+graphs"):
+        assert rows[name]["status"] == "rejected" and "disagree" in rows[name]["why"]
+    assert rows["aot/fp32/b16+graphs"]["status"] == "failed" and "capture" in rows["aot/fp32/b16+graphs"]["why"]
+    for name in ("aot/bf16/b16+graphs", "aot/bf16/b16", "aot/bf16/b8", "aot/bf16/b8+graphs", "aot/fp32/b16+graphs"):
+        assert len([line for line in err if f" {name}:" in line]) == 1, err
+    # the graphs-on and graphs-off rows of one compile share it
+    assert m.compiled.count("aot/bf16/b16+graphs") + m.compiled.count("aot/bf16/b16") == 1
+    assert res.ranked[0].candidate == Candidate("fp32", 16, "aot")
+
+
+def test_the_budget_stops_compiles_that_would_not_fit():
+    clock = Clock()
+    screen = {("fp32", 8): 30.0, ("fp32", 16): 32.0, ("bf16", 8): 31.0, ("bf16", 16): 29.0}
+    m = FakeMeasurer(clock, screen, {**AVX2_GRAPH}, compile_s=100.0)
+    res = search(m, _cfg(budget_s=320), clock=clock)
+    rows = {r["name"]: r for r in res.table()}
+    assert len(m.compiled) == 2     # 4 s of screens, 2 x (100 + 1) s: a third needs 1.5 x 100 s, 114 s are left
+    assert sum("of the search budget left" in r.get("why", "") for r in rows.values()) == 2
+    assert res.seconds <= 320
+
+
+def test_compile_options_are_tried_on_the_best_fp32_candidate():
+    clock = Clock()
+    graph = {**AVX2_GRAPH, ("fp32", 16, "aot", "max-autotune"): 52.0}
+    res = search(FakeMeasurer(clock, AVX2_SCREEN, graph), _cfg(options=("default", "max-autotune")), clock=clock)
+    assert res.ranked[0].candidate == Candidate("fp32", 16, "aot", False, "max-autotune")
+
+
+def test_rank_orders_by_effective_rate():
+    clock = Clock()
+    res = search(FakeMeasurer(clock, AVX2_SCREEN, AVX2_GRAPH), _cfg(precisions=("fp32",)), clock=clock)
+    assert [t.candidate.batch_size for t in rank(res.trials)] == [16, 8]
+
+
+@pytest.mark.parametrize("cap, isa, bf16", [("AVX2", "", False), ("AVX512", "", True), ("AVX512", "AVX2", False)])
+def test_native_precisions_follow_the_cpu_capability_and_onednn_limit(monkeypatch, cap, isa, bf16):
+    from engine.autotune_measure import native_precisions
+
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: cap)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True, raising=False)
+    if isa:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
+    else:
+        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    got, skipped = native_precisions("cpu")
+    assert ("bf16" in got) is bf16 and got[0] == "fp32"
+    if not bf16:
+        assert cap in skipped["bf16"] and "--search-precisions" in skipped["bf16"]
+
+
+class _BuildFake(FakeMeasurer):
+    """The fake measurer behind a real engine.build: compiles are real eager models (cheap)."""
+
+    def __init__(self, net, spec, device, pixels, ref, workdir, budget, safety, **plant):
+        from engine.autotune_measure import Handle
+        from engine.model import wrap
+
+        clock = Clock()
+        screen = {(p, b): 30.0 for p in ("fp32", "bf16") for b in (8, 16, 32)}
+        graph = {(p, b, be, "default"): 40.0 + b + (5 if p == "fp32" else -20) for p in ("fp32", "bf16")
+                 for b in (8, 16, 32) for be in ("aot", "eager")}
+        super().__init__(clock, screen, graph, **plant)
+        self._make = lambda c: Handle(wrap(net, dataclasses.replace(spec, precision=c.precision,
+                                                                   batch_size=c.batch_size), device,
+                                           margin=c.precision != "fp32"), None, {})
+
+    def compile(self, c):
+        super().compile(c)
+        return self._make(c)
+
+
+def _auto_build(tmp_path, tiny_checkpoint, monkeypatch, verify_ok=lambda name: True, **plant):
+    from engine import autotune_measure, build_auto
+    from engine.build import AutoConfig, GuardConfig, build
+
+    monkeypatch.setattr(autotune_measure, "Measurer", lambda *a, **k: _BuildFake(*a, **k, **plant))
+    monkeypatch.setattr(autotune_measure, "importable_backends", lambda device: (["eager"], {}))
+    seen = []
+
+    def verify(artifact, net, spec, device, pixels, count, gate):
+        name = f"eager/{spec.precision}/b{spec.batch_size}"
+        seen.append(name)
+        return {"ok": verify_ok(name), "images": 16, "agreement": 1.0 if verify_ok(name) else 0.5,
+                **({} if verify_ok(name) else {"why": "planted: 50.00% of 16 images agree"})}
+
+    monkeypatch.setattr(build_auto, "verify_artifact", verify)
+    spec = tiny_spec("squash", 16)
+    meta = build(spec, tiny_checkpoint, tmp_path / "art", backend="eager", device="cpu",
+                 guard=GuardConfig(calibration_source="renders", calibration_count=16),
+                 auto=AutoConfig(precisions=("fp32", "bf16"), budget_s=100))
+    return meta, seen
+
+
+def test_the_build_takes_the_next_candidate_when_the_first_fails_its_end_to_end_check(tmp_path, tiny_checkpoint,
+                                                                                         monkeypatch, capsys):
+    meta, seen = _auto_build(tmp_path, tiny_checkpoint, monkeypatch, verify_ok=lambda n: n != "eager/fp32/b32")
+    assert seen[:2] == ["eager/fp32/b32", "eager/fp32/b16"]
+    assert (meta["precision"], meta["batch_size"], meta["backend"]) == ("fp32", 16, "eager")
+    search_rec = meta["build"]["search"]
+    assert search_rec["chosen"] == "eager/fp32/b16" and not search_rec["fallback"]
+    assert [v["ok"] for v in search_rec["verify"]] == [False, True]
+    rows = {r["name"]: r for r in search_rec["candidates"]}
+    assert rows["eager/fp32/b32"]["status"] == "failed" and "end-to-end" in rows["eager/fp32/b32"]["why"]
+    assert rows["eager/fp32/b16"]["status"] == "chosen"
+    assert "against 61.0 of eager/fp32/b16" in rows["eager/fp32/b8"]["why"]
+    assert "failed its end-to-end check" in capsys.readouterr().err
+    on_disk = json.loads((tmp_path / "art" / "manifest.json").read_text())
+    assert on_disk["build"]["search"]["verify"] == search_rec["verify"]
+    assert not list(tmp_path.glob(".search.*"))          # the candidates' work folder is gone
+
+
+def test_when_every_candidate_fails_the_build_is_eager_fp32_without_graphs(tmp_path, tiny_checkpoint, monkeypatch,
+                                                                          capsys):
+    names = [f"eager/{p}/b{b}" for p in ("fp32", "bf16") for b in (8, 16, 32)]
+    meta, _ = _auto_build(tmp_path, tiny_checkpoint, monkeypatch, fail_compile=set(names))
+    assert (meta["precision"], meta["backend"], meta["cuda_graphs"]) == ("fp32", "eager", False)
+    assert meta["build"]["search"]["fallback"] and meta["build"]["search"]["chosen"] is None
+    err = capsys.readouterr().err
+    assert "WARNING: no measured candidate held" in err
+    from engine.artifact import load_artifact
+    from engine.runtime import load_runtime
+
+    rt = load_runtime(load_artifact(tmp_path / "art"))
+    assert rt.run(np.zeros((16, 112, 112, 3), np.uint8)).shape == (16,)
