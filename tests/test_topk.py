@@ -9,6 +9,7 @@ import subprocess
 import sys
 import types
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -336,10 +337,10 @@ class FakeCupy:
         self.compiled, self.modules = [], []
         self.arch, self.binary = arch, binary
         fake = self
-        self.cupy = types.ModuleType("cupy")
+        self.cupy: Any = types.ModuleType("cupy")      # fake modules: their attributes are set here
         self.cupy.__version__ = "14.2.0"
-        self.cuda = types.ModuleType("cupy.cuda")
-        self.compiler = types.ModuleType("cupy.cuda.compiler")
+        self.cuda: Any = types.ModuleType("cupy.cuda")
+        self.compiler: Any = types.ModuleType("cupy.cuda.compiler")
         self.cupy.cuda, self.cuda.compiler = self.cuda, self.compiler
 
         class Device:

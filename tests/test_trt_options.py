@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 import types
+from typing import Any
 
 import pytest
 import torch
@@ -40,7 +41,7 @@ def fake_trt(monkeypatch):
     """install(compile) puts a torch_tensorrt with that dynamo.compile in sys.modules and makes
     save() reachable on CPU (CUDA reported present, the export replaced by a placeholder)."""
     def install(compile_fn):
-        mod = types.ModuleType("torch_tensorrt")
+        mod: Any = types.ModuleType("torch_tensorrt")   # a fake module: its attributes are set here
         mod.__version__ = "2.14.0"
         mod.dynamo = types.SimpleNamespace(compile=compile_fn)
 
