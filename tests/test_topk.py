@@ -337,11 +337,12 @@ class FakeCupy:
         self.compiled, self.modules = [], []
         self.arch, self.binary = arch, binary
         fake = self
-        self.cupy: Any = types.ModuleType("cupy")      # fake modules: their attributes are set here
-        self.cupy.__version__ = "14.2.0"
-        self.cuda: Any = types.ModuleType("cupy.cuda")
-        self.compiler: Any = types.ModuleType("cupy.cuda.compiler")
-        self.cupy.cuda, self.cuda.compiler = self.cuda, self.compiler
+        cupy: Any = types.ModuleType("cupy")      # fake modules: their attributes are set here
+        cuda: Any = types.ModuleType("cupy.cuda")
+        compiler: Any = types.ModuleType("cupy.cuda.compiler")
+        cupy.__version__ = "14.2.0"
+        cupy.cuda, cuda.compiler = cuda, compiler
+        self.cupy, self.cuda, self.compiler = cupy, cuda, compiler
 
         class Device:
             def __init__(self, index=0):
@@ -367,7 +368,7 @@ class FakeCupy:
             fake.compiled.append(options)
             return fake.binary, None
 
-        self.cuda.Device, self.cupy.RawModule, self.compiler.compile_using_nvrtc = Device, RawModule, compile_using_nvrtc
+        cuda.Device, cupy.RawModule, compiler.compile_using_nvrtc = Device, RawModule, compile_using_nvrtc
 
     def install(self, monkeypatch):
         for name, mod in (("cupy", self.cupy), ("cupy.cuda", self.cuda), ("cupy.cuda.compiler", self.compiler)):
