@@ -16,7 +16,8 @@ max-autotune, one level up:
    calibration images: FP32 candidates must agree with the FP32 graph, low-precision ones
    get their guard's tau (engine.calibrate.choose_tau) and must hold the disagreement
    budget; a low-precision rate counts its expected re-check cost;
-4. choice: the fastest that holds; within TIE of it, the simplest (FP32 over guarded low
+4. confirm: the leading candidates are timed again, alternated, and keep the median;
+5. choice: the fastest that holds; within TIE of it, the simplest (FP32 over guarded low
    precision, no extra compile options, fewer moving parts).
 
 The measurements go through a `Measurer` (real: `engine.autotune_measure.Measurer`), so
@@ -225,6 +226,7 @@ def search(m: Measurer, cfg: SearchConfig, skipped: dict[str, str] | None = None
             continue
         trial.status = "holds"
         handles[c.name] = handle
+    _confirm(m, trials, built, cfg)
     _effective_rates(trials)
     ranked = rank(trials)
     if ranked:
@@ -242,6 +244,30 @@ def mark(trials: list[Trial], best: Trial, chosen: bool = False) -> None:
                 t.status = "chosen"
         elif t.status == "holds" and t.effective_images_per_s is not None:
             t.why = f"{t.effective_images_per_s:.1f} images/s against {rate:.1f} of {best.candidate.name}"
+
+
+CONFIRM_TOP, CONFIRM_ROUNDS = 3, 2
+
+
+def _confirm(m: Measurer, trials: list[Trial], built: dict, cfg: SearchConfig) -> None:
+    """The leading candidates timed again, alternated, CONFIRM_ROUNDS more times: each rate is the
+    median of its timings, so one disturbed measurement does not decide the choice."""
+    import statistics
+
+    lead = sorted((t for t in trials if t.status == "holds" and t.images_per_s), key=lambda t: -t.images_per_s)
+    lead = lead[:CONFIRM_TOP]
+    if len(lead) < 2:
+        return
+    samples = {id(t): [t.images_per_s] for t in lead}
+    for _ in range(CONFIRM_ROUNDS):
+        for t in lead:
+            c = t.candidate
+            try:
+                samples[id(t)].append(m.time(built[(c.precision, c.batch_size, c.backend, c.options)], c))
+            except Exception as e:  # noqa: BLE001 - it ran before: say so and keep the earlier timings
+                _say(f"autotune: {c.name}: timing again failed ({_why(e)})")
+    for t in lead:
+        t.images_per_s = statistics.median(samples[id(t)])
 
 
 def _effective_rates(trials: list[Trial]) -> None:

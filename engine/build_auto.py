@@ -110,8 +110,11 @@ def _search_and_assemble(engine_build, net, spec, checkpoint, backend, device, g
             verify.append({"candidate": c.name, "ok": False, "why": f"assembly: {autotune._why(e)}"})
             continue
         pre = preset(device)
-        v = (verify_artifact(tmp, net, cspec, device, pixels, pre.verify_images, pre.verify_gate) if auto.verify
-             else {"ok": True, "skipped": "verification off"})
+        try:
+            v = (verify_artifact(tmp, net, cspec, device, pixels, pre.verify_images, pre.verify_gate) if auto.verify
+                 else {"ok": True, "skipped": "verification off"})
+        except (OSError, ValueError, RuntimeError, subprocess.SubprocessError) as e:
+            v = {"ok": False, "why": autotune._why(e)}
         verify.append({"candidate": c.name, **v})
         if v["ok"]:
             autotune.mark(result.trials, trial, chosen=True)
@@ -204,6 +207,7 @@ def verify_artifact(artifact: Path, net, spec: Spec, device: str, pixels: np.nda
     n = min(count, len(pixels))
     with tempfile.TemporaryDirectory(prefix="engine-verify-") as d:
         root = Path(d)
+        (root / "images").mkdir()
         rows, blobs = [], []
         for i in range(n):
             buf = io.BytesIO()
@@ -215,7 +219,6 @@ def verify_artifact(artifact: Path, net, spec: Spec, device: str, pixels: np.nda
         fp32 = wrap(net, dataclasses.replace(spec, precision="fp32"), device)
         px, failed = PilDecoder(spec, 16, 1).decode(blobs)                   # [n, S, S, 3] as the reference
         want, _ = calibrate.classify(fp32, px, 16, margin=False, device=device)
-        (root / "images").mkdir()
         out, report = root / "pred.i32", root / "report.json"      # outside IMAGE_ROOT (root/images)
         env = {**os.environ, "ENGINE_ARTIFACT": str(artifact), "CONTEST_REPORT": str(report)}
         t = time.perf_counter()
