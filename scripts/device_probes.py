@@ -10,7 +10,7 @@ scored setup, and GPU micro-probes at EVA-02-L/448's shapes.
 Each probe prints one JSON line on stdout. The check runs each in its own process with a
 timeout, so a hung capture or a broken CUDA context costs that probe only. On the CPU the
 parts that need no GPU run (fp8 exactness, the decoder comparison on CPU decodes); the
-rest says "skipped: no CUDA".
+rest says "skipped: no CUDA". env_info and batch_sweep run in the check's own process.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import importlib
 import importlib.metadata
 import io
 import json
+import os
 import platform
 import re
 import sys
@@ -71,6 +72,18 @@ def _cuda_decode_probe() -> dict:
         return {"ok": True, "max_abs_diff_vs_cpu": int((gpu.int() - cpu.int()).abs().max())}
     except Exception as e:  # noqa: BLE001 - the answer is whether it works
         return {"ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
+
+
+def env_info(device: str) -> dict:
+    """Machine, versions and GPU, as this process sees them."""
+    import torch
+
+    info = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+            "machine": platform.machine(), "cpus": os.cpu_count(), "device": device}
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        info["gpu"] = {"name": p.name, "capability": f"{p.major}.{p.minor}", "memory_gib": round(p.total_memory / 2**30, 1)}
+    return info
 
 
 def scored_setup(repo: Path = REPO) -> dict:
@@ -391,6 +404,17 @@ def attention(device: str, batch: int, tokens: int, heads: int = 16, dim: int = 
             out[n.lower()] = f"unavailable: {str(e)[:120]}"
     timed = {k: v for k, v in out.items() if isinstance(v, float) and k != "math_vs_fp32"}
     return {"shape": [batch, heads, tokens, dim], "ms": out, "fastest": min(timed, key=timed.get) if timed else None}
+
+
+def batch_sweep(model: str, kwargs: dict, size: int, ckpt: Path, device: str, batches: list[int]) -> dict:
+    """Policy-bf16 eager inference alone per batch size (engine.build's measurement)."""
+    from engine.build import measure_batch_size
+    from engine.spec import resolve_spec
+
+    spec = resolve_spec(model, input_size=size, crop_mode="squash", crop_pct=1.0, precision="bf16",
+                        model_kwargs=kwargs)
+    best, sweep = measure_batch_size(spec, ckpt, device, batches)
+    return {"images_per_s": sweep["images_per_s"], "best": str(best)}
 
 
 def main(argv: list[str] | None = None) -> int:
