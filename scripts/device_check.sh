@@ -1,9 +1,12 @@
 #!/bin/sh
-# One-shot GPU check, <= 6 minutes on one H200 with only torch, torchvision, timm, cupy,
-# numpy and pytest (no DALI, TensorRT or open_clip: those steps say so and are skipped).
+# One-shot GPU check, within one ~10 minute window on one H200 with only torch, torchvision,
+# timm, cupy, numpy and pytest (DALI, TensorRT, open_clip, scikit-image are probed first:
+# the steps that need them say what they did without them).
 #   scripts/device_check.sh [OUTDIR]      (default: $OUT, else ./device_check_out)
-# Writes OUTDIR/device_check.json after every step, OUTDIR/gpu_tests.txt and
-# OUTDIR/logs.tar.gz; without a GPU it writes a JSON saying so and exits 0 in seconds.
+# Writes only small plain files: OUTDIR/device_check.json after every step (a stopped run
+# still says what finished), OUTDIR/device_check.log (each step's output, tail-kept) and
+# OUTDIR/gpu_tests.txt; work files go to a private folder under $TMPDIR, removed at the end
+# and on SIGTERM/SIGINT. Without a GPU it writes a JSON saying so and exits 0 in seconds.
 # Steps and their order: scripts/device_check.py. Extra arguments go to it.
 set -u
 here=$(CDPATH= cd -- "$(dirname -- "$0")/.." && pwd)

@@ -1,17 +1,45 @@
 """The one-shot GPU check: without a GPU it ends in seconds with a JSON; on the CPU with the
-tiny model it runs every step's code (the GPU run is the same code)."""
+tiny model it runs every step's code in the order the GPU run does (the GPU run is the same
+code); stopped mid-build it leaves a small result folder, a valid JSON and no work files."""
 from __future__ import annotations
 
 import json
 import os
+import platform
+import signal
 import subprocess
 import sys
-import tarfile
 import time
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import REPO
+
+sys.path.insert(0, str(REPO / "scripts"))
+from device_probes import not_exercised, scored_setup  # noqa: E402 - a script's module, not a package
+
+ORDER = ["env", "packages", "checkpoint", "aot_bf16", "fp8_gemm", "graph_capture", "decoder_race", "attention",
+         "topk", "cohort", "reference", "abi_aot_bf16", "abi_aot_bf16_no_graphs", "abi_aot_bf16_raw", "gpu_tests",
+         "eager_bf16", "eager_fp16", "eager_fp8", "batch_sweep"]
+TINY = ["--tiny", "--device", "cpu", "--count", "24", "--ref-count", "24", "--batch-size", "8",
+        "--gpu-tests-s", "60", "--calibration-count", "32"]
+
+
+def tree_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def processes_naming(text: str) -> list[int]:
+    """Pids of live processes whose command line contains `text`."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and text.encode() in (d / "cmdline").read_bytes():
+                pids.append(int(d.name))
+        except OSError:
+            pass
+    return pids
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
@@ -22,35 +50,103 @@ def test_without_a_gpu_it_ends_in_seconds_and_says_so(tmp_path):
     assert r.returncode == 0, r.stderr
     assert time.perf_counter() - t < 60
     doc = json.loads((tmp_path / "out" / "device_check.json").read_text())
-    assert doc["status"] == "no-gpu" and "no CUDA GPU" in doc["note"] and doc["env"]["torch"]
+    assert doc["status"] == "no-gpu" and "no CUDA GPU" in doc["note"] and doc["steps"]["env"]["torch"]
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["device_check.json"]
 
 
-def test_cpu_rehearsal_runs_every_step(tmp_path):
+def test_cpu_rehearsal_runs_every_step_in_order_and_keeps_only_small_files(tmp_path):
     out = tmp_path / "out"
-    r = subprocess.run([sys.executable, str(REPO / "scripts" / "device_check.py"), "--out", str(out), "--tiny",
-                        "--device", "cpu", "--count", "24", "--ref-count", "24", "--batch-size", "8",
-                        "--limit-s", "900", "--gpu-tests-s", "60", "--calibration-count", "32"],
-                       capture_output=True, text=True, timeout=1200, cwd=REPO)
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "device_check.py"), "--out", str(out), *TINY,
+                        "--limit-s", "1200"], capture_output=True, text=True, timeout=1500, cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads((out / "device_check.json").read_text())
     steps = doc["steps"]
-    assert list(steps) == ["cohort", "checkpoint", "reference", "aot_bf16", "abi_aot_bf16", "eager_bf16",
-                           "eager_fp16", "eager_fp8", "batch_sweep", "attention", "topk", "gpu_tests"]
-    assert not [n for n, s in steps.items() if "error" in s or "skipped" in s], steps
+    assert list(steps) == ORDER
+    assert steps["graph_capture"] == {"skipped": "no CUDA", "seconds": steps["graph_capture"]["seconds"]}
+    assert not [n for n, s in steps.items() if "error" in s or "running" in s or
+                ("skipped" in s and n != "graph_capture")], steps
+    pk = steps["packages"]["packages"]
+    assert pk["torchvision"]["ok"] and pk["torchvision_cuda_decode"] == {"ok": False, "error": "skipped: no CUDA"}
+    build = steps["aot_bf16"]
+    assert build["calibration_source"] == ("photos" if pk["scikit-image"]["ok"] else "renders")
+    assert build["calibration_count"] == 32 and build["waited_s"] >= 0 and build["tau"] >= 0
+    assert build["estimated_per_10k"] <= build["budget_per_10k"] and steps["reference"]["images"] == 24
     abi = steps["abi_aot_bf16"]
     assert abi["agreement_rate"] >= 0.95 and abi["cuda_graph"] == "off" and abi["guard"]["images"] == 24
-    assert steps["aot_bf16"]["tau"] >= 0 and steps["reference"]["images"] == 24
-    assert steps["aot_bf16"]["estimated_per_10k"] <= steps["aot_bf16"]["budget_per_10k"]
-    side = abi["guard_side_by_side"]                      # raw vs guarded, the re-checks' share and time
+    assert abi["decoder"] == ("dali-cpu" if pk["nvidia.dali"]["ok"] else "pil")
+    nog = steps["abi_aot_bf16_no_graphs"]
+    assert nog["identical"] is True and nog["graphs_gain_steady"] > 0
+    side = steps["abi_aot_bf16_raw"]["guard_side_by_side"]   # raw vs guarded, the re-checks' share and time
     assert side["guarded_agreement"] == abi["agreement"] and side["rechecked_fraction"] == abi["guard"]["fraction"]
     assert side["raw_agreement_rate"] >= 0.95 and side["recheck_seconds"] >= 0
-    assert "guard_side_by_side" in steps["eager_bf16"]
-    assert steps["eager_fp8"]["agreement_rate"] >= 0.5
+    fp8 = steps["fp8_gemm"]
+    assert fp8["exact"] and set(fp8["layers"]) == {"qkv", "proj", "swiglu_fc1", "fc2"}
+    assert all(v["fp8_vs_fp32"] < 0.1 and v["bf16_vs_fp32"] < 1e-2 for v in fp8["layers"].values())
+    race = steps["decoder_race"]["decoders"]["torchvision"]
+    assert race["protocol_holds"] and race["record_stream"]["mismatches"] == 0
+    assert steps["eager_fp8"]["agreement_rate"] >= 0.5 and "guard_side_by_side" in steps["eager_bf16"]
     assert steps["attention"]["fastest"] == "math" and steps["topk"]["validated"]
     assert doc["status"] == "done" and not doc["alarms"]
+    gaps = doc["not_exercised"]
+    assert "Hopper GPU (ran without CUDA)" in gaps and any("tiny test model" in g for g in gaps)
+    assert (platform.machine() == "aarch64") != any(g.startswith("architecture aarch64") for g in gaps)
+    # only small plain files in the result folder; the work folder (checkpoint, artifacts, cohort) is gone
     files = sorted(p.name for p in out.iterdir())
-    assert files == ["device_check.json", "gpu_tests.txt", "logs.tar.gz"] and len(files) <= 8
-    with tarfile.open(out / "logs.tar.gz") as t:
-        names = t.getnames()
-    assert any(n.endswith("build_aot_bf16.log") for n in names) and all(":" not in n for n in names)
+    assert files == ["device_check.json", "device_check.log", "gpu_tests.txt"] and tree_bytes(out) < 1 << 20
+    assert "==== build_aot_bf16 (exit 0" in (out / "device_check.log").read_text()
+    assert doc["work_dir_removed"] and not Path(doc["work_dir"]).exists()
+
+
+def test_sigterm_mid_build_leaves_a_small_result_folder_and_a_json_naming_each_step(tmp_path):
+    out = tmp_path / "out"
+    p = subprocess.Popen([sys.executable, str(REPO / "scripts" / "device_check.py"), "--out", str(out), *TINY,
+                          "--limit-s", "1200"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    doc: dict = {}
+    deadline = time.monotonic() + 600
+    try:   # wait until the build compiles in the background and a foreground step is under way
+        while time.monotonic() < deadline and p.poll() is None:
+            try:
+                doc = json.loads((out / "device_check.json").read_text())
+            except (OSError, ValueError):
+                doc = {}
+            steps = doc.get("steps", {})
+            if "running" in steps.get("aot_bf16", {}) and "running" in steps.get(list(steps)[-1], {}) and \
+                    list(steps)[-1] != "aot_bf16":
+                break
+            time.sleep(0.5)
+        else:
+            pytest.fail(f"the build never ran in the background: {doc}")
+        work = doc["work_dir"]
+        assert Path(work).is_dir() and processes_naming(work)
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 128 + signal.SIGTERM, err[-2000:]
+    doc = json.loads((out / "device_check.json").read_text())
+    steps = doc["steps"]
+    assert doc["status"] == "stopped (SIGTERM)" and list(steps) == ORDER[:len(steps)]
+    assert all("seconds" in steps[n] and "error" not in steps[n] for n in ("env", "packages", "checkpoint"))
+    assert "interrupted" in steps["aot_bf16"] and "interrupted" in steps[list(steps)[-1]]
+    assert not [n for n, s in steps.items() if "running" in s]
+    assert tree_bytes(out) < 50 << 20 and sorted(x.name for x in out.iterdir()) == ["device_check.json",
+                                                                                    "device_check.log"]
+    assert "==== build_aot_bf16" in (out / "device_check.log").read_text()   # the cut build's output tail
+    assert not Path(work).exists() and not processes_naming(work)            # children stopped, work removed
+    assert doc["not_exercised"]
+
+
+def test_not_exercised_compares_the_run_with_the_lock_and_the_dockerfile():
+    scored = scored_setup(REPO)
+    lock = (REPO / "requirements" / "lock.txt").read_text()
+    assert f"torch=={scored['pins']['torch']}\n" in lock and scored["python"] in (REPO / "Dockerfile").read_text()
+    doc = {"steps": {"env": {"machine": "x86_64", "gpu": {"name": "NVIDIA H200", "capability": "9.0"}},
+                     "packages": {"packages": {"nvidia.dali": {"ok": False, "error": "not installed"}}},
+                     "aot_bf16": {"calibration_source": "renders", "calibration_count": 64},
+                     "abi_aot_bf16": {"decoder": "nvjpeg", "cuda_graph": "captured"}}}
+    gaps = not_exercised(doc, {**scored, "python": "2.7"})
+    assert "architecture aarch64 (ran on x86_64)" in gaps and not any(g.startswith("Hopper") for g in gaps)
+    assert "decoder dali-gpu (DALI not installed; the ABI decoded with nvjpeg)" in gaps
+    assert f"python 2.7 (ran {platform.python_version()})" in gaps and "calibration on 256 photos (ran 64 renders)" in gaps
+    assert not any(g.startswith("CUDA graph") for g in gaps)
