@@ -22,10 +22,11 @@ environment (default):
   ENGINE_MODEL        timm name, decides the spec          (what the checkpoint's safetensors metadata
                                                            records, as the kit's tiny checkpoints do;
                                                            else eva02_large_patch14_448.mim_m38m_ft_in22k_in1k)
-  ENGINE_PRECISION    fp32 | bf16 | fp16 | fp8             (cuda: bf16, guarded by an FP32 re-check of
-                                                           near-ties; cpu: fp32, the reference precision)
-  ENGINE_BATCH_SIZE   static batch of the compiled model, or auto (cuda: 64; cpu: the spec's)
-  ENGINE_BACKEND      a runtime backend of engine/backends (the registry's first; python -m engine.build --help)
+  ENGINE_PRECISION    auto | fp32 | bf16 | fp16 | fp8      (auto: measured here, the fastest of the device's
+                                                           native precisions that holds the guard's budget;
+                                                           below fp32 guarded by an FP32 re-check of near-ties)
+  ENGINE_BATCH_SIZE   auto or a static batch               (auto: the fastest of engine/presets.py's candidates)
+  ENGINE_BACKEND      auto or a backend of engine/backends (auto: the fastest that builds here)
   ENGINE_DEVICE       auto | cuda | cpu                    (auto: cuda when torch sees a GPU)
   ENGINE_ARTIFACT     artifact dir, relative to this folder or absolute (artifacts/default; scripts/run reads it too)
   ENGINE_INPUT_SIZE   spec override: input size in px      (recorded by the checkpoint, else the model's)
@@ -55,8 +56,9 @@ usage_error() { echo "build.sh: error: $*" >&2; exit 2; }   # a knob or an input
 failed() { echo "build.sh: error: $*" >&2; exit 1; }        # the build or the check failed
 
 CHECKPOINT=${ENGINE_CHECKPOINT:-/checkpoint/model.safetensors}
-PRECISION=${ENGINE_PRECISION:-}
-BACKEND=${ENGINE_BACKEND:-}
+PRECISION=${ENGINE_PRECISION:-auto}
+BACKEND=${ENGINE_BACKEND:-auto}
+ENGINE_BATCH_SIZE=${ENGINE_BATCH_SIZE:-auto}
 DEVICE=${ENGINE_DEVICE:-auto}
 ARTIFACT=${ENGINE_ARTIFACT:-artifacts/default}
 
@@ -74,7 +76,7 @@ command -v "$PY" >/dev/null 2>&1 || usage_error "no Python interpreter '$PY' (se
 [ -f "$CHECKPOINT" ] && [ -r "$CHECKPOINT" ] || usage_error "checkpoint is not a readable file: $CHECKPOINT"
 
 # Every knob checked before anything runs: one line naming the variable.
-case "$PRECISION" in ""|fp32|bf16|fp16|fp8) ;; *) usage_error "ENGINE_PRECISION must be fp32, bf16, fp16 or fp8, got '$PRECISION'" ;; esac
+case "$PRECISION" in auto|fp32|bf16|fp16|fp8) ;; *) usage_error "ENGINE_PRECISION must be auto, fp32, bf16, fp16 or fp8, got '$PRECISION'" ;; esac
 case "$DEVICE" in auto|cuda|cpu) ;; *) usage_error "ENGINE_DEVICE must be auto, cuda or cpu, got '$DEVICE'" ;; esac
 case "${ENGINE_BATCH_SIZE:-1}" in auto|*[!0-9]*|0*) [ "${ENGINE_BATCH_SIZE:-}" = auto ] \
     || usage_error "ENGINE_BATCH_SIZE must be a whole number >= 1 or auto, got '${ENGINE_BATCH_SIZE:-}'" ;; esac
@@ -110,23 +112,16 @@ if [ "$DEVICE" = auto ]; then
         DEVICE=cpu
     fi
 fi
-# on the GPU the fast default: guarded bf16 at a batch the device check measures; on the CPU the reference
-if [ -z "$PRECISION" ]; then
-    if [ "$DEVICE" = cuda ]; then PRECISION=bf16; else PRECISION=fp32; fi
-fi
-if [ -z "${ENGINE_BATCH_SIZE:-}" ] && [ "$DEVICE" = cuda ]; then ENGINE_BATCH_SIZE=64; fi
 
 # The engine.build flags, one per knob (positional parameters: safe for JSON with spaces).
 set -- --model "$MODEL" --checkpoint "$CHECKPOINT" --out "$ARTIFACT" --device "$DEVICE" \
-       --precision "$PRECISION"
-[ -n "$BACKEND" ] && set -- "$@" --backend "$BACKEND"
-[ -n "${ENGINE_BATCH_SIZE:-}" ] && set -- "$@" --batch-size "$ENGINE_BATCH_SIZE"
+       --precision "$PRECISION" --backend "$BACKEND" --batch-size "$ENGINE_BATCH_SIZE"
 [ -n "${ENGINE_INPUT_SIZE:-}" ] && set -- "$@" --input-size "$ENGINE_INPUT_SIZE"
 [ -n "${ENGINE_CROP_MODE:-}" ] && set -- "$@" --crop-mode "$ENGINE_CROP_MODE"
 [ -n "${ENGINE_CROP_PCT:-}" ] && set -- "$@" --crop-pct "$ENGINE_CROP_PCT"
 [ -n "${ENGINE_MODEL_KWARGS:-}" ] && set -- "$@" --model-kwargs "$ENGINE_MODEL_KWARGS"
 
-log "model $MODEL, checkpoint $CHECKPOINT, ${BACKEND:-default backend} on $DEVICE, $PRECISION, batch ${ENGINE_BATCH_SIZE:-of the spec} -> $ARTIFACT"
+log "model $MODEL, checkpoint $CHECKPOINT, backend $BACKEND on $DEVICE, precision $PRECISION, batch $ENGINE_BATCH_SIZE -> $ARTIFACT"
 # the stack the artifact is built with (its manifest records it; a run on another torch refuses it)
 stack=$("$PY" -c 'import importlib.metadata as md, torch
 def v(p):

@@ -63,7 +63,7 @@ class Candidate:
 class Trial:
     """What was measured of one candidate, as the manifest records it."""
     candidate: Candidate
-    status: str = "pending"         # chosen | holds | rejected | failed | not compiled
+    status: str = "pending"         # chosen | holds | slower | rejected | failed | not compiled
     why: str = ""
     screened_images_per_s: float | None = None   # eager policy network (the screen)
     images_per_s: float | None = None            # the compiled graph, steady state
@@ -193,6 +193,9 @@ def search(m: Measurer, cfg: SearchConfig, skipped: dict[str, str] | None = None
             continue
         key = (c.precision, c.batch_size, c.backend, c.options)
         t = clock()
+        if left() <= 0:
+            trial.status, trial.why = "not compiled", f"the search budget of {cfg.budget_s:.0f} s is spent"
+            continue
         if key not in built:
             if c.backend in cfg.compiled and left() < 1.5 * compile_cost:
                 trial.status, trial.why = "not compiled", f"{left():.0f} s of the search budget left"
@@ -211,6 +214,16 @@ def search(m: Measurer, cfg: SearchConfig, skipped: dict[str, str] | None = None
             continue
         try:
             trial.images_per_s = m.time(handle, c)
+            # the fastest that holds with an exact rate (nothing re-checked): a candidate slower than it
+            # cannot win whatever its agreement, so the calibration set is not classified for it
+            lead = max((t for t in trials if t.status == "holds" and t.images_per_s and not t.rechecked_fraction),
+                       default=None, key=lambda t: t.images_per_s)
+            if lead is not None and trial.images_per_s < lead.images_per_s * (1 - TIE):
+                trial.status = "slower"
+                trial.why = (f"{trial.images_per_s:.1f} images/s on the graph, under {lead.images_per_s:.1f} of "
+                             f"{lead.candidate.name}: agreement not measured")
+                trial.seconds = clock() - t
+                continue
             a = m.agree(handle, c)
         except Exception as e:  # noqa: BLE001 - capture or run failure: the next candidate
             trial.status, trial.why = "failed", f"run: {_why(e)}"

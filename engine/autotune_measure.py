@@ -22,7 +22,7 @@ from engine.autotune import Agreement, Candidate
 from engine.model import wrap
 from engine.spec import Spec
 
-MIN_CALLS, MIN_SECONDS, WARMUP = 3, 1.5, 2
+MIN_CALLS, MIN_SECONDS, WARMUP = 3, 2.0, 2
 
 
 def native_precisions(device: str) -> tuple[list[str], dict[str, str]]:
@@ -73,16 +73,17 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def rate(fn, x: torch.Tensor, device: str, clock=time.perf_counter) -> float:
-    """images/s of fn on batch x: after WARMUP calls, the batch over the median call time of at
-    least MIN_CALLS calls and MIN_SECONDS seconds, each call synchronised."""
+def rate(fn, x: torch.Tensor, device: str, clock=time.perf_counter, warmup: int = WARMUP, calls: int = MIN_CALLS,
+         seconds: float = MIN_SECONDS) -> float:
+    """images/s of fn on batch x: after `warmup` calls, the batch over the median call time of at
+    least `calls` calls and `seconds` seconds, each call synchronised."""
     with torch.inference_mode():
-        for _ in range(WARMUP):
+        for _ in range(warmup):
             fn(x)
         _sync(device)
         times: list[float] = []
         start = clock()
-        while len(times) < MIN_CALLS or clock() - start < MIN_SECONDS:
+        while len(times) < calls or clock() - start < seconds:
             t = clock()
             fn(x)
             _sync(device)
@@ -124,7 +125,9 @@ class Measurer:
 
     def screen(self, precision: str, batch_size: int) -> float:
         m = wrap(self.net, self._spec(precision, batch_size), self.device, margin=precision != "fp32")
-        return rate(m, self._batch(batch_size), self.device)
+        # a screen only orders the compiles: one warm-up and two timed calls (an emulated precision
+        # can take seconds a call)
+        return rate(m, self._batch(batch_size), self.device, warmup=1, calls=2, seconds=0.0)
 
     def compile(self, c: Candidate) -> Handle:
         spec = self._spec(c.precision, c.batch_size)

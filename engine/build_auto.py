@@ -58,8 +58,8 @@ def search_config(spec: Spec, backend: str, device: str, auto) -> tuple[autotune
         names = [backend]
     options = tuple(o for o in pre.options if o == "default" or o in getattr(backends.get("aot"), "OPTIONS", ()))
     cfg = autotune.SearchConfig(precisions, tuple(batches), tuple(names), device,
-                                auto.budget_s if auto.budget_s is not None else pre.search_budget_s,
-                                options, pre.cuda_graphs)
+                                budget_s=auto.budget_s if auto.budget_s is not None else pre.search_budget_s,
+                                options=options, cuda_graphs=pre.cuda_graphs)
     return cfg, skipped
 
 
@@ -91,7 +91,9 @@ def _search_and_assemble(engine_build, net, spec, checkpoint, backend, device, g
          + (f"; skipped: {'; '.join(f'{k}: {v}' for k, v in skipped.items())}" if skipped else ""))
     m = Measurer(net, spec, device, pixels, ref, work, guard.budget, guard.safety)
     result = autotune.search(m, cfg, skipped)
-    record = {"device": device_name(device), "budget_s": cfg.budget_s, "seconds": round(result.seconds, 1),
+    import torch
+
+    record = {"device": device_name(device), "threads": torch.get_num_threads(), "budget_s": cfg.budget_s, "seconds": round(result.seconds, 1),
               "calibration": origin, "skipped": result.skipped, "tie": autotune.TIE, "prune": autotune.PRUNE}
     verify: list[dict] = []
     for trial in result.ranked:
@@ -190,8 +192,7 @@ def device_name(device: str) -> str:
     if device == "cuda":
         p = torch.cuda.get_device_properties(0)
         return f"{p.name} (compute capability {p.major}.{p.minor})"
-    return f"{platform.machine()} CPU, capability {torch.backends.cpu.get_cpu_capability()}, " \
-           f"{torch.get_num_threads()} threads"
+    return f"{platform.machine()} CPU, capability {torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} CPUs"
 
 
 def verify_artifact(artifact: Path, net, spec: Spec, device: str, pixels: np.ndarray, count: int,

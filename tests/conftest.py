@@ -39,6 +39,20 @@ def fresh_settings(monkeypatch):
     settings.reload()
 
 
+def pytest_benchmark_update_machine_info(config, machine_info):
+    """What a CPU figure holds for, in every saved benchmark JSON: the CPU capability torch
+    dispatches to, the torch version and the kit's thread budget."""
+    import torch
+
+    from engine.threads import budget
+
+    b = budget("cpu")
+    machine_info["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    machine_info["torch"] = torch.__version__
+    machine_info["thread_budget"] = {"total": b.total, "decoder": b.decoder, "intra_op": b.intra_op}
+    machine_info["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY", "")
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 

@@ -78,7 +78,9 @@ def test_on_a_cpu_without_native_bf16_the_search_rejects_bf16_because_it_measure
     res = search(m, _cfg(), clock=clock)
     assert res.ranked[0].candidate == Candidate("fp32", 16, "aot")
     bf16 = next(t for t in res.trials if t.candidate.name == "aot/bf16/b16")
-    assert bf16.status == "holds" and "8.0 images/s against 43.0 of aot/fp32/b16" in bf16.why
+    # timed, then not classified: slower than an FP32 candidate that holds, whatever its agreement
+    assert bf16.status == "slower" and "8.0 images/s on the graph, under 43.0 of aot/fp32/b16" in bf16.why
+    assert bf16.agreement is None
     # bf16/b16 is compiled although it screens under PRUNE x the best: it is its precision's best batch
     assert "aot/bf16/b16" in m.compiled and "aot/bf16/b8" not in m.compiled
     assert [r["status"] for r in res.table()].count("not compiled") == 1
@@ -145,8 +147,12 @@ def test_compile_options_are_tried_on_the_best_fp32_candidate():
 
 def test_rank_orders_by_effective_rate():
     clock = Clock()
-    res = search(FakeMeasurer(clock, AVX2_SCREEN, AVX2_GRAPH), _cfg(precisions=("fp32",)), clock=clock)
-    assert [t.candidate.batch_size for t in rank(res.trials)] == [16, 8]
+    graph = {**AVX2_GRAPH, ("fp32", 8, "aot", "default"): 42.0}     # within TIE of b16: both hold
+    res = search(FakeMeasurer(clock, AVX2_SCREEN, graph), _cfg(precisions=("fp32",)), clock=clock)
+    assert [t.candidate.batch_size for t in rank(res.trials)] == [8, 16]   # a tie: the smaller batch
+    graph[("fp32", 8, "aot", "default")] = 30.0                       # clearly slower: timed, not classified
+    res = search(FakeMeasurer(Clock(), AVX2_SCREEN, graph), _cfg(precisions=("fp32",)))
+    assert [t.candidate.batch_size for t in rank(res.trials)] == [16]
 
 
 @pytest.mark.parametrize("cap, isa, bf16", [("AVX2", "", False), ("AVX512", "", True), ("AVX512", "AVX2", False)])

@@ -46,7 +46,8 @@ SPEC_KNOBS = ("ENGINE_MODEL", "ENGINE_INPUT_SIZE", "ENGINE_CROP_MODE", "ENGINE_C
 
 @pytest.fixture(scope="module")
 def first_build(read_only_checkpoint, tmp_path_factory):
-    """The documented small build: no spec knob, the kit's checkpoint records its own spec."""
+    """The documented small build: no spec knob (the kit's checkpoint records its own spec), no
+    precision (auto: measured here, among the CPU's native precisions)."""
     art = tmp_path_factory.mktemp("build_sh") / "art"
     env = {k: v for k, v in _env(read_only_checkpoint, art).items() if k not in SPEC_KNOBS}
     return art, env, _build(env)
@@ -68,6 +69,9 @@ def test_builds_and_checks_the_artifact(first_build):
     assert f"the checkpoint records its spec: ENGINE_MODEL={TINY_MODEL}" in r.stderr
     m = json.loads((art / "manifest.json").read_text())
     assert (m["backend"], m["device"], m["batch_size"]) == ("eager", "cpu", 4)
+    search = m["build"]["search"]                      # precision auto: measured, verified, recorded
+    assert search["chosen"] == f"eager/{m['precision']}/b4" and search["verify"][-1]["ok"]
+    assert "autotune: chose eager/" in r.stderr and "fp32" in [c["precision"] for c in search["candidates"]]
     assert m["spec"]["model"] == TINY_MODEL and m["spec"]["crop_mode"] == "squash"
     v = m["versions"]                                  # the stack build.sh says it builds with is the recorded one
     assert (f"build.sh: stack: torch {v['torch']} (CUDA {v['torch_cuda']}) torchvision {v['torchvision']} "
@@ -107,9 +111,11 @@ def test_flags_that_change_the_artifact_make_it_stale(first_build, read_only_che
     assert r.returncode == 0, r.stderr[-3000:]
     base = ["--model", TINY_MODEL, "--checkpoint", str(read_only_checkpoint), "--out", str(art),
             "--input-size", str(TINY_INPUT), "--crop-mode", "squash", "--crop-pct", "1.0",
-            "--model-kwargs", json.dumps(TINY_KWARGS), "--batch-size", "4", "--backend", "eager"]
+            "--model-kwargs", json.dumps(TINY_KWARGS), "--batch-size", "4", "--backend", "eager",
+            "--precision", "auto"]
     assert stale_reasons(base) == []
-    assert any("spec differs" in s and "precision" in s for s in stale_reasons(base + ["--precision", "bf16"]))
+    other = "bf16" if json.loads((art / "manifest.json").read_text())["precision"] == "fp32" else "fp32"
+    assert any("spec differs" in s and "precision" in s for s in stale_reasons(base + ["--precision", other]))
     assert any("backend" in s for s in stale_reasons(base + ["--backend", "aot"]))
     assert any("spec differs" in s for s in stale_reasons(base + ["--batch-size", "8"]))
 

@@ -204,10 +204,16 @@ def test_batch_size_auto_measures_and_records(tiny_checkpoint, tmp_path):
     import json
 
     meta = json.loads((out / "manifest.json").read_text())
-    sweep = meta["build"]["batch_sweep"]
-    assert set(sweep["images_per_s"]) == {"8", "16", "32"} and meta["batch_size"] == sweep["chosen"]
-    assert sweep["images_per_s"][str(sweep["chosen"])] == max(sweep["images_per_s"].values())
-    assert main(["--model", "x", "--out", str(tmp_path / "b"), "--batch-size", "auto"]) == 2
+    search = meta["build"]["search"]
+    rows = {r["batch_size"]: r for r in search["candidates"]}
+    assert set(rows) == {8, 16, 32} and all(r["precision"] == "fp32" and r["backend"] == "eager" for r in rows.values())
+    assert search["chosen"] == f"eager/fp32/b{meta['batch_size']}" and rows[meta["batch_size"]]["status"] == "chosen"
+    # the fastest on the graph, unless a simpler one ties (a smaller batch within TIE)
+    best = max(r["effective_images_per_s"] for r in rows.values())
+    assert rows[meta["batch_size"]]["effective_images_per_s"] >= best * (1 - search["tie"])
+    assert search["verify"][-1]["ok"] and search["verify"][-1]["agreement"] >= 0.99
+    with pytest.raises(SystemExit):     # auto measures the model: no checkpoint is a usage error
+        main(["--model", "x", "--out", str(tmp_path / "b"), "--batch-size", "auto"])
 
 
 def test_reference_path_never_blocks_on_a_fifo(tmp_path):

@@ -46,10 +46,6 @@ def stale_reasons(build_argv: list[str]) -> list[str]:
     from engine.spec import Spec, resolve_spec
 
     a = parse_args(build_argv)
-    # the same mapping engine.build.main applies, so the comparison is one-to-one with the flags
-    spec = resolve_spec(a.model, precision=a.precision, batch_size=a.batch_size, input_size=a.input_size,
-                        crop_mode=a.crop_mode, crop_pct=a.crop_pct, interpolation=a.interpolation,
-                        num_classes=a.num_classes, model_kwargs=a.model_kwargs)
     if not (a.out / "manifest.json").is_file():
         return [f"no artifact at {a.out}"]
     try:
@@ -57,6 +53,29 @@ def stale_reasons(build_argv: list[str]) -> list[str]:
     except ArtifactError as e:
         return [f"artifact is not intact: {e}"]
     reasons = []
+    # the same mapping engine.build.main applies, so the comparison is one-to-one with the flags;
+    # what auto measured is the artifact's, provided it was measured on a machine like this one
+    precision = art.precision if a.precision == "auto" else a.precision
+    if a.batch_size == "auto":
+        batch = art.batch_size
+    elif a.batch_size is None and a.auto:
+        from engine.presets import preset
+
+        batch = preset(a.device).batch_size
+    else:
+        batch = a.batch_size
+    if a.auto:
+        from engine.build_auto import device_name
+
+        search = art.meta.get("build", {}).get("search")
+        here = device_name(a.device)
+        if search is None:
+            reasons.append("the artifact was not measured on this machine (no build.search; auto measures)")
+        elif search.get("device") != here:
+            reasons.append(f"measured on {search.get('device')}, this machine is {here}")
+    spec = resolve_spec(a.model, precision=precision, batch_size=batch, input_size=a.input_size,
+                        crop_mode=a.crop_mode, crop_pct=a.crop_pct, interpolation=a.interpolation,
+                        num_classes=a.num_classes, model_kwargs=a.model_kwargs)
     want_sha = sha256_file(a.checkpoint)
     have_sha = art.meta.get("checkpoint", {}).get("sha256")
     if have_sha != want_sha:
@@ -65,7 +84,7 @@ def stale_reasons(build_argv: list[str]) -> list[str]:
     if have_spec != spec.to_json():
         diff = sorted(k for k, v in spec.to_dict().items() if art.meta["spec"].get(k) != v)
         reasons.append(f"spec differs in {diff}")
-    if art.backend != a.backend:
+    if a.backend != "auto" and art.backend != a.backend:
         reasons.append(f"backend {art.backend} != {a.backend}")
     if art.device != a.device:
         reasons.append(f"device {art.device} != {a.device}")

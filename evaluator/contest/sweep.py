@@ -42,7 +42,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--manifest", required=True, type=Path)
     p.add_argument("--image-root", required=True, type=Path)
     p.add_argument("--reference", required=True, type=Path, help="practice answers (TSV) or a reference .i32")
-    p.add_argument("--precisions", default="fp32,bf16", help="comma-separated: fp32, bf16, fp16, fp8 (fp8: Hopper)")
+    p.add_argument("--precisions", default="fp32,bf16",
+                   help="comma-separated: fp32, bf16, fp16, fp8 (fp8: Hopper), auto (the build's own measured "
+                        "choice, engine.autotune: built once, whatever --batch-sizes says)")
     p.add_argument("--batch-sizes", default="32", help="comma-separated static batch sizes")
     p.add_argument("--backend", default=None, help="engine.backends name (default: the registry's)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
@@ -57,9 +59,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         a.batch_sizes = [int(s) for s in a.batch_sizes.split(",") if s.strip()]
     except ValueError:
         p.error(f"--batch-sizes must be whole numbers, got {a.batch_sizes!r}")
-    bad = [x for x in a.precisions if x not in ("fp32", "bf16", "fp16", "fp8")]
+    bad = [x for x in a.precisions if x not in ("fp32", "bf16", "fp16", "fp8", "auto")]
     if bad or not a.precisions:
-        p.error(f"--precisions takes fp32, bf16, fp16, fp8; got {bad or a.precisions}")
+        p.error(f"--precisions takes fp32, bf16, fp16, fp8, auto; got {bad or a.precisions}")
     if not a.batch_sizes or min(a.batch_sizes) < 1:
         p.error("--batch-sizes must be >= 1")
     for name in ("checkpoint", "manifest", "reference"):
@@ -81,7 +83,8 @@ def run_one(a: argparse.Namespace, precision: str, batch: int, ref, unreadable, 
     art, pred, report = a.out / f"art_{tag}", a.out / f"pred_{tag}.i32", a.out / f"timing_{tag}.json"
     entry: dict = {"precision": precision, "batch_size": batch}
     cmd = [sys.executable, "-m", "engine.build", "--model", a.model, "--checkpoint", str(a.checkpoint),
-           "--out", str(art), "--device", a.device, "--precision", precision, "--batch-size", str(batch),
+           "--out", str(art), "--device", a.device, "--precision", precision,
+           "--batch-size", "auto" if precision == "auto" else str(batch),
            *a.build_arg] + (["--backend", a.backend] if a.backend else [])
     _log(f"{tag}: building")
     t = time.perf_counter()
@@ -93,6 +96,11 @@ def run_one(a: argparse.Namespace, precision: str, batch: int, ref, unreadable, 
     meta = json.loads((art / "manifest.json").read_text())
     guard = meta.get("guard") or {}
     entry["tau"] = guard.get("tau")
+    search = meta.get("build", {}).get("search")
+    if search:   # the build's measurement (engine.autotune): what it chose, on which machine
+        entry.update({"chosen": search["chosen"], "built": f"{meta['precision']} b{meta['batch_size']} "
+                      f"{meta['backend']}", "measured_on": search["device"],
+                      "candidates": search["candidates"]})
     _log(f"{tag}: running scripts/run on {rows} images")
     env = {**os.environ, "ENGINE_ARTIFACT": str(art), "CONTEST_REPORT": str(report)}
     t = time.perf_counter()
@@ -149,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         _log(f"{int(unreadable.sum())} rows the reference could not read (-1) are left out of the gate and "
              "counted apart (gate_all_rows in the JSON counts them as misses)")
     a.out.mkdir(parents=True, exist_ok=True)
-    results = [run_one(a, p, b, ref, unreadable, rows) for p in a.precisions for b in a.batch_sizes]
+    results = [run_one(a, p, b, ref, unreadable, rows) for p in a.precisions
+               for b in (a.batch_sizes[:1] if p == "auto" else a.batch_sizes)]
     doc = {"note": NOTE, "model": a.model, "device": a.device, "rows": rows, "results": results}
     print(table(results), file=sys.stderr)
     print(json.dumps(doc, indent=1))

@@ -11,17 +11,23 @@ of the same photographs. No ImageNet data anywhere.
 
 Paths, each a whole process with the same environment (OMP_WAIT_POLICY=PASSIVE and the
 kit's thread budget: ENGINE_THREADS, OMP/MKL/OpenBLAS thread counts), alternated in a
-rotating order for BENCH_ROUNDS rounds:
+rotating order for BENCH_ROUNDS rounds (BENCH_ALT_PATHS picks them, comma-separated):
     naive         python -m evaluator.reference (PIL + timm eager FP32, batch 1): the reference
     timm_batched  tests/bench/timm_batched.py (timm transform, DataLoader batch 32, workers 0, FP32)
-    kit           scripts/run with `engine.build --precision bf16` (guarded: the default below fp32)
-    kit_raw       the same artifact with ENGINE_GUARD=0
-Reported (JSON on stderr and in the benchmark's extra_info): wall medians, agreement of each
-with the naive path, the guard's tau, re-checked fraction and time, and the ratios. Checked:
-the kit's agreement passes the gate's 99.5 %, and the re-checked fraction it reports is
-re-checked / images over every row. Skipped unless benchmarks are enabled: preparation
-takes minutes on two cores. BENCH_PREPARED=DIR keeps the checkpoint, cohort and artifact;
-BENCH_DEPTH shrinks the model for a quick check that the benchmark runs.
+    kit_auto      scripts/run on `engine.build` with precision, batch size and backend auto (the
+                  default of ./build.sh: measured on this machine)
+    kit_fp32      scripts/run on `engine.build --precision fp32 --batch-size 16` (aot)
+    kit           scripts/run on `engine.build --precision bf16` (guarded)
+    kit_raw       the same bf16 artifact with ENGINE_GUARD=0
+Default: naive, timm_batched, kit_auto, kit_fp32, and kit + kit_raw where the CPU runs bf16
+natively (engine.autotune_measure.native_precisions; elsewhere bf16 is emulated, minutes a run).
+Reported (JSON on stderr and in the benchmark's extra_info): the CPU capability, wall
+medians, agreement of each with the naive path, the ratios, and for the bf16 artifact the
+guard's tau, re-checked fraction and time. Checked: every kit path's agreement passes the
+gate's 99.5 %, and the re-checked fraction reported is re-checked / images over every row.
+Skipped unless benchmarks are enabled: preparation takes minutes on two cores.
+BENCH_PREPARED=DIR keeps the checkpoint, cohort and artifacts; BENCH_DEPTH shrinks the
+model for a quick check that the benchmark runs.
 """
 from __future__ import annotations
 
@@ -47,7 +53,20 @@ GATE = 0.995
 COHORT_SEED = 7                                     # calibration crops use seed 1
 SPEC_ARGS = ["--model", MODEL, "--input-size", str(SIZE), "--crop-mode", "squash", "--crop-pct", "1.0",
              "--model-kwargs", json.dumps(KWARGS)]
-PATHS = ("naive", "timm_batched", "kit", "kit_raw")
+ALL_PATHS = ("naive", "timm_batched", "kit_auto", "kit_fp32", "kit", "kit_raw")
+BUILDS = {"kit_auto": ["--precision", "auto", "--batch-size", "auto", "--backend", "auto"],
+          "kit_fp32": ["--precision", "fp32", "--batch-size", "16"],
+          "kit": ["--precision", "bf16", "--batch-size", "16"]}
+
+
+def bench_paths() -> tuple[str, ...]:
+    """BENCH_ALT_PATHS, else every path (the bf16 ones only where this CPU runs bf16 natively)."""
+    if os.environ.get("BENCH_ALT_PATHS"):
+        return tuple(p for p in os.environ["BENCH_ALT_PATHS"].split(",") if p)
+    from engine.autotune_measure import native_precisions
+
+    native = "bf16" in native_precisions("cpu")[0]
+    return tuple(p for p in ALL_PATHS if native or p not in ("kit", "kit_raw"))
 
 
 def photo_cohort(root: Path, count: int, seed: int) -> None:
@@ -89,12 +108,18 @@ def prepared(benchmark_enabled, tmp_path_factory):
     cohort = root / f"photos_{IMAGES}_seed{COHORT_SEED}"
     if not (cohort / "manifest.tsv").is_file():
         photo_cohort(cohort, IMAGES, COHORT_SEED)
-    art = root / f"art_bf16_{tag}"
-    t = time.perf_counter()
-    if not (art / "manifest.json").is_file():
-        subprocess.run([sys.executable, "-m", "engine.build", *SPEC_ARGS, "--checkpoint", str(ckpt), "--out",
-                        str(art), "--precision", "bf16", "--batch-size", "16"], check=True, cwd=REPO)
-    return {"ckpt": ckpt, "cohort": cohort, "artifact": art, "build_s": time.perf_counter() - t}
+    arts, build_s = {}, {}
+    for path in bench_paths():
+        name = "kit" if path == "kit_raw" else path
+        if name not in BUILDS or name in arts:
+            continue
+        art = root / f"art_{name}_{tag}"
+        t = time.perf_counter()
+        if not (art / "manifest.json").is_file():
+            subprocess.run([sys.executable, "-m", "engine.build", *SPEC_ARGS, "--checkpoint", str(ckpt), "--out",
+                            str(art), *BUILDS[name]], check=True, cwd=REPO, env=run_env())
+        arts[name], build_s[name] = art, round(time.perf_counter() - t, 1)
+    return {"ckpt": ckpt, "cohort": cohort, "artifacts": arts, "build_s": build_s}
 
 
 def run_env() -> dict:
@@ -106,12 +131,15 @@ def run_env() -> dict:
 
 
 def test_bench_kit_vs_raw_naive_and_timm_batched(benchmark, prepared, tmp_path):
-    cohort, art, ckpt = prepared["cohort"], prepared["artifact"], prepared["ckpt"]
+    import torch
+
+    cohort, arts, ckpt = prepared["cohort"], prepared["artifacts"], prepared["ckpt"]
+    paths = bench_paths()
     env = run_env()
     manifest = cohort / "manifest.tsv"
-    out = {p: tmp_path / f"{p}.i32" for p in PATHS}
-    reports = {p: tmp_path / f"{p}_timing.json" for p in ("kit", "kit_raw")}
-    walls: dict[str, list[float]] = {p: [] for p in PATHS}
+    out = {p: tmp_path / f"{p}.i32" for p in paths}
+    reports = {p: tmp_path / f"{p}_timing.json" for p in paths if p.startswith("kit")}
+    walls: dict[str, list[float]] = {p: [] for p in paths}
 
     def run(path: str) -> None:
         t = time.perf_counter()
@@ -124,6 +152,7 @@ def test_bench_kit_vs_raw_naive_and_timm_batched(benchmark, prepared, tmp_path):
                             str(cohort), str(out[path]), *SPEC_ARGS, "--checkpoint", str(ckpt), "--batch-size", "32"],
                            check=True, capture_output=True, cwd=REPO, env=env)
         else:
+            art = arts["kit" if path == "kit_raw" else path]
             extra = {"CONTEST_REPORT": str(reports[path]), **({"ENGINE_GUARD": "0"} if path == "kit_raw" else {})}
             r = run_abi(manifest, cohort, out[path], art, env={**env, **extra}, timeout=3600)
             assert r.returncode == 0, r.stderr[-2000:]
@@ -133,7 +162,7 @@ def test_bench_kit_vs_raw_naive_and_timm_batched(benchmark, prepared, tmp_path):
 
     def one_round() -> None:  # every path once, the order rotated each round
         k = next(rounds)
-        for path in PATHS[k % len(PATHS):] + PATHS[: k % len(PATHS)]:
+        for path in paths[k % len(paths):] + paths[: k % len(paths)]:
             run(path)
 
     benchmark.pedantic(one_round, rounds=ROUNDS, iterations=1, warmup_rounds=0)
@@ -141,34 +170,43 @@ def test_bench_kit_vs_raw_naive_and_timm_batched(benchmark, prepared, tmp_path):
     want = np.fromfile(out["naive"], "<i4")
     readable = want >= 0
     agree = {p: float((np.fromfile(out[p], "<i4")[readable] == want[readable]).mean())
-             for p in PATHS if p != "naive"}
-    kit = json.loads(reports["kit"].read_text())["runtime"]["guard"]
-    raw = json.loads(reports["kit_raw"].read_text())["runtime"]["guard"]
-    meta = json.loads((art / "manifest.json").read_text())["guard"]
+             for p in paths if p != "naive"}
     med = {p: statistics.median(v) for p, v in walls.items()}
-    fastest_peer = min(med["naive"], med["timm_batched"])
+    peers = [med[p] for p in ("naive", "timm_batched") if p in med]
+    fastest_peer = min(peers)
     info = {
         "model": MODEL, "model_kwargs": KWARGS, "images": int(len(want)), "readable": int(readable.sum()),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cohort": f"scikit-image photo crops, seed {COHORT_SEED} (calibration: other crops, seed 1)",
         "rounds": ROUNDS, "env": {k: env[k] for k in ("OMP_WAIT_POLICY", "ENGINE_THREADS", "OMP_NUM_THREADS")},
         "wall_median_s": {p: round(v, 3) for p, v in med.items()},
         "wall_s": {p: [round(x, 3) for x in v] for p, v in walls.items()},
         "agreement_with_naive": {p: round(v, 5) for p, v in agree.items()},
-        "tau": meta["tau"], "guard_budget_per_10k": meta["budget_per_10k"],
-        "expected_rechecked_fraction": meta["rechecked_fraction"], "rechecked_fraction": kit["fraction"],
-        "rechecked": kit["rechecked"], "changed": kit["changed"], "recheck_seconds": kit["seconds"],
-        "recheck_calls": kit["calls"],
-        "speedup_vs_naive": round(med["naive"] / med["kit"], 3),
-        "speedup_vs_timm_batched": round(med["timm_batched"] / med["kit"], 3),
-        "speedup_vs_fastest_peer": round(fastest_peer / med["kit"], 3),
-        "raw_speedup_vs_fastest_peer": round(fastest_peer / med["kit_raw"], 3),
-        "guard_overhead": round(med["kit"] / med["kit_raw"] - 1, 4),
-        "build_s": round(prepared["build_s"], 1)}
+        "speedup_vs_fastest_peer": {p: round(fastest_peer / med[p], 3) for p in paths if p.startswith("kit")},
+        "build_s": prepared["build_s"]}
+    for p, art in arts.items():
+        meta = json.loads((art / "manifest.json").read_text())
+        info.setdefault("artifacts", {})[p] = {"precision": meta["precision"], "batch_size": meta["batch_size"],
+                                               "backend": meta["backend"],
+                                               "chosen": meta["build"].get("search", {}).get("chosen")}
+    if "kit" in paths:
+        kit = json.loads(reports["kit"].read_text())["runtime"]["guard"]
+        meta = json.loads((arts["kit"] / "manifest.json").read_text())["guard"]
+        info.update({"tau": meta["tau"], "guard_budget_per_10k": meta["budget_per_10k"],
+                     "expected_rechecked_fraction": meta["rechecked_fraction"], "rechecked_fraction": kit["fraction"],
+                     "rechecked": kit["rechecked"], "changed": kit["changed"], "recheck_seconds": kit["seconds"],
+                     "recheck_calls": kit["calls"]})
+        assert kit["images"] == len(want)
+        assert kit["fraction"] == round(kit["rechecked"] / kit["images"], 6) and kit["changed"] <= kit["rechecked"]
+        assert kit["tau"] == meta["tau"] and kit["calls"] == -(-kit["rechecked"] // kit["recheck_batch"])
+        if "kit_raw" in paths:
+            raw = json.loads(reports["kit_raw"].read_text())["runtime"]["guard"]
+            assert raw == "off (ENGINE_GUARD=0): raw low-precision answers"
+            info["guard_overhead"] = round(med["kit"] / med["kit_raw"] - 1, 4)
     benchmark.extra_info.update(info)
     print(json.dumps(info), file=sys.stderr)
-    # what the benchmark reports, checked: the gate, and a re-checked fraction that is re-checked / images
-    assert agree["kit"] >= GATE, f"guarded bf16 agrees on {agree['kit']:.4f} of readable rows, under the gate"
-    assert kit["images"] == len(want) and raw == "off (ENGINE_GUARD=0): raw low-precision answers"
-    assert kit["fraction"] == round(kit["rechecked"] / kit["images"], 6) and kit["changed"] <= kit["rechecked"]
-    assert kit["tau"] == meta["tau"] and kit["calls"] == -(-kit["rechecked"] // kit["recheck_batch"])
+    # what the benchmark reports, checked: every kit path holds the gate
+    for p in paths:
+        if p.startswith("kit") and p != "kit_raw":
+            assert agree[p] >= GATE, f"{p} agrees on {agree[p]:.4f} of readable rows, under the gate"
     assert all(len(v) == ROUNDS for v in walls.values())
