@@ -1,7 +1,7 @@
 """Measure, don't assume: the build's choice of precision, batch size, backend and options.
 
 `engine.build --precision auto --batch-size auto --backend auto` asks this module which
-candidate to build, on the machine the build runs on (the contest's build step runs on
+candidate to build, on the machine the build runs on (a benchmark's build step runs on
 the scored hardware, untimed). It works like TensorRT's tactic timing or Inductor's
 max-autotune, one level up:
 
@@ -54,8 +54,10 @@ class Candidate:
         return f"{self.backend}/{self.precision}/b{self.batch_size}{extra}"
 
     def complexity(self) -> tuple:
-        """Smaller is simpler: FP32 first, then no extra compile options, no graphs, eager."""
-        return (SIMPLER[self.precision], self.options != "default", self.cuda_graphs, self.backend != "eager",
+        """Smaller is simpler: FP32 first, then no extra compile options, no graphs, the reference backend."""
+        from engine.backends import REFERENCE
+
+        return (SIMPLER[self.precision], self.options != "default", self.cuda_graphs, self.backend != REFERENCE,
                 self.batch_size)
 
 
@@ -124,9 +126,9 @@ class SearchConfig:
     device: str = "cpu"
     budget_s: float = 900.0         # the whole search: screens, compiles, timings, agreement
     options: tuple[str, ...] = ("default",)   # compile options to try (each on the best FP32 candidate)
-    options_backends: tuple[str, ...] = ("aot",)   # the backends that take those options
+    options_backends: tuple[str, ...] = ()    # the backends that take those options
     cuda_graphs: tuple[bool, ...] = (False,)  # on CUDA: (True, False)
-    compiled: tuple[str, ...] = ("aot", "trt")  # backends that compile (the others only run the screen's graph)
+    compiled: tuple[str, ...] = ()  # backends whose build compiles (budgeted by their compile time)
 
 
 @dataclasses.dataclass
@@ -148,6 +150,8 @@ def _say(msg: str) -> None:
 def search(m: Measurer, cfg: SearchConfig, skipped: dict[str, str] | None = None,
            clock: Callable[[], float] = time.perf_counter) -> SearchResult:
     """Screen, compile what could win within the budget, time, check agreement, rank."""
+    from engine.backends import REFERENCE
+
     t0 = clock()
     left = lambda: cfg.budget_s - (clock() - t0)  # noqa: E731
     trials: list[Trial] = []
@@ -162,7 +166,7 @@ def search(m: Measurer, cfg: SearchConfig, skipped: dict[str, str] | None = None
             except Exception as e:  # noqa: BLE001 - a precision this machine cannot run is a row, not a crash
                 why = _why(e)
                 _say(f"autotune: {p} batch {b}: screen failed ({why}); not a candidate")
-                trials.append(Trial(Candidate(p, b, "eager"), "failed", f"screen: {why}", seconds=clock() - t))
+                trials.append(Trial(Candidate(p, b, REFERENCE), "failed", f"screen: {why}", seconds=clock() - t))
     if not screened:
         return SearchResult(trials, [], dict(skipped or {}), clock() - t0, handles)
     best_screen = max(screened.values())

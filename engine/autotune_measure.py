@@ -8,7 +8,6 @@ the rate is the batch over the median of several timed calls.
 from __future__ import annotations
 
 import dataclasses
-import os
 import statistics
 import time
 from pathlib import Path
@@ -30,8 +29,10 @@ def native_precisions(device: str) -> tuple[list[str], dict[str, str]]:
     the CPU capability and oneDNN's bf16/fp16 support, or the GPU's compute capability."""
     out, skipped = ["fp32"], {}
     if device == "cpu":
+        from engine import settings
+
         cap = torch.backends.cpu.get_cpu_capability()
-        isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+        isa = settings.onednn_max_cpu_isa().upper()
         limited = bool(isa) and not isa.startswith(("AVX512", "AVX10", "ALL"))
         wide = cap.startswith("AVX512") or "AMX" in cap
         for p, supported in (("bf16", torch.ops.mkldnn._is_mkldnn_bf16_supported),
@@ -55,16 +56,19 @@ def native_precisions(device: str) -> tuple[list[str], dict[str, str]]:
     return out, skipped
 
 
-def importable_backends(device: str, wanted=("aot", "eager", "trt")) -> tuple[list[str], dict[str, str]]:
-    """The backends of `wanted` that can build here, and why the others cannot."""
-    import importlib.util
-
+def importable_backends(device: str) -> tuple[list[str], dict[str, str]]:
+    """The registry's backends `--backend auto` measures (AUTO) that can build here, and why the
+    others that would cannot (their `unavailable(device)`)."""
     out, skipped = [], {}
-    for b in wanted:
-        if b == "trt" and (device != "cuda" or importlib.util.find_spec("torch_tensorrt") is None):
-            skipped[f"backend {b}"] = "needs CUDA and torch_tensorrt"
+    for name in backends.BACKENDS:
+        mod = backends.get(name)
+        if not getattr(mod, "AUTO", False):
             continue
-        out.append(b)
+        why = mod.unavailable(device) if hasattr(mod, "unavailable") else None
+        if why:
+            skipped[f"backend {name}"] = why
+        else:
+            out.append(name)
     return out, skipped
 
 
@@ -132,8 +136,6 @@ class Measurer:
     def compile(self, c: Candidate) -> Handle:
         spec = self._spec(c.precision, c.batch_size)
         margin = c.precision != "fp32"
-        if c.backend == "eager":
-            return Handle(wrap(self.net, spec, self.device, margin=margin), None, {})
         be = backends.get(c.backend)
         folder = self.workdir / c.name.replace("/", "_").replace("+", "_")
         folder.mkdir(parents=True)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from engine import assemble as parts
 from engine import autotune, backends
 from engine.presets import preset
 from engine.spec import Spec
@@ -56,33 +57,34 @@ def search_config(spec: Spec, backend: str, device: str, auto) -> tuple[autotune
         skipped.update(why)
     else:
         names = [backend]
-    options = tuple(o for o in pre.options if o == "default" or o in getattr(backends.get("aot"), "OPTIONS", ()))
+    mods = {n: backends.get(n) for n in names}
+    with_options = tuple(n for n, m in mods.items() if set(pre.options) & set(getattr(m, "OPTIONS", ())) - {"default"})
     cfg = autotune.SearchConfig(precisions, tuple(batches), tuple(names), device,
                                 budget_s=auto.budget_s if auto.budget_s is not None else pre.search_budget_s,
-                                options=options, cuda_graphs=pre.cuda_graphs)
+                                options=pre.options, options_backends=with_options, cuda_graphs=pre.cuda_graphs,
+                                compiled=tuple(n for n, m in mods.items() if getattr(m, "COMPILES", False)))
     return cfg, skipped
 
 
 def build_measured(net, spec: Spec, checkpoint, backend: str, device: str, guard, auto, tmp: Path, extra: dict,
                    t0: float):
     """Search, assemble the best candidate in `tmp`, verify it; returns (spec, backend, manifest)."""
-    from engine import build as engine_build
     from engine import calibrate
     from engine.model import wrap
 
     cfg, skipped = search_config(spec, backend, device, auto)
-    pixels, origin = engine_build.calibration_pixels(spec, guard)
+    pixels, origin = parts.calibration_pixels(spec, guard)
     ref = wrap(net, dataclasses.replace(spec, precision="fp32"), device, margin=True)
     ref_top1, ref_margins = calibrate.classify(ref, pixels, 16, margin=True, device=device)
     work = Path(tempfile.mkdtemp(prefix=".search.", dir=tmp.parent))   # the candidates' graphs, beside the artifact
     try:
-        return _search_and_assemble(engine_build, net, spec, checkpoint, backend, device, guard, auto, tmp, extra,
+        return _search_and_assemble(net, spec, checkpoint, backend, device, guard, auto, tmp, extra,
                                     t0, cfg, skipped, pixels, origin, (ref_top1, ref_margins), work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _search_and_assemble(engine_build, net, spec, checkpoint, backend, device, guard, auto, tmp, extra, t0, cfg,
+def _search_and_assemble(net, spec, checkpoint, backend, device, guard, auto, tmp, extra, t0, cfg,
                          skipped, pixels, origin, ref, work):
     from engine.autotune_measure import Measurer
 
@@ -104,7 +106,7 @@ def _search_and_assemble(engine_build, net, spec, checkpoint, backend, device, g
         try:
             saved = _adopt(handle, tmp)
             gargs = (trial.guard, origin) if c.precision != "fp32" else None
-            meta = _assemble(engine_build, c, net, cspec, checkpoint, device, tmp, guard, extra, t0, saved, gargs,
+            meta = _assemble(c, net, cspec, checkpoint, device, tmp, guard, extra, t0, saved, gargs,
                              result, record, verify, chosen=c.name)
         except Exception as e:  # noqa: BLE001 - a candidate that cannot be assembled: the next one
             trial.status, trial.why = "failed", f"assembly: {autotune._why(e)}"
@@ -120,7 +122,7 @@ def _search_and_assemble(engine_build, net, spec, checkpoint, backend, device, g
         verify.append({"candidate": c.name, **v})
         if v["ok"]:
             autotune.mark(result.trials, trial, chosen=True)
-            meta = _rewrite(engine_build, tmp, meta, result, verify)    # the record with its verification
+            meta = _rewrite(tmp, meta, result, verify)    # the record with its verification
             _say("autotune:\n" + autotune.format_table(result, c.name))
             _say(f"autotune: chose {c.name}: {trial.effective_images_per_s:.1f} images/s on the compiled graph"
                  + (f", verified end to end: {v['agreement']:.2%} of {v['images']} images agree with FP32 eager"
@@ -133,24 +135,24 @@ def _search_and_assemble(engine_build, net, spec, checkpoint, backend, device, g
     _say("autotune:\n" + autotune.format_table(result, None))
     _say("autotune: WARNING: no measured candidate held, built and verified; building the plain eager FP32 "
          "path without CUDA graphs")
-    c = autotune.Candidate("fp32", spec.batch_size, "eager")
+    c = autotune.Candidate("fp32", spec.batch_size, backends.REFERENCE)
     fspec = dataclasses.replace(spec, precision="fp32")
-    meta = _assemble(engine_build, c, net, fspec, checkpoint, device, tmp, guard, extra, t0, None, None, result,
+    meta = _assemble(c, net, fspec, checkpoint, device, tmp, guard, extra, t0, None, None, result,
                      record, verify, chosen=None, fallback=True)
-    return fspec, "eager", meta
+    return fspec, backends.REFERENCE, meta
 
 
-def _assemble(engine_build, c, net, cspec, checkpoint, device, tmp, guard, extra, t0, saved, gargs, result,
+def _assemble(c, net, cspec, checkpoint, device, tmp, guard, extra, t0, saved, gargs, result,
               record, verify, chosen, fallback: bool = False) -> dict:
     """The artifact in `tmp` (the guard below fp32, the manifest with the search's record)."""
     search = {**record, "candidates": result.table(), "chosen": chosen, "verify": verify,
               "fallback": "eager FP32 without CUDA graphs: nothing measured held" if fallback else None}
     ex = {**extra, "build": {**extra["build"], "search": search}, "cuda_graphs": bool(c.cuda_graphs)}
-    return engine_build._assemble(backends.get(c.backend), c.backend, net, cspec, checkpoint, device, tmp, guard,
+    return parts.assemble(backends.get(c.backend), c.backend, net, cspec, checkpoint, device, tmp, guard,
                                   ex, t0, saved, gargs)
 
 
-def _rewrite(engine_build, tmp: Path, meta: dict, result, verify: list) -> dict:
+def _rewrite(tmp: Path, meta: dict, result, verify: list) -> dict:
     """manifest.json again, its search record now with the final table and the verification."""
     from engine.artifact import DIGEST_KEY, write_manifest
     from engine.spec import Spec as SpecType
@@ -172,11 +174,8 @@ def _clear(tmp: Path) -> None:
         shutil.rmtree(p) if p.is_dir() else p.unlink()
 
 
-def _adopt(handle, tmp: Path) -> dict | None:
-    """The search's compiled files of the chosen candidate, moved into the artifact; their manifest
-    extras (None: eager, whose weights the assembly writes)."""
-    if handle.folder is None:
-        return None
+def _adopt(handle, tmp: Path) -> dict:
+    """The search's files of the chosen candidate, moved into the artifact; their manifest extras."""
     for p in handle.folder.iterdir():
         os.replace(p, tmp / p.name)
     handle.folder = tmp
@@ -221,10 +220,10 @@ def verify_artifact(artifact: Path, net, spec: Spec, device: str, pixels: np.nda
         px, failed = PilDecoder(spec, 16, 1).decode(blobs)                   # [n, S, S, 3] as the reference
         want, _ = calibrate.classify(fp32, px, 16, margin=False, device=device)
         out, report = root / "pred.i32", root / "report.json"      # outside IMAGE_ROOT (root/images)
-        env = {**os.environ, "ENGINE_ARTIFACT": str(artifact), "CONTEST_REPORT": str(report)}
+        env = {**os.environ, "ENGINE_ARTIFACT": str(artifact)}
         t = time.perf_counter()
-        r = subprocess.run([str(REPO / "scripts" / "run"), str(root / "manifest.tsv"), str(root / "images"), str(out)],
-                           env=env, capture_output=True, text=True, timeout=1800)
+        r = subprocess.run([str(REPO / "scripts" / "run"), str(root / "manifest.tsv"), str(root / "images"), str(out),
+                            "--report", str(report)], env=env, capture_output=True, text=True, timeout=1800)
         wall = time.perf_counter() - t
         if r.returncode != 0:
             last = (r.stderr.strip().splitlines() or ["no output"])[-1][:300]

@@ -4,8 +4,8 @@ torch lets cuDNN convolutions use TF32 by default (`torch.backends.cudnn.allow_t
 and a process may have turned TF32 on for matmuls: the FP32 graphs here (the guard's
 re-check, the calibration reference, `evaluator.reference --device cuda`) would then
 round their inputs to a 10-bit mantissa, and tau would be calibrated against that. The
-frozen contest reference is taken to be plain IEEE FP32; a reference known to have run
-with TF32 is matched with ENGINE_TF32=1. Set once, where a runtime, a build or the
+frozen FP32 reference answers are taken to be plain IEEE FP32; a reference known to have
+run with TF32 is matched with ENGINE_TF32=1. Set once, where a runtime, a build or the
 reference starts; the artifact manifest and the run's report record what was set.
 """
 from __future__ import annotations

@@ -30,7 +30,7 @@ PRESETS = {
     "cpu": Preset("cpu", (8, 16, 32), 16, 900.0, ("default", "max-autotune"), (False,)),
     # One Hopper GPU, EVA-02-L/448 (by estimate, not yet measured on a GPU): a checkpoint load of
     # ~1 min, ~4 min per AOTInductor compile, 4 compiles and their timings in 1,500 s, then the
-    # guard's re-check graph and the end-to-end check: inside the contest's 30-minute build.
+    # guard's re-check graph and the end-to-end check: inside a 30-minute build step.
     "cuda": Preset("cuda", (32, 64, 100, 128), 64, 1500.0, ("default",), (True, False)),
 }
 

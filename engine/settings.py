@@ -29,6 +29,7 @@ on and 0, false, no, off for off (an empty value is the default).
 | ENGINE_READAHEAD_BYTES | int >= 1 | 268435456 (256 MiB) | encoded bytes read ahead of the decoder, and handed to it at once (a larger file is read alone) |
 | ENGINE_HW_DECODER_LOAD | 0..1 | 0.9 | share of JPEG decoding DALI's GPU decoder gives the hardware JPEG engine (DALI's own default) |
 | ENGINE_SLOW_DECODER_OK | 0/1 | 0 | let the build's self-check pass a CUDA artifact that would decode with anything but dali-gpu |
+| ONEDNN_MAX_CPU_ISA | oneDNN ISA name | (unset: the CPU's) | oneDNN's own limit on the instructions its GEMMs use, read to know whether bf16 is native here (engine.autotune_measure) |
 | TMPDIR | path | /tmp | scratch space (a run keeps its own folder there and removes it on exit) |
 | CLIP_MODEL_DIR | path | (the caller's) | local CLIP folder or state-dict file |
 | CLIP_MODEL_NAME | str | (from the folder) | open_clip architecture of an OpenAI-style state dict |
@@ -263,6 +264,11 @@ def hw_decoder_load() -> float:
 
 def slow_decoder_ok() -> bool:
     return read("ENGINE_SLOW_DECODER_OK", flag, False)
+
+
+def onednn_max_cpu_isa() -> str:
+    """ONEDNN_MAX_CPU_ISA as set ("" when unset): oneDNN reads it itself; the engine only looks."""
+    return read("ONEDNN_MAX_CPU_ISA", text, "")
 
 
 def tmpdir() -> Path:

@@ -2,7 +2,6 @@
 and why, what it chooses, and how the build falls back when nothing holds."""
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import numpy as np
@@ -62,7 +61,8 @@ class FakeMeasurer:
 
 
 def _cfg(**k) -> SearchConfig:
-    base = dict(precisions=("fp32", "bf16"), batch_sizes=(8, 16), backends=("aot",), device="cpu", budget_s=600)
+    base = dict(precisions=("fp32", "bf16"), batch_sizes=(8, 16), backends=("aot",), device="cpu", budget_s=600,
+                compiled=("aot",), options_backends=("aot",))
     return SearchConfig(**{**base, **k})
 
 
@@ -172,31 +172,27 @@ def test_native_precisions_follow_the_cpu_capability_and_onednn_limit(monkeypatc
 
 
 class _BuildFake(FakeMeasurer):
-    """The fake measurer behind a real engine.build: compiles are real eager models (cheap)."""
+    """The fake measurer behind a real engine.build: planted rates, real (eager) builds."""
 
-    def __init__(self, net, spec, device, pixels, ref, workdir, budget, safety, **plant):
-        from engine.autotune_measure import Handle
-        from engine.model import wrap
-
+    def __init__(self, real, net, spec, device, pixels, ref, workdir, budget, safety, **plant):
         clock = Clock()
         screen = {(p, b): 30.0 for p in ("fp32", "bf16") for b in (8, 16, 32)}
         graph = {(p, b, be, "default"): 40.0 + b + (5 if p == "fp32" else -20) for p in ("fp32", "bf16")
                  for b in (8, 16, 32) for be in ("aot", "eager")}
         super().__init__(clock, screen, graph, **plant)
-        self._make = lambda c: Handle(wrap(net, dataclasses.replace(spec, precision=c.precision,
-                                                                   batch_size=c.batch_size), device,
-                                           margin=c.precision != "fp32"), None, {})
+        self._real = real(net, spec, device, pixels, ref, workdir, budget, safety)
 
     def compile(self, c):
         super().compile(c)
-        return self._make(c)
+        return self._real.compile(c)
 
 
 def _auto_build(tmp_path, tiny_checkpoint, monkeypatch, verify_ok=lambda name: True, **plant):
     from engine import autotune_measure, build_auto
     from engine.build import AutoConfig, GuardConfig, build
 
-    monkeypatch.setattr(autotune_measure, "Measurer", lambda *a, **k: _BuildFake(*a, **k, **plant))
+    real = autotune_measure.Measurer
+    monkeypatch.setattr(autotune_measure, "Measurer", lambda *a, **k: _BuildFake(real, *a, **k, **plant))
     monkeypatch.setattr(autotune_measure, "importable_backends", lambda device: (["eager"], {}))
     seen = []
 

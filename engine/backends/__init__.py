@@ -7,6 +7,10 @@ A backend module declares everything the rest of the kit needs to know about it:
     COMPILED          suffixes of those files that are compiled code (the rehearsal's
                       no-JIT check and provenance ask this)
     NEEDS_WEIGHTS     False when it builds without a checkpoint
+    COMPILES          True when save() compiles (engine.autotune times that, and budgets for it)
+    AUTO              True when `--backend auto` may measure it (the null backend answers class 0)
+    OPTIONS           (optional) compile options save(..., options=) takes, "default" first
+    unavailable(device) -> str | None   (optional) why it cannot build here (None: it can)
     save(net, spec, device, out_dir, margin) -> dict   build time: write FILES, return manifest extras
     load(artifact, device) -> fn      run time: fn(uint8 [B, S, S, 3]) -> int32 top-1 [B], or with
                                       margin (artifact.meta["guard"]) (top-1 [B], FP32 margin [B]);
@@ -28,6 +32,7 @@ BACKENDS: dict[str, str] = {
     "trt": "engine.backends.trt",
 }
 DEFAULT = next(iter(BACKENDS))
+REFERENCE = "eager"   # the plain form every other backend is checked against, and the measured build's fallback
 
 
 def get(name: str) -> ModuleType:

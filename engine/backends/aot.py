@@ -31,6 +31,8 @@ SO, METADATA = "model.so", "model_metadata.json"
 FILES = (f"{DIR}/{SO}",)
 COMPILED = (".so", ".cubin", ".fatbin", ".spv")
 NEEDS_WEIGHTS = True
+COMPILES = True
+AUTO = True
 PACKAGE_MODEL_DIR = ("data", "aotinductor", "model")   # where a .pt2 keeps the model's files
 SOURCES = (".cpp", ".h", ".hpp", ".cu", ".c")            # the package's C++ sources: not needed to load
 

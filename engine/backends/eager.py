@@ -13,6 +13,8 @@ NAME = "eager"
 FILES = ("weights.safetensors",)
 COMPILED: tuple[str, ...] = ()
 NEEDS_WEIGHTS = True
+COMPILES = False
+AUTO = True
 
 
 def save(net: torch.nn.Module, spec, device: str, out_dir, margin: bool = False) -> dict:

@@ -11,6 +11,8 @@ NAME = "null"
 FILES: tuple[str, ...] = ()
 COMPILED: tuple[str, ...] = ()
 NEEDS_WEIGHTS = False
+COMPILES = False
+AUTO = False
 
 
 def save(net, spec, device: str, out_dir, margin: bool = False) -> dict:

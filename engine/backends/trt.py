@@ -27,8 +27,21 @@ NAME = "trt"
 FILES = ("model.trt.ep",)
 COMPILED = (".ep",)
 NEEDS_WEIGHTS = True
+COMPILES = True
+AUTO = True
 # what the build asks of dynamo.compile beyond the program and its inputs
 COMPILE_OPTIONS = {"use_explicit_typing": True, "min_block_size": 1, "require_full_compilation": False}
+
+
+def unavailable(device: str) -> str | None:
+    """Why TensorRT engines cannot be built here (None: they can)."""
+    import importlib.util
+
+    if device != "cuda":
+        return "TensorRT builds for a CUDA GPU only"
+    if importlib.util.find_spec("torch_tensorrt") is None:
+        return "torch_tensorrt is not installed"
+    return None
 
 
 def _need_gpu(device: str) -> None:

@@ -1,0 +1,165 @@
+"""Assembling an artifact in its folder: the backend's graph, below FP32 the margin guard (tau
+chosen on the calibration images, the FP32 re-check graph), then the manifest.
+
+engine.build decides what to build (a fixed spec, or the measured choice of
+engine.build_auto) and calls `assemble`; the timing helpers for the batch sizes live here too.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from engine import backends
+from engine.artifact import Artifact, write_manifest
+from engine.checkpoint import load_model
+from engine.io import sha256_file
+from engine.precision import describe as describe_policy
+from engine.spec import Spec
+
+RECHECK_DIR = "recheck"   # the guard's FP32 graph, built by the same backend, inside the artifact
+
+
+@dataclasses.dataclass
+class GuardConfig:
+    enabled: bool = True                  # below fp32: re-check near-ties in FP32
+    calibration_images: Path | None = None  # a folder of the user's images; None: calibration_source
+    calibration_count: int = 256
+    safety: float = 2.0                   # factor on the estimated disagreements
+    recheck_batch: int | str = 8          # static batch of the FP32 re-check graph, or "auto" (measured)
+    recheck_backend: str | None = None    # backend of the re-check graph (default: the build's)
+    budget: float = 10.0                  # estimated disagreements per 10,000 images tau must stay under
+    calibration_source: str = "photos"    # photos (scikit-image's bundled photos) | renders
+    smoke_count: int = 32                 # renders that check the low-precision graph is not broken
+
+
+def assemble(be, backend: str, net, spec: Spec, checkpoint: Path | None, device: str, tmp: Path,
+              guard: GuardConfig, extra: dict, t0: float, saved: dict | None = None,
+              chosen_guard: tuple | None = None) -> dict:
+    """The artifact's files and manifest in `tmp`: the backend's graph (`saved`: its manifest extras,
+    when the search already wrote its files there), below fp32 the guard, then manifest.json."""
+    guarded = guard.enabled and spec.precision != "fp32" and be.NEEDS_WEIGHTS
+    extra = {**extra, "precision_policy": describe_policy(spec.precision)}
+    extra.update(saved if saved is not None else be.save(net, spec, device, tmp, margin=guarded))
+    if guarded:
+        extra["guard"] = build_guard(be, backend, net, spec, device, tmp, guard, chosen_guard)
+    extra["build"] = {**extra["build"], "seconds": round(time.perf_counter() - t0, 3)}
+    ck_sha = sha256_file(checkpoint) if checkpoint is not None else None
+    return write_manifest(tmp, spec, backend, device, checkpoint, ck_sha, extra)
+
+
+SMOKE_AGREEMENT = 0.5   # raw low precision agreeing with FP32 on fewer renders than this: a broken build
+
+
+def calibration_pixels(spec: Spec, cfg: GuardConfig) -> tuple:
+    """(pixels [N, S, S, 3] uint8, origin record) of the guard's calibration source."""
+    from engine import calibrate
+
+    if cfg.calibration_images is not None:
+        return calibrate.folder_pixels(cfg.calibration_images, spec, cfg.calibration_count)
+    if cfg.calibration_source == "renders":
+        return calibrate.generated_pixels(spec, cfg.calibration_count)
+    if cfg.calibration_source == "photos":
+        return calibrate.photo_pixels(spec, cfg.calibration_count)
+    raise ValueError(f"calibration source must be one of {calibrate.SOURCES}, got {cfg.calibration_source!r}")
+
+
+def build_guard(be, backend: str, net, spec: Spec, device: str, tmp: Path, cfg: GuardConfig,
+                 chosen_guard: tuple | None = None) -> dict:
+    """Choose tau with the compiled low-precision graph, then build the FP32 re-check graph.
+    `chosen_guard`: (choose_tau's record, origin) when the search already chose tau with this graph."""
+    from engine import calibrate
+    from engine.model import wrap
+
+    t0 = time.perf_counter()
+    view = Artifact(tmp, spec, backend, device, spec.precision, spec.batch_size, {}, {"guard": True})
+    low = be.load(view, torch.device(device))                       # the graph the run will execute
+    ref = wrap(net, dataclasses.replace(spec, precision="fp32"), device, margin=True)
+    if chosen_guard is not None:
+        chosen, origin = chosen_guard
+    else:
+        pixels, origin = calibration_pixels(spec, cfg)
+        low_top1, margins = calibrate.classify(low, pixels, spec.batch_size, margin=True, device=device)
+        ref_top1, ref_margins = calibrate.classify(ref, pixels, 16, margin=True, device=device)
+        chosen = calibrate.choose_tau(low_top1, margins, ref_top1, ref_margins, cfg.budget, cfg.safety)
+    smoke = smoke_check(calibrate, low, ref, spec, device, cfg.smoke_count)
+    rbatch, rsweep = cfg.recheck_batch, None
+    if rbatch == "auto":
+        rbatch, rsweep = measure_recheck_batch(net, spec, device, chosen["rechecked_fraction"])
+        print(f"engine.build: re-check batch {rbatch} (measured: {rsweep['images_per_s']} images/s)", file=sys.stderr)
+    rspec = dataclasses.replace(spec, precision="fp32", batch_size=rbatch)
+    (tmp / RECHECK_DIR).mkdir()
+    rbackend = cfg.recheck_backend or backend
+    backends.get(rbackend).save(net, rspec, device, tmp / RECHECK_DIR, margin=False)
+    print(f"engine.build: guard budget {cfg.budget:g} disagreements per 10,000 (safety x{cfg.safety:g}): "
+          f"tau {chosen['tau']:.4f}, expected re-checked fraction {chosen['rechecked_fraction']:.1%} "
+          f"(estimated {chosen['estimated_per_10k']:.2f} per 10,000; {chosen['images']} calibration images, "
+          f"{chosen['disagreements']} raw disagreements; {origin['origin']})", file=sys.stderr)
+    out = {**chosen, "recheck_batch": rbatch, "dir": RECHECK_DIR, "recheck_spec": rspec.to_dict(),
+           "recheck_backend": rbackend, "calibration": origin, "smoke": smoke,
+           "seconds": round(time.perf_counter() - t0, 3)}
+    if rsweep:
+        out["recheck_sweep"] = rsweep
+    return out
+
+
+def smoke_check(calibrate, low, ref, spec: Spec, device: str, count: int) -> dict:
+    """Raw low-precision vs FP32 top-1 on procedural renders: a build that disagrees on most is broken."""
+    pixels, origin = calibrate.generated_pixels(spec, count)
+    a, _ = calibrate.classify(low, pixels, spec.batch_size, margin=True, device=device)
+    b, _ = calibrate.classify(ref, pixels, 16, margin=True, device=device)
+    rate = float((a == b).mean())
+    if rate < SMOKE_AGREEMENT:
+        raise RuntimeError(f"the {spec.precision} graph agrees with FP32 on {rate:.0%} of {count} renders "
+                           f"(under {SMOKE_AGREEMENT:.0%}): the low-precision build is broken")
+    return {"renders": count, "raw_agreement": round(rate, 4), "origin": origin["origin"]}
+
+
+RECHECK_BATCHES = {"cuda": (8, 16, 32, 64), "cpu": (4, 8, 16)}
+
+
+def measure_recheck_batch(net, spec: Spec, device: str, fraction: float) -> tuple[int, dict]:
+    """(re-check batch, record): the FP32 graph's images/s per candidate batch (eager, as
+    measure_batch_size), then the batch with the least expected re-check time for 10,000
+    images at the calibration's re-checked fraction: ceil(k / R) calls of R images each."""
+    import math
+
+    fp32 = dataclasses.replace(spec, precision="fp32")
+    _, sweep = measure_batch_size(fp32, None, device, RECHECK_BATCHES.get(device, RECHECK_BATCHES["cpu"]), net=net)
+    k = max(1, math.ceil(fraction * 10_000))
+    cost = {int(b): math.ceil(k / int(b)) * int(b) / r for b, r in sweep["images_per_s"].items()}
+    best = min(cost, key=cost.get)
+    return best, {**sweep, "chosen": best, "expected_rechecks_per_10k": k,
+                  "expected_seconds_per_10k": {str(b): round(v, 3) for b, v in cost.items()}}
+
+
+def measure_batch_size(spec: Spec, checkpoint: Path | None, device: str, candidates=None,
+                       net=None) -> tuple[int, dict]:
+    """(fastest batch, images/s per batch) of the policy network in eager mode on `device`;
+    each candidate timed after one warm-up, synchronised. Recorded in the artifact.
+    `net`: the FP32 network already loaded (else it is loaded from `checkpoint`)."""
+    from engine.model import wrap
+
+    net = net if net is not None else load_model(spec, checkpoint)
+    rates = {}
+    with torch.inference_mode():
+        from engine.presets import preset
+
+        for b in candidates or preset(device).batch_sizes:
+            m = wrap(net, dataclasses.replace(spec, batch_size=b), device)
+            x = torch.randint(0, 256, (b, spec.input_size, spec.input_size, 3), dtype=torch.uint8, device=device)
+            m(x)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(2):
+                m(x)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            rates[b] = 2 * b / (time.perf_counter() - t)
+    best = max(rates, key=rates.get)
+    return best, {"chosen": best, "images_per_s": {str(k): round(v, 1) for k, v in rates.items()},
+                  "how": "eager policy network, 2 timed calls per batch after a warm-up"}
