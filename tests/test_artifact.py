@@ -296,7 +296,7 @@ def test_rebuild_replaces_atomically(tmp_path, ckpt):
 
 
 def test_failed_rebuild_keeps_the_old_artifact(tmp_path, ckpt, monkeypatch):
-    import engine.build
+    import engine.assemble
 
     out = tmp_path / "artifact"
     build(tiny_spec(), ckpt, out, backend="eager")
@@ -305,7 +305,7 @@ def test_failed_rebuild_keeps_the_old_artifact(tmp_path, ckpt, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(engine.build, "write_manifest", boom)
+    monkeypatch.setattr(engine.assemble, "write_manifest", boom)   # the manifest, written last
     with pytest.raises(RuntimeError, match="disk full"):
         build(dataclasses.replace(tiny_spec(), batch_size=8), ckpt, out, backend="eager")
     assert _siblings(out) == ["artifact"]
