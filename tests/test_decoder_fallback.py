@@ -24,10 +24,12 @@ def no_dali(monkeypatch):
 
 @pytest.fixture
 def fake_cuda(monkeypatch):
-    """torch says a CUDA device is there (nothing is run on it: only decoders' start checks ask)."""
+    """torch says a CUDA device is there (nothing is run on it: only decoders' start checks ask, and
+    a GPU decoder makes its own stream)."""
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: object())
 
 
 def _lines(err: str) -> list[str]:

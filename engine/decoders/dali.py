@@ -49,11 +49,11 @@ class DaliDecoder:
         # _copied: the event after the last copy out of DALI's output, which DALI reuses at its next run
         self.stream = None
         self._copied = None
+        self._pipe = self._build()     # first: without a GPU this is what fails, saying why
         if device == "gpu":
             from engine.gpu_streams import producer_stream
 
             self.stream = producer_stream()
-        self._pipe = self._build()
 
     def _build(self):
         from nvidia.dali import fn, pipeline_def, types
