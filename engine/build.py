@@ -51,7 +51,7 @@ class AutoConfig:
 
 
 def build(spec: Spec, checkpoint: Path | None, out: Path, backend: str = backends.DEFAULT,
-          device: str = "cpu", guard: GuardConfig | None = None, batch_sweep: dict | None = None,
+          device: str = "cpu", guard: GuardConfig | None = None,
           auto: AutoConfig | None = None) -> dict:
     """Build the artifact for `spec` with `backend` (a name in engine.backends) and return its manifest.
     `auto`: measure the candidates on this machine and build the fastest that holds (engine.autotune)."""
@@ -73,8 +73,6 @@ def build(spec: Spec, checkpoint: Path | None, out: Path, backend: str = backend
     try:
         extra = {"build": {"argv": sys.argv, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
                  "fp32_math": math}
-        if batch_sweep:
-            extra["build"]["batch_sweep"] = batch_sweep
         if auto is not None:
             from engine import build_auto
 
