@@ -228,27 +228,64 @@ def search(m: Measurer, cfg: SearchConfig, skipped: dict[str, str] | None = None
                              f"{lead.candidate.name}: agreement not measured")
                 trial.seconds = clock() - t
                 continue
-            a = m.agree(handle, c)
         except Exception as e:  # noqa: BLE001 - capture or run failure: the next candidate
             trial.status, trial.why = "failed", f"run: {_why(e)}"
             trial.seconds = clock() - t
             _say(f"autotune: {c.name}: {trial.why}; skipped")
             continue
-        trial.agreement, trial.tau, trial.rechecked_fraction = a.agreement, a.tau, a.rechecked_fraction
-        trial.estimated_per_10k, trial.guard = a.estimated_per_10k, a.guard
+        _judge(m, trial, handle, handles)
         trial.seconds = clock() - t
-        if not a.holds:
-            trial.status, trial.why = "rejected", a.why or "does not hold the disagreement budget"
-            _say(f"autotune: {c.name}: {trial.why}; skipped")
-            continue
-        trial.status = "holds"
-        handles[c.name] = handle
     _confirm(m, trials, built, cfg)
+    _readmit(m, trials, built, handles, cfg)
     _effective_rates(trials)
     ranked = rank(trials)
     if ranked:
         mark(trials, ranked[0])
     return SearchResult(trials, ranked, dict(skipped or {}), clock() - t0, handles)
+
+
+def _judge(m: Measurer, trial: Trial, handle, handles: dict) -> None:
+    """The candidate's agreement with the FP32 graph on the calibration set: holds or rejected."""
+    c = trial.candidate
+    try:
+        a = m.agree(handle, c)
+    except Exception as e:  # noqa: BLE001 - a run failure: the next candidate
+        trial.status, trial.why = "failed", f"run: {_why(e)}"
+        _say(f"autotune: {c.name}: {trial.why}; skipped")
+        return
+    trial.agreement, trial.tau, trial.rechecked_fraction = a.agreement, a.tau, a.rechecked_fraction
+    trial.estimated_per_10k, trial.guard = a.estimated_per_10k, a.guard
+    if not a.holds:
+        trial.status, trial.why = "rejected", a.why or "does not hold the disagreement budget"
+        _say(f"autotune: {c.name}: {trial.why}; skipped")
+        return
+    trial.status = "holds"
+    handles[c.name] = handle
+
+
+def _readmit(m: Measurer, trials: list[Trial], built: dict, handles: dict, cfg: SearchConfig) -> None:
+    """A candidate called slower than a lead whose first timing the confirmation lowered is judged
+    after all, and the leaders confirmed again: one disturbed timing of the lead prunes nothing."""
+    def leader() -> Trial | None:
+        return max((t for t in trials if t.status == "holds" and t.images_per_s and not t.rechecked_fraction),
+                   default=None, key=lambda t: t.images_per_s)
+
+    lead = leader()
+    if lead is None:
+        return
+    again = [t for t in trials if t.status == "slower" and t.images_per_s
+             and t.images_per_s >= lead.images_per_s * (1 - TIE)]
+    for t in again:
+        c = t.candidate
+        t.why = ""
+        _judge(m, t, built[(c.precision, c.batch_size, c.backend, c.options)], handles)
+    if again:
+        _confirm(m, trials, built, cfg)
+        lead = leader() or lead
+    for t in trials:   # the ones left slower name the leader as confirmed
+        if t.status == "slower" and t.images_per_s:
+            t.why = (f"{t.images_per_s:.1f} images/s on the graph, under {lead.images_per_s:.1f} of "
+                     f"{lead.candidate.name}: agreement not measured")
 
 
 def mark(trials: list[Trial], best: Trial, chosen: bool = False) -> None:

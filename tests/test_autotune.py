@@ -27,8 +27,9 @@ class FakeMeasurer:
     `fail_compile` / `fail_run` / `disagree` plant failures; `costs` advance the clock."""
 
     def __init__(self, clock, screen, graph, fail_compile=(), fail_run=(), disagree=(), fraction=0.0,
-                 compile_s=10.0):
+                 compile_s=10.0, first=None):
         self.clock, self._screen, self._graph = clock, screen, graph
+        self.first = dict(first or {})   # candidate name -> its first timing (a disturbed measurement)
         self.fail_compile, self.fail_run, self.disagree = set(fail_compile), set(fail_run), set(disagree)
         self.fraction, self.compile_s = fraction, compile_s
         self.compiled: list[str] = []
@@ -48,6 +49,8 @@ class FakeMeasurer:
         self.clock.t += 1
         if c.name in self.fail_run:
             raise RuntimeError("planted: CUDA graph capture failed")
+        if c.name in self.first:
+            return self.first.pop(c.name)
         return self._graph[(c.precision, c.batch_size, c.backend, c.options)]
 
     def agree(self, h, c):
@@ -95,6 +98,24 @@ def test_where_bf16_measures_faster_and_holds_it_is_chosen():
     assert best.candidate == Candidate("bf16", 16, "aot")
     # the guard's expected re-checks are paid at the FP32 rate: 1 / (1/90 + 0.02/43)
     assert best.effective_images_per_s == pytest.approx(1 / (1 / 90 + 0.02 / 43))
+
+
+def test_a_lead_whose_first_timing_was_disturbed_prunes_nothing():
+    """aot/fp32/b16 is first timed at 14.2 (its true rate 10.7): the eager candidates timed after it
+    are slower than 14.2, not than the confirmed leader, so they are judged after all."""
+    clock = Clock()
+    screen = {("fp32", 8): 11.1, ("fp32", 16): 10.6}
+    graph = {("fp32", 8, "aot", "default"): 12.3, ("fp32", 16, "aot", "default"): 10.7,
+             ("fp32", 8, "eager", "default"): 12.7, ("fp32", 16, "eager", "default"): 10.1}
+    m = FakeMeasurer(clock, screen, graph, first={"aot/fp32/b16": 14.2})
+    res = search(m, _cfg(precisions=("fp32",), backends=("aot", "eager")), clock=clock)
+    by = {t.candidate.name: t for t in res.trials}
+    assert by["eager/fp32/b8"].status == "holds" and by["eager/fp32/b8"].agreement == 1.0
+    assert res.ranked[0].candidate == Candidate("fp32", 8, "eager")
+    assert by["aot/fp32/b16"].images_per_s == pytest.approx(10.7)      # the median of its timings
+    # one still slower than the confirmed leader (10.1 against 12.7) stays unjudged
+    assert by["eager/fp32/b16"].status == "slower" and by["eager/fp32/b16"].agreement is None
+    assert "under 12.7 of eager/fp32/b8" in by["eager/fp32/b16"].why
 
 
 def test_a_tie_goes_to_the_simpler_candidate():
