@@ -106,10 +106,10 @@ def _batch_size(text: str) -> int | str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from engine.cli import ArgumentParser, HelpFormatter
+    from engine.cli import ArgumentParser, HelpFormatter, debug_flag
 
-    p = ArgumentParser(prog="python -m engine.build", description=__doc__.split("\n\n")[0],
-                       formatter_class=HelpFormatter)
+    p = debug_flag(ArgumentParser(prog="python -m engine.build", description=__doc__.split("\n\n")[0],
+                                  formatter_class=HelpFormatter))
     p.add_argument("--model", required=True, help="timm name, e.g. eva02_large_patch14_448.mim_m38m_ft_in22k_in1k")
     p.add_argument("--checkpoint", type=Path, help="local .safetensors / .pth / .bin (every backend but null needs one)")
     p.add_argument("--out", required=True, type=Path)
@@ -188,6 +188,10 @@ def main(argv: list[str] | None = None) -> int:
         meta = build(spec, a.checkpoint, a.out, backend=backends.DEFAULT if a.backend == "auto" else a.backend,
                      device=a.device, guard=guard, auto=auto)
     except (OSError, ValueError, RuntimeError) as e:
+        from engine.cli import debugging
+
+        if debugging(a.debug):
+            raise
         print(f"engine.build: error: {e}", file=sys.stderr)
         return 2
     print(json.dumps({"out": str(a.out), "backend": meta["backend"], "device": meta["device"],

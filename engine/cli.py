@@ -52,6 +52,11 @@ def parser(prog: str, description: str, env: dict[str, str] | None = None) -> ar
     """An ArgumentParser with defaults shown, an `environment:` epilog for `env` (name -> what)
     and a `--debug` flag."""
     p = ArgumentParser(prog=prog, description=description, epilog=env_epilog(env), formatter_class=HelpFormatter)
+    return debug_flag(p)
+
+
+def debug_flag(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """`p` with the `--debug` flag every command takes (read it with `debugging(a.debug)`)."""
     p.add_argument("--debug", action="store_true", help="show the Python traceback of an error (also ENGINE_DEBUG=1)")
     return p
 

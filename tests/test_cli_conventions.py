@@ -299,3 +299,18 @@ def test_campaign_verify_takes_the_folder_and_usage_errors_say_error(tmp_path):
             "--out", str(tmp_path / "out"))
     line = _one_error_line(r, "campaign")
     assert "profile max requires --manifest" in line and not (tmp_path / "out").exists()
+
+
+DOCUMENTED_COMMANDS = [["-m", "engine.build"], ["-m", "evaluator.demo"], ["-m", "evaluator.cohort"],
+                       ["-m", "evaluator.reference"], ["-m", "evaluator.agreement"], ["-m", "evaluator.sweep"],
+                       ["-m", "evaluator.provenance"], ["-m", "evaluator.campaign", "run"],
+                       ["-m", "evaluator.campaign", "verify"], ["-m", "evaluator.cir_corpus"],
+                       ["-m", "evaluator.score_retrieval"], ["-m", "evaluator.ablate"], ["-m", "evaluator.rehearse"]]
+
+
+@pytest.mark.parametrize("cmd", DOCUMENTED_COMMANDS, ids=lambda c: " ".join(c[1:]))
+def test_every_documented_command_takes_debug(cmd):
+    """The README promises `--debug` on every command: each one's --help lists it."""
+    r = _py(*cmd, "--help")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "--debug" in r.stdout, r.stdout

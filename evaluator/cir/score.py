@@ -501,11 +501,11 @@ def load_label_files(paths: Iterable[str | Path]) -> dict[str, Label]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from engine.cli import ArgumentParser
+    from engine.cli import ArgumentParser, debug_flag, debugging
 
-    parser = ArgumentParser(
+    parser = debug_flag(ArgumentParser(
         prog="python -m evaluator.score_retrieval", description=__doc__.split("\n\n")[0]
-    )
+    ))
     parser.add_argument("--results", required=True, type=Path, help="run output, JSONL")
     parser.add_argument(
         "--labels", required=True, type=Path, action="append", help="labels file (repeatable)"
@@ -520,6 +520,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         references = load_references(args.queries) if args.queries is not None else None
         results = read_results(args.results, references)
     except (InputError, OSError, UnicodeDecodeError) as e:
+        if debugging(args.debug):
+            raise
         print(f"score_retrieval: error: {e}", file=sys.stderr)
         return 2
     report = score_file(results, labels)

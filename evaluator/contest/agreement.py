@@ -221,9 +221,9 @@ def _rows_value(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine.cli import ArgumentParser
+    from engine.cli import ArgumentParser, debug_flag, debugging
 
-    p = ArgumentParser(prog="python -m evaluator.agreement", description=__doc__.split("\n\n")[0])
+    p = debug_flag(ArgumentParser(prog="python -m evaluator.agreement", description=__doc__.split("\n\n")[0]))
     p.add_argument("--predictions", required=True, type=Path)
     p.add_argument("--reference", required=True, type=Path,
                    help="reference: .i32 (-1 = could not read: left out, reported apart) or .tsv")
@@ -244,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
                         + (f"and the manifest {a.manifest})" if n is not None else f"{a.reference})"))
         res = judge(pred, ref, unreadable, a.gate)
     except (OSError, ValueError) as e:
+        if debugging(a.debug):
+            raise
         print(f"agreement: error: {e}", file=sys.stderr)
         return 2
     rows = res.all_rows.rows              # manifest rows, whatever matched

@@ -33,10 +33,10 @@ def _log(msg: str) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    from engine.cli import ArgumentParser
+    from engine.cli import ArgumentParser, debug_flag
 
-    p = ArgumentParser(prog="python -m evaluator.sweep", description=__doc__.split("\n\n")[0],
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = debug_flag(ArgumentParser(prog="python -m evaluator.sweep", description=__doc__.split("\n\n")[0],
+                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter))
     p.add_argument("--model", required=True, help="timm name")
     p.add_argument("--checkpoint", required=True, type=Path)
     p.add_argument("--manifest", required=True, type=Path)
@@ -144,6 +144,7 @@ def table(results: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    from engine.cli import debugging
     from evaluator.contest.agreement import read_frozen_reference
     from evaluator.contest.manifest import ManifestError, read_manifest
 
@@ -151,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = len(read_manifest(a.manifest))
         ref, unreadable = read_frozen_reference(a.reference, a.manifest, rows)
     except (ManifestError, ValueError, OSError) as e:
+        if debugging(a.debug):
+            raise
         print(f"sweep: error: {e}", file=sys.stderr)
         return 2
     if unreadable.any():

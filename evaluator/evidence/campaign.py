@@ -374,7 +374,7 @@ def cmd_render(path: Path, out: Path | None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from engine.cli import ArgumentParser
+    from engine.cli import ArgumentParser, debug_flag
 
     p = ArgumentParser(prog="python -m evaluator.campaign", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -420,10 +420,14 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("render", help="re-render report.html from a disclosure JSON")
     d.add_argument("disclosure", type=Path)
     d.add_argument("--out", type=Path)
+    for sp in (r, v, k, d):
+        debug_flag(sp)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    from engine.cli import debugging
+
     ns = build_parser().parse_args(argv)
     try:
         if ns.command == "verify":
@@ -433,14 +437,19 @@ def main(argv: list[str] | None = None) -> int:
         if ns.command == "render":
             return cmd_render(ns.disclosure, ns.out)
         # absolute paths: the runs start in the source tree, not where the user typed them
-        fields = {k: v.resolve() if isinstance(v, Path) else v for k, v in vars(ns).items() if k != "command"}
+        fields = {k: v.resolve() if isinstance(v, Path) else v for k, v in vars(ns).items()
+                  if k not in ("command", "debug")}
         fields["attach"] = tuple(x.resolve() for x in fields["attach"])
         fields["labels"] = tuple(x.resolve() for x in fields["labels"])
         return cmd_run(RunArgs(**fields))
     except UsageError as exc:
+        if debugging(ns.debug):
+            raise
         print(f"campaign: error: {exc}", file=sys.stderr)
         return 2
     except (OSError, ValueError, RuntimeError, json.JSONDecodeError) as exc:
+        if debugging(ns.debug):
+            raise
         print(f"campaign: error: {exc}", file=sys.stderr)
         return 1
 
