@@ -1,4 +1,4 @@
-"""A newcomer's smoke test: every command README.md and docs/SUBMITTING.md show, followed on the tiny model.
+"""A newcomer's smoke test: every command README.md and the docs it links show, followed on the tiny model.
 
 `test_every_documented_command_is_covered` extracts the command lines of the two documents'
 code blocks (indented or fenced; continuation lines joined, trailing comments dropped) and
@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-DOCS = ("README.md", "docs/SUBMITTING.md")
+DOCS = ("README.md", "docs/SUBMITTING.md", "docs/classification.md", "docs/cir.md", "docs/evidence.md",
+        "docs/benchmarks.md", "docs/gpu-check.md", "docs/install.md")
 TINY_BUILD = ("--build-arg=--input-size=112 --build-arg=--crop-mode=squash --build-arg=--crop-pct=1.0 "
               "'--build-arg=--model-kwargs={\"depth\": 4}' --build-arg=--calibration-count=16")
 CIR = "cir/corpus"
@@ -59,7 +60,7 @@ STEPS: list[tuple[str, str, int]] = [
 
 # every command line the documents show -> the step that runs it, or "skip: why not here"
 DOCUMENTED: dict[str, str] = {
-    # README.md
+    # README.md and the docs it links
     "python3 -m pip install -e . && python3 -m evaluator.demo":
         "skip: installs packages (done before the suite runs); tests/test_demo.py runs the demo on a small cohort",
     "./scripts/test.sh": "skip: the whole suite, this test included",
@@ -82,6 +83,7 @@ DOCUMENTED: dict[str, str] = {
     "scripts/run.sh --index-dir INDEX --queries requests.jsonl --output results.jsonl": "cir-run",
     "python -m evaluator.score_retrieval --results results.jsonl --labels "
     "labels.jsonl|circo_val.json|cap.rc2.val.json": "cir-score",
+    "python -m evaluator.score_retrieval --results results.jsonl --labels labels.jsonl": "cir-score",
     "python -m evaluator.ablate --index-dir INDEX --queries requests.jsonl --labels labels.jsonl "
     "[--methods slerp,slerp+gap,slerp+isoftmax,pic2word,slerp+reinspect]": "cir-ablate",
     "python -m evaluator.cir_corpus --out cir/corpus --clip cir/clip": "cir-corpus",
@@ -123,16 +125,21 @@ DOCUMENTED: dict[str, str] = {
 def documented_commands(text: str) -> list[str]:
     """The command lines of a Markdown text's code blocks: fenced, or indented by 4 after a blank
     line; `\\` continuations joined, comments dropped, whitespace collapsed. A block whose first
-    word ends with `/` is a folder listing, not commands."""
+    word ends with `/` is a folder listing, and a fenced block of another language (```python) is
+    code, not commands."""
     blocks: list[list[str]] = []
     fenced, prev_blank, indented = False, True, False
+    code = False                         # inside a fenced block of another language (```python): not commands
     for ln in text.splitlines():
         if ln.lstrip().startswith("```"):
             fenced, indented = not fenced, False
-            if fenced:
+            lang = ln.lstrip()[3:].strip()
+            code = fenced and lang not in ("", "sh", "bash", "shell", "console")
+            if fenced and not code:
                 blocks.append([])
         elif fenced:
-            blocks[-1].append(ln)
+            if not code:
+                blocks[-1].append(ln)
         elif ln.startswith("    ") and (prev_blank or indented):
             if not indented:
                 blocks.append([])

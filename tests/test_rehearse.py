@@ -57,11 +57,11 @@ def _rehearse(*args: str) -> tuple[int, dict, str]:
 
 
 @needs_root
-def test_eager_run_passes_as_nobody_offline(demo):
+def test_eager_run_passes_as_the_image_user_offline(demo):
     rc, s, err = _rehearse("--prepared", str(demo))
     assert rc == 0, err[-3000:]
     assert s["verdict"] == "PASS" and s["failures"] == []
-    assert s["user"] == "65534:65534" and s["network"].startswith("isolated")
+    assert s["user"] == "10001:10001" and s["network"].startswith("isolated")
     assert s["rows"] == 24 and s["agreement_rate"] >= 0.99
     assert s["writes_outside"] == [] and s["compiled"] == []
     assert s["memory_limit_bytes"] == 16 << 30

@@ -4,7 +4,7 @@ on a wrong output, or on compilation at run time.
 
     scripts/rehearse --artifact A [--cohort C] [--reference R] [--checkpoint CK]   # your artifact
     scripts/rehearse [--prepared DIR | --count N --backend NAME]                    # the kit's own
-        [--uid 65534] [--memory auto|none|16G] [--nproc N] [--run-cmd SH] [--keep]
+        [--uid 10001] [--memory auto|none|16G] [--nproc N] [--run-cmd SH] [--keep]
 
 What it rehearses. `--artifact A` rehearses exactly A: on the cohort C (C/manifest.tsv,
 image paths relative to C) or, without `--cohort`, on a generated one (`--count` images);
@@ -465,7 +465,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--count", type=int, default=120, help="generated cohort size (no --cohort, no --prepared)")
     p.add_argument("--backend", choices=tuple(BACKENDS), default=DEFAULT_BACKEND,
                    help="artifact backend when preparing (engine.backends)")
-    p.add_argument("--uid", type=int, default=65534, help="unprivileged uid (and gid) to run as")
+    p.add_argument("--uid", type=int, default=10001, help="unprivileged uid (and gid) to run as (the image's user)")
     p.add_argument("--memory", default="auto", help="address-space bound: auto (16G on CPU, none on CUDA), none, 8G")
     p.add_argument("--nproc", type=int, default=4096, help="process+thread bound for the user (RLIMIT_NPROC)")
     p.add_argument("--gate", type=float, default=0.99, help="agreement with the reference needed to pass")
