@@ -1,14 +1,107 @@
-"""File helpers every part of the kit shares: one copy each.
+"""File access every part of the kit shares: one copy each.
 
-sha256 of a file, an atomic write (a crash never leaves a file that looks complete),
-and the installed versions of named packages.
+Reading an input: `read_regular` (a regular file of bounded size, never a FIFO or a device),
+`resolve_relative` / `resolve_inside` (a manifest's relative path, followed or confined to
+its root). Also: what kind of file a mode names, the bytes under a folder, the sha256 of a
+file, an atomic write (a crash never leaves a file that looks complete), and the installed
+versions of named packages.
 """
 from __future__ import annotations
 
 import hashlib
 import os
 import platform
+import stat
 from pathlib import Path
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def file_kind(mode: int) -> str:
+    """What a file that is not a regular one is ("a directory", "a FIFO", ...), from its st_mode."""
+    return next((what for test, what in _KINDS if test(mode)), "not a regular file")
+
+
+def read_regular(path: str | os.PathLike, max_bytes: int, limit: str = "ENGINE_MAX_FILE_BYTES",
+                 follow: bool = False) -> bytes:
+    """The bytes of a regular file of at most `max_bytes` (`limit` names that bound): one open,
+    one fstat, one read.
+
+    Opened non-blocking (a FIFO cannot hang the reader), following a final symlink only when
+    `follow` (trusted staging: a symlink farm); directories, FIFOs, sockets and devices are
+    refused after the fstat, whatever a link led to, and an oversized file before a byte is
+    read. Errors are OSError or ValueError naming why.
+    """
+    nofollow = 0 if follow else os.O_NOFOLLOW
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | nofollow | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{path} is {file_kind(st.st_mode)}, not a regular file")
+        if st.st_size > max_bytes:
+            raise ValueError(f"{path} has {st.st_size} bytes, above the limit of {max_bytes} ({limit})")
+        data = os.read(fd, st.st_size)
+        while len(data) < st.st_size:  # a short read (rare for regular files): read the rest
+            more = os.read(fd, st.st_size - len(data))
+            if not more:
+                break
+            data += more
+        return data
+    finally:
+        os.close(fd)
+
+
+def resolve_relative(root: str | os.PathLike, rel: str, what: str = "the root", confine: bool = False,
+                     real_root: str | None = None) -> str:
+    """Where the relative path `rel` under `root` leads; ValueError (nothing opened) for an empty
+    or absolute path, a NUL byte or a `..` component.
+
+    Trusted staging (default): `root/rel` as given, to be opened following symlinks
+    (read_regular(..., follow=True)), as `open(os.path.join(root, rel))` would: a symlink
+    farm into a store elsewhere, or hard links, read like plain files. `confine=True`
+    (untrusted inputs): the real path, which must stay inside root's real path
+    (resolve_inside); open it without following (read_regular's default).
+    """
+    if not rel:
+        raise ValueError("empty path")
+    if os.path.isabs(rel) or rel.startswith(("/", "\\")):
+        raise ValueError(f"absolute path refused: {rel!r}")
+    if "\x00" in rel:
+        raise ValueError("NUL byte in path")
+    if ".." in rel.split("/"):
+        raise ValueError(f"'..' component refused: {rel!r}")
+    if confine:
+        return resolve_inside(root, rel, what, real_root)   # realpath under the root, no final link
+    return os.path.join(root, rel)
+
+
+def resolve_inside(root: str | os.PathLike, rel: str, what: str = "the root", real_root: str | None = None) -> str:
+    """Real path of `rel` inside `root`; ValueError (nothing opened) for an absolute path, a NUL
+    byte or an escape, also through a symlink. `real_root`: os.path.realpath(root), if known."""
+    if os.path.isabs(rel) or rel.startswith(("/", "\\")):
+        raise ValueError(f"absolute path refused: {rel!r}")
+    if "\x00" in rel:
+        raise ValueError("NUL byte in path")
+    real_root = real_root or os.path.realpath(root)
+    real = os.path.realpath(os.path.join(real_root, rel))  # follows symlinks: a link out of the root is refused
+    if os.path.commonpath([real_root, real]) != real_root:
+        raise ValueError(f"path escapes {what}: {rel!r}")
+    return real
+
+
+def tree_bytes(root: str | os.PathLike, since: float | None = None) -> int:
+    """Bytes of the files under `root` (only those modified at or after `since`, a time.time() value)."""
+    total = 0
+    for dirpath, _, names in os.walk(root):
+        for n in names:
+            try:
+                st = os.stat(os.path.join(dirpath, n))
+            except OSError:
+                continue
+            if since is None or st.st_mtime >= since:
+                total += st.st_size
+    return total
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:

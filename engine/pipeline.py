@@ -9,9 +9,7 @@ still gets a prediction.
 from __future__ import annotations
 
 import contextlib
-import os
 import queue
-import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,89 +17,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
-
-_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
-          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
-
-
-def read_regular(path: str | os.PathLike, max_bytes: int, limit: str = "ENGINE_MAX_FILE_BYTES",
-                 follow: bool = False) -> bytes:
-    """The bytes of a regular file of at most `max_bytes` (`limit` names that bound): one open,
-    one fstat, one read.
-
-    Opened non-blocking (a FIFO cannot hang the reader), following a final symlink only when
-    `follow` (trusted staging: a symlink farm); directories, FIFOs, sockets and devices are
-    refused after the fstat, whatever a link led to, and an oversized file before a byte is
-    read. Errors are OSError or ValueError naming why.
-    """
-    nofollow = 0 if follow else os.O_NOFOLLOW
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | nofollow | os.O_CLOEXEC)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            kind = next((what for test, what in _KINDS if test(st.st_mode)), "not a regular file")
-            raise ValueError(f"{path} is {kind}, not a regular file")
-        if st.st_size > max_bytes:
-            raise ValueError(f"{path} has {st.st_size} bytes, above the limit of {max_bytes} ({limit})")
-        data = os.read(fd, st.st_size)
-        while len(data) < st.st_size:  # a short read (rare for regular files): read the rest
-            more = os.read(fd, st.st_size - len(data))
-            if not more:
-                break
-            data += more
-        return data
-    finally:
-        os.close(fd)
-
-
-def resolve_relative(root: str | os.PathLike, rel: str, what: str = "the root", confine: bool = False,
-                     real_root: str | None = None) -> str:
-    """Where the relative path `rel` under `root` leads; ValueError (nothing opened) for an empty
-    or absolute path, a NUL byte or a `..` component.
-
-    Trusted staging (default): `root/rel` as given, to be opened following symlinks
-    (read_regular(..., follow=True)), as `open(os.path.join(root, rel))` would: a symlink
-    farm into a store elsewhere, or hard links, read like plain files. `confine=True`
-    (untrusted inputs): the real path, which must stay inside root's real path
-    (resolve_inside); open it without following (read_regular's default).
-    """
-    if not rel:
-        raise ValueError("empty path")
-    if os.path.isabs(rel) or rel.startswith(("/", "\\")):
-        raise ValueError(f"absolute path refused: {rel!r}")
-    if "\x00" in rel:
-        raise ValueError("NUL byte in path")
-    if ".." in rel.split("/"):
-        raise ValueError(f"'..' component refused: {rel!r}")
-    if confine:
-        return resolve_inside(root, rel, what, real_root)   # realpath under the root, no final link
-    return os.path.join(root, rel)
-
-
-def resolve_inside(root: str | os.PathLike, rel: str, what: str = "the root", real_root: str | None = None) -> str:
-    """Real path of `rel` inside `root`; ValueError (nothing opened) for an absolute path, a NUL
-    byte or an escape, also through a symlink. `real_root`: os.path.realpath(root), if known."""
-    if os.path.isabs(rel) or rel.startswith(("/", "\\")):
-        raise ValueError(f"absolute path refused: {rel!r}")
-    if "\x00" in rel:
-        raise ValueError("NUL byte in path")
-    real_root = real_root or os.path.realpath(root)
-    real = os.path.realpath(os.path.join(real_root, rel))  # follows symlinks: a link out of the root is refused
-    if os.path.commonpath([real_root, real]) != real_root:
-        raise ValueError(f"path escapes {what}: {rel!r}")
-    return real
-
-
-def peak_rss_mib() -> dict[str, float]:
-    """Peak resident memory so far, MiB: {"process": this one, "children": the largest of its
-    children that ended and were waited for (an isolated decoder, once closed; also a helper a
-    library forked, whose figure starts at this process's size at the fork: torch's import
-    runs `ldconfig -p` so)}."""
-    import resource
-
-    kib = {"process": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,      # Linux: KiB
-           "children": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}
-    return {k: round(v / 1024, 1) for k, v in kib.items()}
 
 
 @dataclass

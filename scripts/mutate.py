@@ -87,7 +87,7 @@ TARGETS = {
     "manifest": Target("evaluator/contest/manifest.py", ("tests/test_manifest.py", "tests/test_input_rules.py"), (),
                        "the manifest reader",
                        (("blank.append(no)", "pass"),)),
-    "resolve": Target("engine/pipeline.py", ("tests/test_manifest.py", "tests/test_input_rules.py"),
+    "resolve": Target("engine/io.py", ("tests/test_manifest.py", "tests/test_input_rules.py"),
                       ("read_regular", "resolve_relative", "resolve_inside"), "input path resolution"),
     "guard": Target("engine/guard.py", ("tests/test_guard.py", "tests/test_margin_guard_rules.py"), (), "the margin guard and its statistics",
                     (("if self._rows:", "if len(self._rows) == self.batch:"),  # the last, partial call dropped

@@ -22,7 +22,7 @@ def _short_reads(monkeypatch, most: int, then_empty: bool = False):
     (with then_empty, nothing after the first call)."""
     import os
 
-    from engine import pipeline
+    from engine import io as engine_io
 
     real_read, calls = os.read, []
 
@@ -32,12 +32,12 @@ def _short_reads(monkeypatch, most: int, then_empty: bool = False):
             return b""
         return real_read(fd, min(n, most))
 
-    monkeypatch.setattr(pipeline.os, "read", read)
+    monkeypatch.setattr(engine_io.os, "read", read)
     return calls
 
 
 def test_read_regular_reads_the_rest_after_a_short_read(tmp_path, monkeypatch):
-    from engine.pipeline import read_regular
+    from engine.io import read_regular
 
     path = tmp_path / "f.bin"
     path.write_bytes(bytes(range(10)))
@@ -46,7 +46,7 @@ def test_read_regular_reads_the_rest_after_a_short_read(tmp_path, monkeypatch):
 
 
 def test_read_regular_stops_when_the_file_ends_early(tmp_path, monkeypatch):
-    from engine.pipeline import read_regular
+    from engine.io import read_regular
 
     path = tmp_path / "f.bin"
     path.write_bytes(bytes(range(10)))
@@ -57,7 +57,7 @@ def test_read_regular_stops_when_the_file_ends_early(tmp_path, monkeypatch):
 def test_read_regular_closes_its_file_on_every_path(tmp_path):
     import os
 
-    from engine.pipeline import read_regular
+    from engine.io import read_regular
 
     good = tmp_path / "f.bin"
     good.write_bytes(b"abc")
@@ -70,7 +70,7 @@ def test_read_regular_closes_its_file_on_every_path(tmp_path):
 
 
 def test_read_regular_takes_a_file_of_exactly_the_limit(tmp_path):
-    from engine.pipeline import read_regular
+    from engine.io import read_regular
 
     path = tmp_path / "f.bin"
     path.write_bytes(b"abcd")
@@ -84,7 +84,7 @@ def test_read_regular_takes_a_file_of_exactly_the_limit(tmp_path):
                                         ("\\x.JPEG", "absolute path refused"), ("a\x00b.JPEG", "NUL byte in path"),
                                         ("", "empty path"), ("a/../b.JPEG", "'..' component refused")])
 def test_resolve_relative_refuses_before_touching_the_filesystem(tmp_path, rel, words, confine):
-    from engine.pipeline import resolve_relative
+    from engine.io import resolve_relative
 
     with pytest.raises(ValueError, match=words):
         resolve_relative(tmp_path, rel, "IMAGE_ROOT", confine)
@@ -95,7 +95,7 @@ def test_resolve_relative_refuses_before_touching_the_filesystem(tmp_path, rel, 
                                         ("a\x00b.JPEG", "NUL byte in path"), ("../x.JPEG", "path escapes IMAGE_ROOT")])
 def test_resolve_inside_refuses_on_its_own(tmp_path, rel, words):
     """resolve_inside is called directly too (not only after resolve_relative's checks)."""
-    from engine.pipeline import resolve_inside
+    from engine.io import resolve_inside
 
     with pytest.raises(ValueError, match=words):
         resolve_inside(tmp_path, rel, "IMAGE_ROOT")

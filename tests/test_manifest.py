@@ -241,7 +241,7 @@ def test_nul_byte_refused(root, rel):
 
 
 def test_trusted_paths_are_joined_as_given_and_confined_ones_resolved(root):
-    from engine.pipeline import resolve_relative
+    from engine.io import resolve_relative
 
     # trusted: nothing resolved (the open follows links); confined: the real path, links gone
     assert resolve_relative(root, "images/out_link.jpg") == os.path.join(root, "images/out_link.jpg")
@@ -253,7 +253,7 @@ def test_trusted_paths_are_joined_as_given_and_confined_ones_resolved(root):
 
 
 def test_the_reader_follows_a_final_symlink_only_when_asked(root, tmp_path):
-    from engine.pipeline import read_regular
+    from engine.io import read_regular
 
     link = root / "images" / "out_link.jpg"
     assert read_regular(link, 100, follow=True) == b"outside"

@@ -247,7 +247,7 @@ def test_injected_clock_is_used():
 
 # ------------------------------------------------------------ reading files: regular files only
 def test_read_regular_returns_the_bytes(tmp_path):
-    from engine.pipeline import read_regular
+    from engine.io import read_regular
 
     p = tmp_path / "a.bin"
     data = bytes(range(256)) * 1000
@@ -258,7 +258,7 @@ def test_read_regular_returns_the_bytes(tmp_path):
 
 
 def test_read_regular_refuses_an_oversized_file_without_reading_it(tmp_path):
-    from engine.pipeline import read_regular
+    from engine.io import read_regular
 
     big = tmp_path / "big"
     with open(big, "wb") as f:
@@ -274,7 +274,7 @@ def test_read_regular_refuses_what_is_not_a_regular_file_without_blocking(tmp_pa
     import os
     import socket
 
-    from engine.pipeline import read_regular
+    from engine.io import read_regular
 
     p = tmp_path / "x"
     if kind == "fifo":
@@ -307,7 +307,7 @@ def test_read_regular_refuses_what_is_not_a_regular_file_without_blocking(tmp_pa
 
 
 def test_resolve_inside_refuses_escapes_and_returns_the_real_path(tmp_path):
-    from engine.pipeline import resolve_inside
+    from engine.io import resolve_inside
 
     root = tmp_path / "root"
     (root / "sub").mkdir(parents=True)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from engine.io import tree_bytes
 from engine.model import OnDevice, export_top1
 
 NAME = "aot"
@@ -68,7 +69,7 @@ def save(net: torch.nn.Module, spec, device: str, out_dir: Path, margin: bool = 
     with torch._inductor.config.patch(compile_threads=workers):
         torch._inductor.aoti_compile_and_package(ep, package_path=str(package), inductor_configs=configs)
     seconds = time.time() - t0
-    used = _bytes_written_since(cache, t0)
+    used = tree_bytes(cache, since=t0 - 1)   # what this compile left in the cache (mtimes are coarse)
     files = unpack(package, out_dir / DIR)
     package.unlink()
     print(f"engine.build: AOTInductor compiled in {seconds:.0f} s; the Inductor cache grew by "
@@ -156,17 +157,3 @@ def _free_bytes(path: Path) -> int:
     while not p.exists() and p != p.parent:
         p = p.parent
     return shutil.disk_usage(p).free
-
-
-def _bytes_written_since(root: Path, t0: float) -> int:
-    """Bytes of the files under `root` modified since `t0` (what this compile left in the cache)."""
-    total = 0
-    for dirpath, _, names in os.walk(root):
-        for n in names:
-            try:
-                st = os.stat(os.path.join(dirpath, n))
-            except OSError:
-                continue
-            if st.st_mtime >= t0 - 1:
-                total += st.st_size
-    return total

@@ -17,6 +17,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.io import read_regular, resolve_relative
+
 MAX_BYTES = 1 << 30   # 10,000 rows take ~0.5 MB: anything near this is not a manifest
 
 
@@ -47,8 +49,6 @@ def _lines(text: str) -> list[str]:
 
 def parse_manifest(path: str | os.PathLike) -> Manifest:
     """Rows of a manifest and the blank lines skipped; ManifestError when it cannot be used."""
-    from engine.pipeline import read_regular
-
     try:
         data = read_regular(path, MAX_BYTES, "the manifest limit")
     except OSError as e:
@@ -80,7 +80,5 @@ def read_manifest(path: str | os.PathLike) -> list[Row]:
 def resolve_image(root: Path, rel: str, confine: bool = False) -> Path:
     """Real path of the image `rel` names under `root` (symlinks followed, or confined to the
     root's real path when `confine`); ValueError, nothing opened, for an empty or absolute path,
-    a NUL byte or a `..` component (engine.pipeline.resolve_relative)."""
-    from engine.pipeline import resolve_relative
-
+    a NUL byte or a `..` component (engine.io.resolve_relative)."""
     return Path(os.path.realpath(resolve_relative(root, rel, "IMAGE_ROOT", confine)))

@@ -23,8 +23,8 @@ import os
 import stat
 from pathlib import Path
 
-_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-          (stat.S_ISFIFO, "a FIFO (or pipe)"), (stat.S_ISSOCK, "a socket"))
+from engine.io import file_kind
+
 _NO_FALLOCATE = (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)   # the filesystem cannot: write zeros instead
 
 
@@ -75,8 +75,8 @@ def refusal(path: Path, manifest: Path | None = None, image_root: Path | None = 
     except OSError:
         st = None                     # absent (or a dangling link): nothing to protect
     if st is not None and not stat.S_ISREG(st.st_mode):
-        kind = next((what for test, what in _KINDS if test(st.st_mode)), "not a regular file")
-        return f"OUTPUT is {kind}, not a regular file: {path}"
+        pipe = " (or pipe)" if stat.S_ISFIFO(st.st_mode) else ""   # /proc/self/fd/1 of a pipe is one
+        return f"OUTPUT is {file_kind(st.st_mode)}{pipe}, not a regular file: {path}"
     if manifest is not None:
         try:
             same = st is not None and _same_file(st, os.stat(manifest))

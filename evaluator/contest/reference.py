@@ -38,7 +38,7 @@ def reference_top1(spec, checkpoint: Path, paths: list[Path | None], device: str
     from engine.checkpoint import load_model
     from engine.decoders.pil import reference_tensor
     from engine.fp32 import set_fp32_math
-    from engine.pipeline import read_regular
+    from engine.io import read_regular
     from engine.progress import Progress
 
     max_bytes = settings.max_file_bytes()

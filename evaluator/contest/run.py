@@ -17,132 +17,27 @@ a stderr that cannot be written changes nothing.
 """
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import signal
+import sys
 import time
+from pathlib import Path
 
-_T_IMPORT = time.perf_counter()
-
-import argparse  # noqa: E402 - the clock above times every import below
-import json  # noqa: E402
-import os  # noqa: E402
-import shutil  # noqa: E402
-import signal  # noqa: E402
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-from evaluator.contest.output import Output, OutputError, stale  # noqa: E402
+import engine
+from engine.classifier import LoadError, is_oom
+from engine.io import read_regular, resolve_relative, tree_bytes
+from engine.process_stats import process_start, start_offset
+from evaluator.contest.exits import Held, Signalled, exit_now, private_tmpdir, signals_exit
+from evaluator.contest.output import Output, OutputError
 
 PROG = "run"
-RUN_DIR_PREFIX = "eva-engine-run-"          # TMPDIR/eva-engine-run-<pid>: this run's scratch folder
 BASE_ADDRESS_SPACE = 4 << 30   # virtual memory a CPU run maps besides its artifact (measured 3.4-3.8 GiB, 2 threads)
-MANIFEST_MAX_BYTES = 1 << 30
 
 
 class RunError(Exception):
     """A user mistake or an unusable environment: one `run: error:` line, exit 2."""
-
-
-def _process_start() -> float:
-    """Wall-clock second the process (or scripts/run, via ENGINE_T0) started."""
-    from engine import settings
-
-    try:
-        t0 = settings.t0()
-    except ValueError:
-        t0 = None
-    if t0 is not None:
-        return t0
-    try:  # Linux: process start time from /proc, in clock ticks since boot
-        with open("/proc/self/stat") as f:
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/uptime") as f:
-            uptime = float(f.read().split()[0])
-        return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return time.time() - (time.perf_counter() - _T_IMPORT)
-
-
-def private_tmpdir() -> Path | None:
-    """TMPDIR/eva-engine-run-<pid>, made the process's TMPDIR (whatever a library writes there
-    stays in it) and removed on every exit path by the caller; folders of killed runs are removed first.
-    None, said on stderr, when TMPDIR is not writable (an artifact that needs it then fails to load)."""
-    import tempfile
-
-    from engine import settings
-
-    base = settings.tmpdir()
-    try:
-        for p in base.iterdir():
-            if stale(p.name, RUN_DIR_PREFIX):
-                shutil.rmtree(p, ignore_errors=True)
-    except OSError:
-        pass
-    d = base / f"{RUN_DIR_PREFIX}{os.getpid()}"
-    try:
-        shutil.rmtree(d, ignore_errors=True)
-        d.mkdir(mode=0o700)
-    except OSError as e:
-        print(f"{PROG}: warning: TMPDIR {base} is not writable ({e.strerror or e}); continuing without a "
-              "scratch folder", file=sys.stderr)
-        return None
-    os.environ.update(TMPDIR=str(d))   # C++ loaders and Python's tempfile read it when they need it
-    tempfile.tempdir = None
-    return d
-
-
-def _tree_bytes(root: Path) -> int:
-    total = 0
-    for dirpath, _, names in os.walk(root):
-        for n in names:
-            try:
-                total += os.stat(os.path.join(dirpath, n)).st_size
-            except OSError:
-                pass
-    return total
-
-
-def check_address_space(artifact: Path) -> None:
-    """RunError when RLIMIT_AS is below what the run maps (the artifact plus the runtime's base)."""
-    import resource
-
-    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
-    if soft == resource.RLIM_INFINITY:
-        return
-    need = _tree_bytes(artifact) + BASE_ADDRESS_SPACE
-    if soft < need:
-        raise RunError(f"the address-space limit ({soft >> 20} MiB, ulimit -v) is below the about {need >> 20} MiB "
-                       f"this run maps (artifact {_tree_bytes(artifact) >> 20} MiB + runtime "
-                       f"{BASE_ADDRESS_SPACE >> 20} MiB)")
-
-
-def _is_oom(e: BaseException) -> bool:
-    text = str(e).lower()
-    return isinstance(e, MemoryError) or (isinstance(e, RuntimeError) and (
-        "out of memory" in text or "can't allocate memory" in text or "cannot allocate memory" in text))
-
-
-def _decoder_name(a: argparse.Namespace, meta: dict) -> str:
-    from engine.decoders import default_decoder
-
-    return a.decoder or meta.get("decoder") or default_decoder(meta.get("device", "cpu"))
-
-
-def early_decoder(a: argparse.Namespace, budget, isolate: bool):
-    """The decoder started from the artifact's manifest before torch is imported, when it runs in a
-    child process (engine.decoders.runs_isolated); None otherwise or if the manifest is unusable
-    (load_artifact then says why). The caller keeps it only if the checked artifact agrees."""
-    from engine.decoders import make_decoder, runs_isolated
-    from engine.spec import Spec
-
-    try:
-        with open(a.artifact / "manifest.json", "rb") as f:
-            meta = json.loads(f.read(64 << 20))
-        name = _decoder_name(a, meta)
-        if not runs_isolated(name, isolate):
-            return None
-        spec = Spec.from_dict(meta["spec"])
-        return make_decoder(name, spec, spec.batch_size, budget.decoder, isolate)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
-        return None
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -178,6 +73,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return a
 
 
+def check_address_space(artifact: Path) -> None:
+    """RunError when RLIMIT_AS is below what the run maps (the artifact plus the runtime's base)."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return
+    art = tree_bytes(artifact)
+    if soft < art + BASE_ADDRESS_SPACE:
+        raise RunError(f"the address-space limit ({soft >> 20} MiB, ulimit -v) is below the about "
+                       f"{(art + BASE_ADDRESS_SPACE) >> 20} MiB this run maps (artifact {art >> 20} MiB + runtime "
+                       f"{BASE_ADDRESS_SPACE >> 20} MiB)")
+
+
 def _say_blank(path: Path, blank: list[int], most: int = 10) -> None:
     """One stderr line per skipped blank manifest line (the first `most`, then a count)."""
     for no in blank[:most]:
@@ -186,61 +95,31 @@ def _say_blank(path: Path, blank: list[int], most: int = 10) -> None:
         print(f"{PROG}: {path}: {len(blank) - most} more blank lines skipped", file=sys.stderr)
 
 
-class Held:
-    """What a run must release on every exit path: the reserved OUTPUT and the scratch folder."""
-
-    output: Output | None = None
-    scratch: Path | None = None
-
-    def release(self) -> None:
-        if self.output is not None:
-            self.output.discard()
-        if self.scratch is not None:
-            shutil.rmtree(self.scratch, ignore_errors=True)
-            os.environ.update(TMPDIR=str(self.scratch.parent))   # the caller's TMPDIR again
-            import tempfile
-
-            tempfile.tempdir = None
-
-
-class Signalled(SystemExit):
-    """A signal stopped the run: main() cleans up and returns 128 + signal, so the caller's fast
-    exit still applies (interpreter teardown would cost seconds)."""
-
-
-def _on_signal(sig: int, _frame) -> None:
-    raise Signalled(128 + sig)
-
-
 def main(argv: list[str] | None = None) -> int:
     """scripts/run: 0 with OUTPUT written, 2 with one `run: error:` line and no OUTPUT."""
     from engine.streams import safe_std_streams
 
     safe_std_streams()
-    wall0 = _process_start()
+    wall0 = process_start()
     held = Held()
-    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
-    for s in previous:  # a terminated run still cleans up (the finally below)
-        signal.signal(s, _on_signal)
-    try:
-        return _run(argv, wall0, held)
-    except Signalled as e:
-        print(f"{PROG}: stopped by {signal.Signals(e.code - 128).name}; no OUTPUT written", file=sys.stderr)
-        return e.code
-    except RunError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
-    except (MemoryError, RuntimeError) as e:
-        if not _is_oom(e):
-            raise
-        first = (str(e).splitlines() or [""])[0][:200]
-        print(f"{PROG}: error: out of memory ({type(e).__name__}: {first}); raise the memory limit or use a "
-              "smaller batch size", file=sys.stderr)
-        return 2
-    finally:
-        held.release()
-        for s, h in previous.items():
-            signal.signal(s, h)
+    with signals_exit():   # a terminated run still cleans up (the finally below)
+        try:
+            return _run(argv, wall0, held)
+        except Signalled as e:
+            print(f"{PROG}: stopped by {signal.Signals(e.code - 128).name}; no OUTPUT written", file=sys.stderr)
+            return e.code
+        except RunError as e:
+            print(f"{PROG}: error: {e}", file=sys.stderr)
+            return 2
+        except (MemoryError, RuntimeError) as e:
+            if not is_oom(e):
+                raise
+            first = (str(e).splitlines() or [""])[0][:200]
+            print(f"{PROG}: error: out of memory ({type(e).__name__}: {first}); raise the memory limit or use a "
+                  "smaller batch size", file=sys.stderr)
+            return 2
+        finally:
+            held.release()
 
 
 def _run(argv, wall0: float, held: Held) -> int:
@@ -261,7 +140,6 @@ def _run(argv, wall0: float, held: Held) -> int:
     os.environ.update(threads.library_env(budget))   # before numpy / torch load and size their pools
     if not os.path.isdir(a.image_root):
         raise RunError(f"IMAGE_ROOT is not a directory (or not reachable): {a.image_root}")
-    from engine.pipeline import read_regular, resolve_relative
     from evaluator.contest.manifest import ManifestError, parse_manifest
 
     try:
@@ -273,123 +151,50 @@ def _run(argv, wall0: float, held: Held) -> int:
     rows = manifest.rows
     _say_blank(a.manifest, manifest.blank)
     check_address_space(a.artifact)                  # before anything large is mapped
-    held.scratch = private_tmpdir()
+    held.scratch = private_tmpdir(PROG)
 
-    early = early_decoder(a, budget, isolate)   # a child decoder process starts while torch imports
-
-    try:
-        import torch  # noqa: F401 - heavy import timed as part of "imports"
-    except (ImportError, OSError) as e:
-        raise RunError(f"cannot import torch ({e}): is the memory limit too low?") from None
-    from engine.artifact import ArtifactError, load_artifact
-    from engine.decoders import start_decoder
-    from engine.pipeline import classify, peak_rss_mib
-    from engine.runtime import load_runtime
-
-    t_imports = time.perf_counter()
-    try:
-        art = load_artifact(a.artifact)
-    except (ArtifactError, OSError) as e:
-        raise RunError(f"cannot load artifact {a.artifact}: {e}") from None
-    budget = threads.budget(art.device)
-    threads.apply_torch(budget)
-    readers = a.readers or budget.readers
-    decoder_name = _decoder_name(a, art.meta)
-    if early is not None and (early.name, early.spec, early.batch_size) == (decoder_name, art.spec, art.batch_size):
-        decoder, pending = early, None
-    else:
-        if early is not None:
-            early.close()
-        # built on a thread while the model loads (a DALI GPU pipeline takes about a second)
-        pending = start_decoder(decoder_name, art.spec, art.batch_size, budget.decoder, isolate)
-    try:
-        runtime = load_runtime(art, capture=False)   # CUDA graphs: captured once the decoder is built
-    except (ArtifactError, RuntimeError, OSError) as e:
-        if _is_oom(e):
-            raise
-        hint = "" if held.scratch is not None else f" (TMPDIR {settings.tmpdir()} is not writable)"
-        raise RunError(f"cannot load artifact {a.artifact}: {e}{hint}") from None
-    if pending is not None:
-        decoder = pending.result()
-    runtime.capture_graphs()   # no other thread touches the device now (a DALI GPU build allocates)
-    t_loaded = time.perf_counter()
-
+    try:   # an isolated decoder starts first, then torch imports, the artifact is checked and loaded
+        clf = engine.load(a.artifact, decoder=a.decoder, readers=a.readers, depth=a.depth, isolate=isolate,
+                          max_file_bytes=cap)
+    except LoadError as e:
+        no_scratch = e.stage == "runtime" and held.scratch is None
+        raise RunError(f"{e}" + (f" (TMPDIR {settings.tmpdir()} is not writable)" if no_scratch else "")) from None
     root, real_root, confine = a.image_root, os.path.realpath(a.image_root), a.confine
 
     def read(i: int) -> bytes:   # trusted: symlinks followed; confined: real path inside the root, no final link
         path = resolve_relative(root, rows[i].path, "IMAGE_ROOT", confine, real_root)
         return read_regular(path, cap, follow=not confine)
 
-    res = classify(read, len(rows), decoder, runtime, readers=readers, depth=a.depth)
+    top1 = clf.classify_read(read, len(rows))
     t_done = time.perf_counter()
-    for i in sorted(res.failed):
+    for i, why in clf.last_failed.items():
         r = rows[i]
         where = f"row {i + 1}" + (f", line {r.line}" if r.line != i + 1 else "")   # they differ after a blank line
-        print(f"{PROG}: {where} ({r.request_id}, {r.path}): unreadable, predicted {res.top1[i]}: "
-              f"{res.failed[i]}", file=sys.stderr)
-    if 2 * len(res.failed) > len(rows):   # a wrong IMAGE_ROOT must not look like success
-        print(f"{PROG}: warning: {len(res.failed)} of {len(rows)} rows could not be read or decoded: is "
+        print(f"{PROG}: {where} ({r.request_id}, {r.path}): unreadable, predicted {top1[i]}: {why}", file=sys.stderr)
+    if 2 * len(clf.last_failed) > len(rows):   # a wrong IMAGE_ROOT must not look like success
+        print(f"{PROG}: warning: {len(clf.last_failed)} of {len(rows)} rows could not be read or decoded: is "
               f"IMAGE_ROOT ({a.image_root}) the folder the manifest's paths are relative to?", file=sys.stderr)
-    import numpy as np
-
     try:
-        out.commit(np.ascontiguousarray(res.top1, dtype="<i4").tobytes())
+        out.commit(top1.astype("<i4").tobytes())
     except OSError as e:
         raise RunError(f"cannot write OUTPUT {a.output}: {e.strerror or e}") from None
     t_end = time.perf_counter()
-    if hasattr(decoder, "close"):
-        decoder.close()   # the child decoder process, if any
-
+    clf.close()   # the child decoder process, if any
     if a.report:
-        # perf_counter -> seconds since process start
-        offset = (time.time() - time.perf_counter()) - wall0
-        report = {
-            "images": len(rows),
-            "rows": len(rows),                       # one int32 each in OUTPUT
-            "blank_lines_skipped": len(manifest.blank),
-            "failed": len(res.failed),
-            "backend": art.backend,
-            "decoder": decoder.name,
-            "decoder_isolated": bool(getattr(decoder, "isolated", False)),
-            "precision": art.precision,
-            "batch_size": art.batch_size,
-            "device": str(runtime.device),
-            "pipeline_depth": a.depth,
-            "threads": {"budget": budget.total, "readers": readers, "decoder": budget.decoder,
-                        "intra_op": budget.intra_op, "inter_op": budget.inter_op},
-            "stages": {
-                "imports": round(t_imports + offset, 4),
-                "artifact_load": round(t_loaded - t_imports, 4),
-                "read": round(res.stages.get("read", 0.0), 4),
-                "decode": round(res.stages.get("decode", 0.0), 4),
-                "inference": round(res.stages.get("inference", 0.0), 4),
-                "pipeline": round(t_done - t_loaded, 4),
-                "write": round(t_end - t_done, 4),
-                "total": round(t_end + offset, 4),
-            },
-            "first_batch_s": round(res.first_batch_at + offset, 4) if res.first_batch_at else None,
-            "images_per_s": round(len(rows) / max(t_done - t_loaded, 1e-9), 2),
-            "peak_rss_mib": peak_rss_mib(),          # this process; its ended children apart (the decoder's)
-            "timeline": [{**e, "start": round(e["start"] + offset, 4), "end": round(e["end"] + offset, 4)}
-                         for e in res.timeline],
-        }
-        if hasattr(runtime, "report"):
-            report["runtime"] = runtime.report()
-        try:
-            a.report.write_text(json.dumps(report, indent=1) + "\n")
-        except OSError as e:  # the predictions are written: a report that cannot be is only said
-            print(f"{PROG}: warning: cannot write the report {a.report}: {e.strerror or e}", file=sys.stderr)
+        write_report(a.report, clf.report(wall0), manifest, t_end - t_done, t_end + start_offset(wall0))
     return 0
 
 
-def _exit_now(code: int) -> None:
-    """Flush and leave without interpreter teardown (torch/DALI finalizers cost seconds on the clock)."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError, AttributeError):
-            pass
-    os._exit(code)
+def write_report(path: Path, report: dict, manifest, write_s: float, total_s: float) -> None:
+    """The engine's report of the run, with what only this command knows: the manifest's rows and
+    blank lines, the OUTPUT write, the total since the process started."""
+    report = {"images": report.pop("images"), "rows": len(manifest.rows),   # one int32 each in OUTPUT
+              "blank_lines_skipped": len(manifest.blank), **report}
+    report["stages"].update(write=round(write_s, 4), total=round(total_s, 4))
+    try:
+        path.write_text(json.dumps(report, indent=1) + "\n")
+    except OSError as e:  # the predictions are written: a report that cannot be is only said
+        print(f"{PROG}: warning: cannot write the report {path}: {e.strerror or e}", file=sys.stderr)
 
 
 if __name__ == "__main__":
@@ -400,5 +205,5 @@ if __name__ == "__main__":
     except ValueError:
         _fast = True
     if _fast:
-        _exit_now(main())
+        exit_now(main())
     sys.exit(main())

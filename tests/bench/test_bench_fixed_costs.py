@@ -34,6 +34,8 @@ import time
 import zipfile
 from pathlib import Path
 
+from engine.io import package_versions, tree_bytes
+
 MODES = ("package", "inplace")
 PHASES = ("imports", "artifact_check", "graph_load", "first_batch", "second_batch")
 # the records torch's package writer puts beside the model's files (archive name "model")
@@ -54,10 +56,6 @@ def repack(aot_dir: Path, pt2: Path) -> Path:
 def graph_dirs(artifact: Path) -> list[Path]:
     """The artifact's compiled graphs (aot/ and, when guarded, recheck/aot/)."""
     return [d for d in (artifact / "aot", artifact / "recheck" / "aot") if (d / "model.so").is_file()]
-
-
-def _tree_bytes(root: Path) -> int:
-    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
 
 
 def child(mode: str, artifact: Path, packages: list[Path]) -> dict:
@@ -92,7 +90,7 @@ def child(mode: str, artifact: Path, packages: list[Path]) -> dict:
         answers = [int(v) for v in out[0].cpu()]
     tmp = Path(tempfile.gettempdir())
     return {"phases": {p: round(b - a, 4) for p, a, b in zip(PHASES, t, t[1:])},
-            "tmpdir_bytes_loaded": _tree_bytes(tmp), "top1": answers}
+            "tmpdir_bytes_loaded": tree_bytes(tmp), "top1": answers}
 
 
 def measure(artifact: Path, rounds: int = 3, work: Path | None = None) -> dict:
@@ -123,7 +121,7 @@ def measure(artifact: Path, rounds: int = 3, work: Path | None = None) -> dict:
                     raise RuntimeError(f"{mode} process failed (exit {p.returncode}): {p.stderr[-2000:]}")
                 rec = json.loads(p.stdout.strip().splitlines()[-1])
                 rec["phases"]["process"] = round(wall, 4)
-                rec["tmpdir_bytes_after_exit"] = _tree_bytes(tmp)
+                rec["tmpdir_bytes_after_exit"] = tree_bytes(tmp)
                 raw[mode].append(rec)
                 shutil.rmtree(tmp, ignore_errors=True)
     finally:
@@ -137,9 +135,7 @@ def measure(artifact: Path, rounds: int = 3, work: Path | None = None) -> dict:
                          for ph in (*PHASES, "process")}
         summary[mode]["tmpdir_bytes_loaded"] = max(r["tmpdir_bytes_loaded"] for r in raw[mode])
         summary[mode]["tmpdir_bytes_after_exit"] = max(r["tmpdir_bytes_after_exit"] for r in raw[mode])
-    from engine.io import package_versions
-
-    return {"artifact": str(artifact), "graph_bytes": sum(_tree_bytes(d) for d in dirs),
+    return {"artifact": str(artifact), "graph_bytes": sum(tree_bytes(d) for d in dirs),
             "model": meta["spec"]["model"], "precision": meta["precision"], "batch_size": meta["batch_size"],
             "device": meta["device"], "rounds": rounds, "order": "package then inplace, alternated",
             "versions": package_versions(("torch",)), "summary": summary, "raw": raw}
