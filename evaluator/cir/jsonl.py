@@ -45,7 +45,7 @@ def _first(obj: dict, keys: tuple[str, ...]):
 def read_input(path: Path) -> bytes:
     """The bytes of an input list (records, requests, an output to resume): a regular file of at
     most MAX_BYTES, else OSError / ValueError saying why."""
-    from engine.pipeline import read_regular
+    from engine.io import read_regular
 
     return read_regular(path, MAX_BYTES, "the input-list limit")
 
@@ -138,7 +138,7 @@ def record_reader(corpus: Path, paths, confine: bool = False):
     into a store). `confine` (for untrusted records): only relative paths that stay inside
     `corpus`, also through symlinks; anything else is a ValueError naming the path."""
     from engine import settings
-    from engine.pipeline import read_regular, resolve_inside
+    from engine.io import read_regular, resolve_inside
 
     cap, real = settings.max_file_bytes(), os.path.realpath(corpus)
 

@@ -174,7 +174,7 @@ def slow_decoder(artifact: Path) -> str | None:
         meta = json.loads((artifact / "manifest.json").read_text())
     except (OSError, ValueError):
         return None                      # the run below says what is wrong with the artifact
-    return slow_decoder_reason(meta.get("device", "cpu"), settings.decoder() or meta.get("decoder"))
+    return slow_decoder_reason(meta.get("device", "cpu"), settings.decoder())
 
 
 def run_check(artifact: Path, timeout: float) -> int:
