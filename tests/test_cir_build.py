@@ -24,9 +24,9 @@ from cir_helpers import (
     workspace,
 )
 
+from engine.retrieval.index import BUILD_DIR, IndexLoadError, load_index
+from engine.retrieval.jsonl import read_records
 from evaluator.cir import build as cir_build
-from evaluator.cir.index import BUILD_DIR, IndexLoadError, load_index
-from evaluator.cir.jsonl import read_records
 
 
 def _build(index_dir, *extra, stop_after_chunks=0):
@@ -52,6 +52,7 @@ def test_build_script_writes_the_index():
     assert not (built_index() / BUILD_DIR).exists()
     err = (workspace() / "build.stderr").read_text()
     assert "images/s" in err and "unreadable image 'broken-0'" in err
+    assert "[cir_build] embedding: 323/323 images, in " in err and "[cir_build] chunk 6/6 done" in err
     if not torch.cuda.is_available():   # the top-k kernel is compiled into the index only where CUDA is
         assert m["kernels"] == {"topk": {"stored": False, "reason": "no CUDA device"}}
         assert not (built_index() / "kernels").exists() and "top-k kernel: not stored (no CUDA device)" in err
@@ -83,7 +84,11 @@ def test_resume_after_a_stopped_build_matches_an_uninterrupted_one(tmp_path, mon
         load_index(d)
     capsys.readouterr()
     assert _build(d) == 0
-    assert "resuming: 2 of 6 chunks already built" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "resuming: 2 of 6 chunks already built" in err
+    # off a terminal the progress closes with one line; its rate counts this run's images only
+    done = [ln for ln in err.splitlines() if ln.startswith("[cir_build] embedding: 323/323 images, in ")]
+    assert len(done) == 1 and done[0].endswith("images/s, 128 done before"), err
     a, b = load_index(d), load_index(built_index())
     assert a.ids == b.ids
     assert np.array_equal(np.asarray(a.emb), np.asarray(b.emb))
@@ -213,18 +218,25 @@ def test_cuda_build_agrees_with_the_cpu_build(tmp_path):
     assert cos.min().item() > 0.99, cos.min().item()
 
 
-def test_progress_bar_only_on_a_tty(monkeypatch):
+def test_build_progress_is_a_bar_on_a_tty_and_lines_off_it(monkeypatch):
+    """The build's progress (engine.progress.Progress) resumed at 2 of 10 images: a bar on a
+    terminal; off one, periodic lines and a closing line, the rate over this run's images."""
+    from engine.progress import Progress
+
     class Tty(io.StringIO):
         def isatty(self):
             return True
 
-    for stream, shown in ((Tty(), True), (io.StringIO(), False)):
-        monkeypatch.setattr(sys, "stderr", stream)
-        bar = cir_build.Progress(10, 2)
+    tty, log = Tty(), io.StringIO()
+    for stream in (tty, log):
+        bar = Progress(10, "[cir_build] embedding", unit="images", every_s=0.0, stream=stream, initial=2)
         bar.update(5)
         bar.close()
-        assert ("7/10" in stream.getvalue() and "img/s" in stream.getvalue()) is shown
-        assert shown or stream.getvalue() == ""
+    assert "7/10" in tty.getvalue() and "images/s" in tty.getvalue()
+    lines = log.getvalue().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("[cir_build] embedding: 7/10 images (70 %), ")
+    assert "about" in lines[0] and lines[0].endswith("left")
+    assert lines[1].startswith("[cir_build] embedding: 7/10 images, in ") and lines[1].endswith(" done before")
 
 
 def _hostile_corpus(tmp_path):
@@ -352,8 +364,8 @@ def test_a_staged_corpus_indexes_every_record_and_confinement_names_each_refusal
 
 
 def test_the_record_reader_follows_by_default_and_confines_when_asked(tmp_path):
-    """The rule re-inspection shares with the build (evaluator.cir.jsonl.record_reader)."""
-    from evaluator.cir.jsonl import record_reader
+    """The rule re-inspection shares with the build (engine.retrieval.jsonl.record_reader)."""
+    from engine.retrieval.jsonl import record_reader
 
     base, recs = _staged_corpus(tmp_path, n=2)
     paths = [r["path"] for r in recs]
