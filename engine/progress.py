@@ -2,7 +2,8 @@
 
 On a terminal a tqdm bar; otherwise (a log file, CI, a pipe) one plain line every
 `every_s` seconds and one when the step ends, so a log shows the step is alive and how
-fast it goes. ENGINE_PROGRESS (engine.settings) forces `bar`, `lines` or `off`.
+fast it goes. ENGINE_PROGRESS (engine.settings) forces `bar`, `lines` or `off`. A step
+that resumes counts from `initial` (units done before); its rate counts this run's units.
 
     with Progress(len(rows), "reference", unit="images") as bar:
         for row in rows:
@@ -32,14 +33,15 @@ def _seconds(s: float) -> str:
 
 
 class Progress:
-    """Counts `total` units of work (None: unknown) and reports on `stream` (default stderr)."""
+    """Counts `total` units of work (None: unknown), `initial` of them done before, and reports
+    on `stream` (default stderr)."""
 
     def __init__(self, total: int | None, desc: str, unit: str = "it", every_s: float = 5.0,
-                 stream: TextIO | None = None, mode: str | None = None):
+                 stream: TextIO | None = None, mode: str | None = None, initial: int = 0):
         self.total, self.desc, self.unit, self.every_s = total, desc, unit, every_s
         self.stream = stream or sys.stderr
         self.mode = mode or _mode(self.stream)
-        self.n = 0
+        self.n = self.initial = initial
         self._t0 = self._last = time.monotonic()
         self._lock = threading.Lock()
         self._bar = None
@@ -50,7 +52,7 @@ class Progress:
                 self.mode = "lines"
             else:
                 self._bar = tqdm(total=total, desc=desc, unit=f" {unit}", file=self.stream, leave=True,
-                                 dynamic_ncols=True)
+                                 dynamic_ncols=True, initial=initial)
 
     def update(self, n: int = 1) -> None:
         """`n` more units done."""
@@ -65,7 +67,7 @@ class Progress:
         now = time.monotonic()
         self._last = now
         dt = now - self._t0
-        rate = self.n / dt if dt > 0 else 0.0
+        rate = (self.n - self.initial) / dt if dt > 0 else 0.0
         done = f"{self.n}/{self.total}" if self.total else f"{self.n}"
         parts = [f"{self.desc}: {done} {self.unit}"]
         if self.total and not final:
@@ -73,6 +75,8 @@ class Progress:
         if final:
             parts.append(f"in {_seconds(dt)}")
         parts.append(f"{rate:.3g} {self.unit}/s")
+        if final and self.initial:
+            parts.append(f"{self.initial} done before")
         if self.total and not final and rate > 0 and self.n < self.total:
             parts.append(f"about {_seconds((self.total - self.n) / rate)} left")
         print(", ".join(parts), file=self.stream, flush=True)
@@ -83,7 +87,7 @@ class Progress:
             if self._bar is not None:
                 self._bar.close()
                 self._bar = None
-            elif self.mode == "lines" and self.n:
+            elif self.mode == "lines" and self.n > self.initial:
                 self._line(final=True)
             self.mode = "off"
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 
+import pytest
 from cir_helpers import REPO, built_index, clip_dirs, corpus
 from cir_quality_helpers import p2w_index
 
@@ -105,3 +107,41 @@ def test_bad_inputs_are_one_line_and_exit_2(tmp_path):
         assert r.returncode == 2, (args, r.stderr[-2000:])
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("python -m evaluator.ablate: error: ") and words in lines[0]
+
+
+def test_ablate_finds_the_clip_the_index_records(tmp_path):
+    """An index built with CLIP_MODEL_DIR=X ablates without X exported again: no --model-dir, no
+    CLIP_MODEL_DIR and no /task/models/clip leave the folder the index records (its digest
+    matching), said once on stderr; a recorded folder that changed is not used, and says why."""
+    from evaluator.cir import task
+
+    if task.CLIP_DIR.exists():
+        pytest.skip(f"{task.CLIP_DIR} exists here: the task's folder comes before the recorded one")
+    recorded = json.loads((built_index() / "meta.json").read_text())["model"]["dir"]
+    assert recorded == os.path.abspath(clip_dirs()["open_clip"])
+    env = {k: v for k, v in os.environ.items() if k != "CLIP_MODEL_DIR"}
+    args = ["--queries", str(corpus() / "requests.jsonl"), "--labels", str(corpus() / "labels.jsonl"),
+            "--methods", "slerp,sum", "--warmup", "0", "--out-dir", str(tmp_path / "runs")]
+    r = subprocess.run([sys.executable, "-m", "evaluator.ablate", "--index-dir", str(built_index()), *args],
+                       cwd=REPO, env={**env, "CLIP_DEVICE": "cpu"}, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    said = [ln for ln in r.stderr.splitlines() if "the one the index records" in ln]
+    assert len(said) == 1 and recorded in said[0] and "/task/models/clip is missing" in said[0], r.stderr
+    assert "CLIP model path not found" not in r.stderr
+    assert [ln.split()[0] for ln in r.stdout.splitlines()[1:3]] == ["slerp", "sum"]
+    # the recorded folder's weights changed since the build: not used, and the error is the old one
+    moved = tmp_path / "index"
+    shutil.copytree(built_index(), moved)
+    clip = tmp_path / "clip"
+    shutil.copytree(clip_dirs()["open_clip"], clip)
+    meta = json.loads((moved / "meta.json").read_text())
+    meta["model"]["dir"] = str(clip)
+    (moved / "meta.json").write_text(json.dumps(meta))
+    weights = next(p for p in clip.iterdir() if "model" in p.name and p.suffix in (".bin", ".safetensors"))
+    data = weights.read_bytes()
+    weights.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))              # one bit of the weights changed
+    r = subprocess.run([sys.executable, "-m", "evaluator.ablate", "--index-dir", str(moved), *args],
+                       cwd=REPO, env={**env, "CLIP_DEVICE": "cpu"}, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert f"the CLIP in {clip}, the folder the index records, changed since the build" in r.stderr
+    assert "CLIP model path not found: /task/models/clip" in r.stderr

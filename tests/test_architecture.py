@@ -183,3 +183,43 @@ def test_bad_settings_are_one_clear_error(monkeypatch):
     assert settings.readers() == 3
     monkeypatch.delenv("ENGINE_READERS")
     assert settings.readers() is None  # unset: engine.threads derives it from ENGINE_THREADS
+
+
+# what makes a retrieval engine: the index format, the gallery embedding, the query pipeline and the API
+RETRIEVAL_ENGINE = {
+    "engine/retrieval/index.py": {"FORMAT", "BUILD_DIR", "EXTRA_FILES", "KERNEL_DIR", "Index", "ChunkStore",
+                                  "load_index", "read_meta", "commit"},
+    "engine/retrieval/extras.py": {"ExtrasConfig", "extras_key", "build_extras"},
+    "engine/retrieval/gallery.py": {"build", "commit_with_extras", "store_kernels", "reuse_embeddings"},
+    "engine/retrieval/query.py": {"QueryPipeline", "PipelineError"},
+    "engine/retrieval/search.py": {"Searcher", "open_index"},
+}
+
+
+def _defined(path: Path) -> set[str]:
+    """Classes and functions defined anywhere in the file, and its module-level constants."""
+    tree = ast.parse(path.read_text())
+    names = {n.name for n in ast.walk(tree) if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))}
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) \
+            else []
+        names |= {t.id for t in targets if isinstance(t, ast.Name)}
+    return names
+
+
+def test_the_retrieval_engine_lives_in_the_engine():
+    """The index format, the gallery embedding and the query pipeline are engine modules; evaluator/cir
+    keeps the commands, the task's rules and the scores (and calls the engine)."""
+    for rel, names in RETRIEVAL_ENGINE.items():
+        missing = names - _defined(REPO / rel)
+        assert not missing, f"{rel} no longer defines {sorted(missing)}: update RETRIEVAL_ENGINE"
+    engine_only = {"FORMAT", "BUILD_DIR", "EXTRA_FILES", "KERNEL_DIR", "Index", "ChunkStore", "load_index",
+                   "ExtrasConfig", "build_extras", "commit_with_extras", "store_kernels", "reuse_embeddings",
+                   "QueryPipeline", "PipelineError", "Searcher", "open_index", "Progress"}
+    for path in sorted((REPO / "evaluator" / "cir").rglob("*.py")):
+        again = _defined(path) & engine_only
+        assert not again, f"{path.relative_to(REPO)} defines {sorted(again)}: that is engine/retrieval's work"
+    for path in sorted((REPO / "evaluator").rglob("*.py")):
+        again = _defined(path) & {"QueryPipeline", "ChunkStore", "Index", "Searcher", "commit_with_extras"}
+        assert not again, f"{path.relative_to(REPO)} defines {sorted(again)}: that is engine/retrieval's work"
+

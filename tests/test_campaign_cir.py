@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from cir_helpers import check_abi, read_rows, requests_of
 
-from evaluator.cir.index import commit
-from evaluator.cir.jsonl import read_records
+from engine.retrieval.index import commit
+from engine.retrieval.jsonl import read_records
 from evaluator.cir.score import load_label_files, load_results, score
 from evaluator.evidence import campaign, provd
 

@@ -24,9 +24,9 @@ from cir_helpers import (
     workspace,
 )
 
+from engine.retrieval.index import BUILD_DIR, IndexLoadError, load_index
+from engine.retrieval.jsonl import read_records
 from evaluator.cir import build as cir_build
-from evaluator.cir.index import BUILD_DIR, IndexLoadError, load_index
-from evaluator.cir.jsonl import read_records
 
 
 def _build(index_dir, *extra, stop_after_chunks=0):
@@ -52,6 +52,7 @@ def test_build_script_writes_the_index():
     assert not (built_index() / BUILD_DIR).exists()
     err = (workspace() / "build.stderr").read_text()
     assert "images/s" in err and "unreadable image 'broken-0'" in err
+    assert "[cir_build] embedding: 323/323 images, in " in err and "[cir_build] chunk 6/6 done" in err
     if not torch.cuda.is_available():   # the top-k kernel is compiled into the index only where CUDA is
         assert m["kernels"] == {"topk": {"stored": False, "reason": "no CUDA device"}}
         assert not (built_index() / "kernels").exists() and "top-k kernel: not stored (no CUDA device)" in err
@@ -83,7 +84,11 @@ def test_resume_after_a_stopped_build_matches_an_uninterrupted_one(tmp_path, mon
         load_index(d)
     capsys.readouterr()
     assert _build(d) == 0
-    assert "resuming: 2 of 6 chunks already built" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "resuming: 2 of 6 chunks already built" in err
+    # off a terminal the progress closes with one line; its rate counts this run's images only
+    done = [ln for ln in err.splitlines() if ln.startswith("[cir_build] embedding: 323/323 images, in ")]
+    assert len(done) == 1 and done[0].endswith("images/s, 128 done before"), err
     a, b = load_index(d), load_index(built_index())
     assert a.ids == b.ids
     assert np.array_equal(np.asarray(a.emb), np.asarray(b.emb))
@@ -138,54 +143,113 @@ def test_records_reader_tolerates_synonyms_and_bad_lines(tmp_path):
         assert f"records.jsonl:{line}: " in text and what in text
 
 
-def _restricted_prefix(probe_dir) -> tuple[list[str], int]:
-    """A command prefix under which file permissions hold, and the uid that will own the index dir.
+NOBODY = 65534
+# run under a restricting prefix: the interpreter starts, imports what the build imports, and
+# tries one write; prints how the write ended (the cause, not a message to grep)
+WRITE_PROBE = """import json, sys
+for name in sys.argv[2:]:
+    __import__(name)
+try:
+    open(sys.argv[1], "w").close()
+    print(json.dumps({"wrote": True}))
+except OSError as e:
+    print(json.dumps({"errno": e.errno, "filename": e.filename}))
+"""
 
-    As root (tests run as root, where permissions are not enforced): user nobody via setpriv
-    when nobody can run this Python; otherwise root without CAP_DAC_OVERRIDE, which makes
-    mode bits bind the owner too.
+
+def _write_refused(prefix: list[str], path) -> str | None:
+    """None when, under `prefix`, this interpreter runs (with the build's imports) and a write of
+    `path` fails with EACCES or EROFS on that very path; else what happened instead."""
+    import errno
+    import importlib.util
+
+    mods = ["torch", "open_clip"] + (["nvidia.dali"] if importlib.util.find_spec("nvidia") and
+                                     importlib.util.find_spec("nvidia.dali") else [])
+    r = subprocess.run([*prefix, sys.executable, "-c", WRITE_PROBE, str(path), *mods], capture_output=True,
+                       text=True, cwd="/", timeout=300)
+    last = (r.stdout.strip().splitlines() or [""])[-1]
+    try:
+        got = json.loads(last) if r.returncode == 0 else None
+    except ValueError:
+        got = None
+    if not isinstance(got, dict):
+        tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
+        return f"the interpreter did not run the probe (exit {r.returncode}: {tail})"
+    if got.get("wrote"):
+        os.unlink(path)
+        return f"{path} was writable"
+    if got.get("errno") not in (errno.EACCES, errno.EROFS) or got.get("filename") != str(path):
+        return f"the write failed for another reason (errno {got.get('errno')} on {got.get('filename')!r})"
+    return None
+
+
+def _restricted_prefix(base, env: dict) -> tuple[list[str], int]:
+    """A command prefix under which file permissions bind, running with exactly `env`, and the uid
+    that will own the index dir.
+
+    As root (tests run as root, where permissions are not enforced): user nobody without
+    capabilities, the interpreter's tree bound back where nobody cannot reach it (as
+    evaluator.rehearsal.sandbox does for the rehearsal); else root without CAP_DAC_OVERRIDE,
+    which makes mode bits bind the owner too; else a skip naming why neither binds. Each is
+    taken only when a probe under it runs this interpreter and its write into a read-only
+    folder fails with EACCES/EROFS on that path.
     """
     if os.geteuid() != 0:
         return [], os.geteuid()
     if not shutil.which("setpriv"):
         pytest.skip("needs setpriv to drop root's permission override")
-    nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
-    probe = subprocess.run([*nobody, sys.executable, "-c", "import torch, open_clip, nvidia.dali"],
-                           capture_output=True, cwd="/")
-    if probe.returncode == 0:
-        return nobody, 65534
-    nodac = ["setpriv", "--inh-caps=-dac_override,-dac_read_search", "--bounding-set=-dac_override,-dac_read_search"]
-    ro = probe_dir / "ro"
+    from evaluator.rehearsal.sandbox import interpreter_mounts, user_command
+
+    ro, stage = base / "ro", base / "stage"
     ro.mkdir()
+    stage.mkdir()
     ro.chmod(0o555)
-    r = subprocess.run([*nodac, sys.executable, "-c", f"open({str(ro / 'x')!r}, 'w')"], capture_output=True)
-    ro.chmod(0o755)
-    if r.returncode == 0:
-        pytest.skip("cannot make permissions bind for this test's subprocess")
-    return nodac, 0
+    try:
+        tried = []
+        mounts = interpreter_mounts(NOBODY, NOBODY)
+        if mounts and not shutil.which("unshare"):
+            tried.append("user nobody: the interpreter lies where nobody cannot reach it, and there is no unshare "
+                         "to bind it back")
+        else:
+            nobody = user_command([], env, NOBODY, NOBODY, None, 4096, False, mounts, stage)
+            why = _write_refused(nobody, ro / "x")
+            if why is None:
+                return nobody, NOBODY
+            tried.append(f"user nobody: {why}")
+        nodac = ["setpriv", "--inh-caps=-dac_override,-dac_read_search",
+                 "--bounding-set=-dac_override,-dac_read_search", "env", "-i", *[f"{k}={v}" for k, v in env.items()]]
+        why = _write_refused(nodac, ro / "x")
+        if why is None:
+            return nodac, 0
+        tried.append(f"root without CAP_DAC_OVERRIDE: {why}")
+    finally:
+        ro.chmod(0o755)
+    pytest.skip("cannot make file permissions bind for this test's subprocess: " + "; ".join(tried))
 
 
 def test_read_only_parent_of_the_index_dir():
     base = workspace() / "restricted"
     base.mkdir()
-    prefix, owner = _restricted_prefix(base)
+    for d in (workspace(), base):
+        d.chmod(0o755)
     data, clip = base / "corpus", base / "clip"
+    parent, tmp, out = base / "parent", base / "tmp", base / "out"
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8", "HOME": "/nonexistent",
+           "TMPDIR": str(tmp), "PYTHON": sys.executable, "CLIP_MODEL_DIR": str(clip), "CLIP_DEVICE": "cpu",
+           "OMP_WAIT_POLICY": "PASSIVE", "HF_HUB_OFFLINE": "1",
+           **{k: os.environ[k] for k in ("LD_LIBRARY_PATH",) if k in os.environ}}
+    prefix, owner = _restricted_prefix(base, env)
     shutil.copytree(corpus(), data)
     shutil.copytree(clip_dirs()["open_clip"], clip)
     subprocess.run(["chmod", "-R", "u=rwX,go=rX", str(data), str(clip)], check=True)
-    parent, tmp, out = base / "parent", base / "tmp", base / "out"
     index = parent / "index"
     for d in (parent, index, tmp, out):
         d.mkdir()
         os.chown(d, owner, owner)
-    for d in (workspace(), base):
-        d.chmod(0o755)
     parent.chmod(0o555)
-    env = {"CLIP_MODEL_DIR": str(clip), "TMPDIR": str(tmp), "HOME": "/nonexistent"}
     try:
-        denied = subprocess.run([*prefix, sys.executable, "-c", f"open({str(parent / 'x')!r}, 'w')"],
-                                capture_output=True, text=True)
-        assert denied.returncode != 0 and "Permission denied" in denied.stderr   # the restriction binds
+        why = _write_refused(prefix, parent / "x")
+        assert why is None, why                                              # the restriction binds
         r = script("build.sh", "--corpus", str(data), "--index-dir", str(index), "--chunk-size", "64",
                    env=env, prefix=prefix)
         assert r.returncode == 0, r.stderr[-3000:]
@@ -213,18 +277,25 @@ def test_cuda_build_agrees_with_the_cpu_build(tmp_path):
     assert cos.min().item() > 0.99, cos.min().item()
 
 
-def test_progress_bar_only_on_a_tty(monkeypatch):
+def test_build_progress_is_a_bar_on_a_tty_and_lines_off_it(monkeypatch):
+    """The build's progress (engine.progress.Progress) resumed at 2 of 10 images: a bar on a
+    terminal; off one, periodic lines and a closing line, the rate over this run's images."""
+    from engine.progress import Progress
+
     class Tty(io.StringIO):
         def isatty(self):
             return True
 
-    for stream, shown in ((Tty(), True), (io.StringIO(), False)):
-        monkeypatch.setattr(sys, "stderr", stream)
-        bar = cir_build.Progress(10, 2)
+    tty, log = Tty(), io.StringIO()
+    for stream in (tty, log):
+        bar = Progress(10, "[cir_build] embedding", unit="images", every_s=0.0, stream=stream, initial=2)
         bar.update(5)
         bar.close()
-        assert ("7/10" in stream.getvalue() and "img/s" in stream.getvalue()) is shown
-        assert shown or stream.getvalue() == ""
+    assert "7/10" in tty.getvalue() and "images/s" in tty.getvalue()
+    lines = log.getvalue().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("[cir_build] embedding: 7/10 images (70 %), ")
+    assert "about" in lines[0] and lines[0].endswith("left")
+    assert lines[1].startswith("[cir_build] embedding: 7/10 images, in ") and lines[1].endswith(" done before")
 
 
 def _hostile_corpus(tmp_path):
@@ -352,8 +423,8 @@ def test_a_staged_corpus_indexes_every_record_and_confinement_names_each_refusal
 
 
 def test_the_record_reader_follows_by_default_and_confines_when_asked(tmp_path):
-    """The rule re-inspection shares with the build (evaluator.cir.jsonl.record_reader)."""
-    from evaluator.cir.jsonl import record_reader
+    """The rule re-inspection shares with the build (engine.retrieval.jsonl.record_reader)."""
+    from engine.retrieval.jsonl import record_reader
 
     base, recs = _staged_corpus(tmp_path, n=2)
     paths = [r["path"] for r in recs]

@@ -21,9 +21,9 @@ from cir_helpers import (
     run_args,
 )
 
+from engine.retrieval.index import load_index
 from evaluator.cir import build as cir_build
 from evaluator.cir import run as cir_run
-from evaluator.cir.index import load_index
 
 # hubness scorers with the call's own requests as the bank (named: the reference index has no text bank)
 OPTIONS = ["slerp+gap", "slerp+isoftmax:bank=requests", "slerp+qbnorm:bank=requests",

@@ -24,9 +24,10 @@ from cir_helpers import (
     workspace,
 )
 
+from engine.retrieval.index import load_index
+from engine.retrieval.jsonl import read_requests
 from evaluator.cir import run as cir_run
-from evaluator.cir.index import load_index
-from evaluator.cir.jsonl import read_requests, resume_rows
+from evaluator.cir.jsonl import resume_rows
 
 
 @pytest.fixture(scope="module")

@@ -147,8 +147,8 @@ def _aqe_case(tmp_path):
 
 
 def test_scale_free_alpha_qe_changes_a_cross_modal_ranking(tmp_path):
-    from evaluator.cir.jsonl import Request
-    from evaluator.cir.query import QueryPipeline
+    from engine.retrieval.jsonl import Request
+    from engine.retrieval.query import QueryPipeline
 
     q, gallery, index = _aqe_case(tmp_path)
     order = lambda s: torch.argsort(s, descending=True, stable=True).tolist()  # noqa: E731

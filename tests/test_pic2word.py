@@ -12,6 +12,7 @@ from cir_helpers import build_args, built_index, check_abi, clip_dirs, corpus, r
 from cir_quality_helpers import P2W_ARGS, p2w_index
 
 from engine.clip.inject import encode_with_slot, placeholder_id, slots_of
+from engine.retrieval.index import load_index
 from engine.retrieval.pic2word import (
     TRAIN_PROMPT,
     Pic2WordConfig,
@@ -22,7 +23,6 @@ from engine.retrieval.pic2word import (
 )
 from evaluator.cir import build as cir_build
 from evaluator.cir import run as cir_run
-from evaluator.cir.index import load_index
 
 CFG = Pic2WordConfig(hidden=128, steps=120, batch_size=64, lr=1e-3, ckpt_every=20)
 KEY = {"gallery": "test"}

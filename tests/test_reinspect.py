@@ -18,6 +18,9 @@ from cir_helpers import built_index, check_abi, clip_dirs, corpus, read_rows, re
 from PIL import Image
 
 from engine.retrieval.compose import make_method
+from engine.retrieval.index import load_index
+from engine.retrieval.jsonl import Request
+from engine.retrieval.query import QueryPipeline
 from engine.retrieval.reinspect import (
     VIEWS,
     ReinspectBudget,
@@ -28,9 +31,6 @@ from engine.retrieval.reinspect import (
 )
 from evaluator.cir import run as cir_run
 from evaluator.cir import task
-from evaluator.cir.index import load_index
-from evaluator.cir.jsonl import Request
-from evaluator.cir.query import QueryPipeline
 from evaluator.cir.task import MAX_REINSPECT as MAX_PER_REQUEST
 
 
@@ -94,7 +94,7 @@ def test_the_centre_view_through_the_gallery_decoder_agrees_with_the_stored_row(
     view): cosine > 0.999; another view of it is measurably different (the check can fail)."""
     from engine.clip.load import load_clip
     from engine.clip.towers import ClipTowers
-    from evaluator.cir.jsonl import read_records
+    from engine.retrieval.jsonl import read_records
 
     index = load_index(built_index())
     assert index.meta["decoder"] in ("dali-cpu", "pil")             # dali-cpu where DALI is installed

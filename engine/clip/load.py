@@ -49,6 +49,10 @@ class Layout:
     extra: list[Path] = field(default_factory=list)  # other files that decide the numbers
     arch: str = ""
 
+    def files(self) -> list[Path]:
+        """Every file that decides the model's numbers."""
+        return [self.weights] + ([self.config] if self.config else []) + self.extra
+
 
 def model_dir(path: str | os.PathLike | None = None) -> Path:
     """`path`, else env CLIP_MODEL_DIR; ClipLoadError when neither names one."""
@@ -234,6 +238,11 @@ def file_digest(paths: list[Path], salt: str = "") -> str:
     return h.hexdigest()
 
 
+def layout_digest(layout: Layout) -> str:
+    """The model digest of a layout (load_clip's info["digest"]), from its files alone."""
+    return file_digest(layout.files(), salt=f"{layout.kind}:{layout.arch}")
+
+
 def load_clip(path: str | os.PathLike | None = None, model_name: str | None = None,
               batch_size: int = 64):
     """(open_clip model FP32 eval CPU, ClipSpec, info dict with digest and files) from a local dir.
@@ -273,7 +282,6 @@ def _load_clip(root: Path, model_name: str | None, batch_size: int):
     spec = ClipSpec(image=image, context_length=int(text.get("context_length", 77)),
                     vocab_size=int(text.get("vocab_size", 49408)), embed_dim=int(model_cfg["embed_dim"]),
                     layout=layout.kind, arch=arch)
-    files = [layout.weights] + ([layout.config] if layout.config else []) + layout.extra
-    info = {"dir": str(root), "layout": layout.kind, "arch": arch, "files": [str(f) for f in files],
-            "digest": file_digest(files, salt=f"{layout.kind}:{layout.arch}")}
+    info = {"dir": str(root), "layout": layout.kind, "arch": arch, "files": [str(f) for f in layout.files()],
+            "digest": layout_digest(layout)}
     return model, spec, info

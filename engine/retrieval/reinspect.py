@@ -24,7 +24,7 @@ normalise(stored row + sum of the view embeddings), i.e. test-time multi-view av
 candidates are taken from the budget first (nothing is read past the limit), then the
 images not in the cache are read on reader threads, decoded by the decoder's own thread
 pool (the thread budget, engine.threads) and embedded in batches that mix requests.
-How the pipeline turns the rows into scores: evaluator.cir.query.
+How the pipeline turns the rows into scores: engine.retrieval.query.
 """
 from __future__ import annotations
 

@@ -69,7 +69,9 @@ def parse_args(argv: list[str] | None) -> AblateConfig:
                         f"{', '.join(DEFAULT_METHODS)} the index supports")
     p.add_argument("--json", type=Path, default=None, help="also write every method's report here")
     p.add_argument("--out-dir", type=Path, default=None, help="run outputs (default: a folder under TMPDIR)")
-    p.add_argument("--model-dir", type=Path, default=None, help="CLIP folder (default: env CLIP_MODEL_DIR)")
+    p.add_argument("--model-dir", type=Path, default=None,
+                   help="CLIP folder (default: env CLIP_MODEL_DIR, else /task/models/clip when it is there, "
+                        "else the folder the index records when its digest matches)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: env CLIP_DEVICE, else cuda if present)")
     p.add_argument("--corpus", type=Path, default=None, help="corpus for re-inspecting methods (default: the index's)")
     p.add_argument("--batch-size", type=int, default=256, help="requests per batch")
@@ -167,8 +169,9 @@ def _warm_up(cfg: AblateConfig, name: str, out_dir: Path) -> float:
 def ablate(cfg: AblateConfig) -> int:
     """Run, score and tabulate every method; 0 when all ran, 1 when one failed."""
     from engine.cli import UsageError
+    from engine.retrieval.index import read_meta
     from evaluator.cir import run as cir_run
-    from evaluator.cir.index import read_meta
+    from evaluator.cir import task
     from evaluator.cir.score import InputError, load_label_files, load_results, score
 
     meta = read_meta(cfg.index_dir)
@@ -177,6 +180,7 @@ def ablate(cfg: AblateConfig) -> int:
                          "build one with scripts/build.sh)")
     if not cfg.queries.is_file():
         raise UsageError(f"queries file not found: {cfg.queries}")
+    cfg.model_dir = task.clip_dir(cfg.model_dir, meta, say=_say)   # found once, said once, for every run
     try:
         labels = load_label_files(cfg.labels)
     except InputError as e:

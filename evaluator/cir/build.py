@@ -7,10 +7,11 @@ to DIR, absolute as is, symlinks followed, as the reference's Image.open does;
 --confine-to-corpus refuses and names an absolute path or one that leaves DIR, also through
 a symlink), reads only regular files of at most ENGINE_MAX_FILE_BYTES, decodes with the
 engine's decoders (dali-gpu on CUDA, dali-cpu otherwise; ENGINE_DECODER=pil is the
-reference), embeds in batches, and writes the index described in evaluator.cir.index.
-Chunked and resumable: a killed build restarts at its first unfinished chunk. Images no
-decoder can read are listed in meta.json and left out. Build-time extras (gallery mean,
-`--mapping pic2word`, gallery-derived text bank, DBA): evaluator.cir.extras. Env:
+reference), embeds in batches, and writes the index described in engine.retrieval.index
+(engine.retrieval.gallery does the work). Chunked and resumable: a killed build restarts at
+its first unfinished chunk. Images no decoder can read are listed in meta.json and left out.
+Build-time extras (gallery mean, `--mapping pic2word`, gallery-derived text bank, DBA):
+engine.retrieval.extras. Env:
 CLIP_MODEL_DIR, CLIP_MODEL_NAME, CLIP_DEVICE, CLIP_PRECISION, CIR_METHOD. main()'s
 stop_after_chunks / p2w_stop_after end a build early, as a kill would (resumable).
 """
@@ -29,10 +30,6 @@ STOPPED = 3  # exit status of a build ended early by main(stop_after_chunks=...)
 
 
 PROG = "scripts/build.sh"
-
-
-def _log(msg: str) -> None:
-    print(f"[cir_build] {msg}", file=sys.stderr, flush=True)
 
 
 def _error(msg: str) -> int:
@@ -58,7 +55,7 @@ class BuildConfig:
     text_weight: float | None = None
     prompt: str | None = None
     force: bool = False
-    mapping: str = "none"          # none | pic2word (evaluator.cir.extras)
+    mapping: str = "none"          # none | pic2word (engine.retrieval.extras)
     p2w_epochs: int = 20
     p2w_steps: int = 0
     p2w_batch_size: int = 256
@@ -77,35 +74,14 @@ class BuildConfig:
     p2w_stop_after: int = 0        # stop (resumably) after this many Pic2Word steps; 0: never
 
     def extras(self):
+        from engine.retrieval.extras import ExtrasConfig
         from engine.retrieval.pic2word import Pic2WordConfig
-        from evaluator.cir.extras import ExtrasConfig
 
         p2w = Pic2WordConfig(hidden=self.p2w_hidden, epochs=self.p2w_epochs, steps=self.p2w_steps,
                              batch_size=self.p2w_batch_size, lr=self.p2w_lr, warmup=self.p2w_warmup,
                              seed=self.p2w_seed, ckpt_every=self.p2w_ckpt_every, time_budget_s=self.p2w_time_budget)
         return ExtrasConfig(self.mapping, p2w, self.text_bank, self.dba, self.dba_alpha, self.dba_chunk,
                             self.p2w_stop_after)
-
-
-class Progress:
-    """A one-line progress bar on stderr when it is a TTY; silent otherwise."""
-
-    def __init__(self, total: int, done: int = 0):
-        self.total, self.done, self.t0 = total, done, time.perf_counter()
-        self.start, self.tty = done, sys.stderr.isatty()
-
-    def update(self, n: int) -> None:
-        self.done += n
-        if self.tty:
-            rate = (self.done - self.start) / max(time.perf_counter() - self.t0, 1e-9)
-            width = 30
-            fill = int(width * self.done / max(self.total, 1))
-            print(f"\r[cir_build] [{'#' * fill}{'.' * (width - fill)}] {self.done}/{self.total} "
-                  f"{rate:.1f} img/s", end="", file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.tty:
-            print(file=sys.stderr, flush=True)
 
 
 def parse_args(argv: list[str] | None) -> BuildConfig:
@@ -188,8 +164,8 @@ def _main(argv: list[str] | None, stop_after_chunks: int, p2w_stop_after: int) -
         return 2
     cfg.stop_after_chunks, cfg.p2w_stop_after = stop_after_chunks, p2w_stop_after
     t_start = time.perf_counter()
+    from engine.retrieval.jsonl import read_input, read_records, stderr_warn
     from evaluator.cir import task
-    from evaluator.cir.jsonl import read_records, stderr_warn
     from evaluator.cir.run import tmpdir_problem
 
     problem = tmpdir_problem()
@@ -216,8 +192,6 @@ def _main(argv: list[str] | None, stop_after_chunks: int, p2w_stop_after: int) -
     if not os.access(cfg.index_dir, os.W_OK):
         _error(f"the index dir {cfg.index_dir} is not writable")
         return 2
-    from evaluator.cir.jsonl import read_input
-
     try:
         records = read_records(records_path, stderr_warn("cir_build"))
         records_sha = hashlib.sha256(read_input(records_path)).hexdigest()
@@ -241,170 +215,19 @@ def _main(argv: list[str] | None, stop_after_chunks: int, p2w_stop_after: int) -
     towers = ClipTowers(model, spec, cfg.device, cfg.precision)
     threads.apply_torch(threads.budget(towers.device.type))
     t_loaded = time.perf_counter()
-    return build(cfg, records, records_sha, towers, info, method.to_dict(), t_start, t_loaded)
-
-
-def build(cfg: BuildConfig, records, records_sha: str, towers, info: dict, method: dict,
-          t_start: float, t_loaded: float) -> int:
-    """Embed every pending chunk, then commit the index (see evaluator.cir.index)."""
-    import numpy as np
-
-    from engine import settings as engine_settings
-    from engine.decoders import default_decoder, make_decoder
-    from engine.retrieval.embed import embed_images
-    from evaluator.cir.extras import extras_key
-    from evaluator.cir.index import ChunkStore, read_meta
-
-    decoder_name = cfg.decoder if cfg.decoder != "auto" else (
-        engine_settings.decoder() or default_decoder(towers.device.type))
-    spec = towers.spec
-    decoder = make_decoder(decoder_name, spec.image, cfg.batch_size, isolate=engine_settings.decoder_isolate())
-    key = {"records_sha256": records_sha, "records": len(records), "model_digest": info["digest"],
-           "clip_spec": spec.to_dict(), "decoder": decoder.name,
-           "precision": towers.precision, "device": towers.device.type, "chunk_size": cfg.chunk_size,
-           "embed_dim": spec.embed_dim}
-    # which files the records reach: confinement makes a different build
-    key["records_paths"] = "confined" if cfg.confine_to_corpus else "followed"
-    ekey = extras_key(cfg.extras(), method)
-    old = read_meta(cfg.index_dir)
-    if old is not None and old.get("build_key") == key and not cfg.force:
-        if old.get("extras_key") == ekey:
-            _log(f"index in {cfg.index_dir} is up to date ({old.get('count')} images); --force rebuilds it")
-            return 0
-        return reuse_embeddings(cfg, old, towers, info, ekey, method)
-    store = ChunkStore(cfg.index_dir, key)
-    done = store.open()
-    n_chunks = (len(records) + cfg.chunk_size - 1) // cfg.chunk_size
-    if done:
-        _log(f"resuming: {len(done)} of {n_chunks} chunks already built")
-    pending = [i for i in range(len(records)) if i // cfg.chunk_size not in done]
-
-    from evaluator.cir.jsonl import record_reader
-
-    read = record_reader(cfg.corpus, [r.path for r in records], cfg.confine_to_corpus)
-
-    stop_after = cfg.stop_after_chunks
-    bar = Progress(len(records), len(records) - len(pending))
-    acc: dict[int, dict] = {}      # chunk -> {"rows": [...], "emb": [...], "failed": [...], "seen": n}
-    saved = embedded = 0
-    t0 = time.perf_counter()
-    for b in embed_images(read, pending, decoder, towers.encode_images, cfg.batch_size, cfg.readers):
-        k = 0
-        for j, item in enumerate(b.items):
-            c = acc.setdefault(item // cfg.chunk_size, {"rows": [], "emb": [], "failed": [], "seen": 0})
-            c["seen"] += 1
-            if b.ok[j]:
-                c["rows"].append(item)
-                c["emb"].append(b.emb[k])
-                k += 1
-            else:
-                r = records[item]
-                c["failed"].append({"image_id": r.image_id, "path": r.path, "line": r.line,
-                                    "reason": b.failed[item]})
-                _log(f"unreadable image {r.image_id!r} ({r.path}, records line {r.line}): {b.failed[item]}")
-        embedded += k
-        bar.update(len(b.items))
-        for chunk in sorted(acc):
-            size = min(cfg.chunk_size, len(records) - chunk * cfg.chunk_size)
-            if acc[chunk]["seen"] < size:
-                break
-            c = acc.pop(chunk)
-            emb = np.stack(c["emb"]) if c["emb"] else np.zeros((0, spec.embed_dim), np.float16)
-            store.save(chunk, np.asarray(c["rows"], np.int64), emb, c["failed"])
-            saved += 1
-            if not bar.tty:
-                _log(f"chunk {chunk + 1}/{n_chunks} done")
-            if stop_after and saved >= stop_after:
-                bar.close()
-                _log(f"stopping after {saved} chunks, as asked (resumable)")
-                return STOPPED
-    bar.close()
-    if towers.device.type == "cuda":
-        import torch
-
-        torch.cuda.synchronize()
-    t_embed = time.perf_counter() - t0
-    from evaluator.cir.index import IndexLoadError
+    from engine.retrieval import gallery
+    from engine.retrieval.index import IndexLoadError
 
     try:
-        rows, emb, failed = store.load(range(n_chunks))
+        done = gallery.build(records, records_sha, towers, info, method.to_dict(), corpus=cfg.corpus,
+                             index_dir=cfg.index_dir, extras=cfg.extras(), decoder=cfg.decoder,
+                             batch_size=cfg.batch_size, chunk_size=cfg.chunk_size, readers=cfg.readers,
+                             confine_to_corpus=cfg.confine_to_corpus, force=cfg.force,
+                             stop_after_chunks=cfg.stop_after_chunks, t_start=t_start, t_loaded=t_loaded)
     except IndexLoadError as e:
         _error(f"{e}")
         return 2
-    ids = [records[i].image_id for i in rows.tolist()]
-    rate = embedded / t_embed if t_embed > 0 else 0.0
-    meta = {"build_key": key, "model": info, "clip_spec": spec.to_dict(), "method": method,
-            "decoder": decoder.name, "device": towers.device.type, "precision": towers.precision,
-            "records": {"path": str(cfg.corpus / "records.jsonl"), "sha256": records_sha, "usable": len(records)},
-            "corpus": str(cfg.corpus.resolve()), "confine_to_corpus": cfg.confine_to_corpus,
-            "unreadable": failed, "counts": {"records": len(records), "indexed": len(ids), "unreadable": len(failed)},
-            "timing": {"load_s": round(t_loaded - t_start, 3), "embed_s": round(t_embed, 3),
-                       "images_embedded_this_run": embedded, "images_per_s": round(rate, 2),
-                       "resumed_chunks": len(done)}}
-    rc = commit_with_extras(cfg, emb, ids, meta, towers, info, ekey)
-    if rc:
-        return rc
-    store.clear()
-    _log(f"index: {len(ids)} images, {len(failed)} unreadable, dim {spec.embed_dim} -> {cfg.index_dir}")
-    _log(f"embedded {embedded} images in {t_embed:.2f} s: {rate:.1f} images/s "
-         f"(decoder {decoder.name}, {towers.device.type} {towers.precision}; model load {t_loaded - t_start:.2f} s)")
-    return 0
-
-
-def commit_with_extras(cfg: BuildConfig, emb, ids: list, meta: dict, towers, info: dict, ekey: dict) -> int:
-    """Compute the extras (evaluator.cir.extras), then commit; STOPPED when the training hook fires."""
-    from engine.retrieval.pic2word import Stopped
-    from evaluator.cir.extras import build_extras
-    from evaluator.cir.index import BUILD_DIR, commit
-
-    t0 = time.perf_counter()
-    try:
-        extra_meta, files = build_extras(cfg.extras(), emb, towers, info["digest"], cfg.index_dir / BUILD_DIR)
-    except Stopped as e:
-        _log(f"pic2word: {e} (stopped as asked; resumable)")
-        return STOPPED
-    meta = {**meta, **extra_meta, "extras_key": ekey, "kernels": store_kernels(cfg.index_dir)}
-    meta["timing"] = {**meta.get("timing", {}), "extras_s": round(time.perf_counter() - t0, 3)}
-    commit(cfg.index_dir, emb, ids, meta, files)
-    return 0
-
-
-def store_kernels(index_dir: Path) -> dict:
-    """Compile the query run's kernels now (CUDA + CuPy present), so the run loads them without
-    NVRTC: {"topk": what kernels.topk.store_compiled stored, or why nothing was}."""
-    from evaluator.cir.index import KERNEL_DIR
-    from kernels.topk import store_compiled
-
-    topk = store_compiled(index_dir / KERNEL_DIR)
-    _log(f"top-k kernel: stored {topk['file']} (sm_{topk['arch']})" if topk["stored"]
-         else f"top-k kernel: not stored ({topk['reason']}); a CUDA query run compiles it")
-    return {"topk": topk}
-
-
-def reuse_embeddings(cfg: BuildConfig, old: dict, towers, info: dict, ekey: dict, method: dict) -> int:
-    """The embeddings are up to date but the extras or the recorded method differ: redo only those."""
-    import shutil
-
-    import numpy as np
-
-    from evaluator.cir.index import BUILD_DIR, IndexLoadError, load_index
-
-    try:
-        idx = load_index(cfg.index_dir)
-    except IndexLoadError as e:
-        _error(f"{e}; pass --force to rebuild")
-        return 2
-    _log(f"embeddings in {cfg.index_dir} are up to date; recomputing the extras only")
-    keep = ("build_key", "model", "clip_spec", "decoder", "device", "precision", "records", "corpus",
-            "confine_to_corpus", "unreadable", "counts", "timing")
-    meta = {k: old[k] for k in keep if k in old}
-    meta["method"] = method
-    meta["corpus"] = str(cfg.corpus.resolve())
-    meta["timing"] = {**meta.get("timing", {}), "reused_embeddings": True}
-    rc = commit_with_extras(cfg, np.asarray(idx.emb), idx.ids, meta, towers, info, ekey)
-    if rc == 0:
-        shutil.rmtree(cfg.index_dir / BUILD_DIR / "pic2word", ignore_errors=True)
-    return rc
+    return 0 if done else STOPPED
 
 
 if __name__ == "__main__":

@@ -11,8 +11,9 @@ only if the same requests, method, index and CLIP wrote it (its record, beside i
 digest of the requests); otherwise it is refused, naming --fresh.
 A request whose reference is not in the index is answered from its text alone.
 The method may add gallery-aware options (`slerp+gap+qbnorm`, `pic2word+reinspect`, ...):
-evaluator.cir.query runs them; docs/retrieval_quality.md lists them.
-Env: CLIP_MODEL_DIR, CLIP_MODEL_NAME, CLIP_DEVICE, CLIP_PRECISION, CIR_METHOD,
+engine.retrieval.query runs them; docs/retrieval_quality.md lists them. The CLIP: --model-dir,
+else CLIP_MODEL_DIR, else /task/models/clip when it is there, else the folder the index records
+when its digest still matches (said on stderr). Env: CLIP_MODEL_DIR, CLIP_MODEL_NAME, CLIP_DEVICE, CLIP_PRECISION, CIR_METHOD,
 CIR_TEXT_WEIGHT, CIR_PROMPT, CIR_CORPUS. --bank-chunk 0 runs the reference twin of the
 streamed bank statistics. Records paths are followed as the build follows them (relative to
 the corpus, absolute as is, symlinks too) unless --confine-to-corpus or a confined index.
@@ -20,7 +21,6 @@ the corpus, absolute as is, symlinks too) unless --confine-to-corpus or a confin
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import time
@@ -137,9 +137,10 @@ def _main(argv: list[str] | None, on_row) -> int:
         return 2
     t0 = time.perf_counter()
     from engine.retrieval.compose import Method
+    from engine.retrieval.index import IndexLoadError, load_index
+    from engine.retrieval.jsonl import read_requests, stderr_warn
     from evaluator.cir import task
-    from evaluator.cir.index import IndexLoadError, load_index
-    from evaluator.cir.jsonl import read_requests, resume_rows, stderr_warn
+    from evaluator.cir.jsonl import resume_rows
 
     warn = stderr_warn("cir_run")
     problem = tmpdir_problem() or output_problem(cfg.output)
@@ -165,27 +166,27 @@ def _main(argv: list[str] | None, on_row) -> int:
 
     from engine.clip.load import ClipLoadError, load_clip
     from engine.clip.towers import ClipTowers
+    from engine.retrieval.index_clip import mismatch
 
     try:
-        model, spec, info = load_clip(task.clip_dir(cfg.model_dir), cfg.model_name)
+        model, spec, info = load_clip(task.clip_dir(cfg.model_dir, index.meta, cfg.model_name, _log), cfg.model_name)
     except (ClipLoadError, OSError) as e:
         _error(f"{e}")
         return 2
-    built_with = index.meta.get("model", {}).get("digest")
-    if built_with != info["digest"]:
-        msg = f"the CLIP in {info['dir']} (digest {info['digest'][:12]}) is not the one that built the index " \
-              f"({str(built_with)[:12]})"
+    msg = mismatch(index.meta, info)
+    if msg:
         if not cfg.allow_model_mismatch:
             _error(f"{msg}; pass --allow-model-mismatch to run anyway")
             return 2
         _log(f"warning: {msg}")
     towers = ClipTowers(model, spec, cfg.device, cfg.precision)
     threads.apply_torch(threads.budget(towers.device.type))
-    from evaluator.cir.query import PipelineError, QueryPipeline
+    from engine.retrieval.query import PipelineError, QueryPipeline
 
     try:
         pipe = QueryPipeline(index, towers, method, warn, cfg.queries, cfg.corpus, cfg.k, cfg.bank_chunk,
-                             not (cfg.confine_to_corpus or bool(index.meta.get("confine_to_corpus"))))
+                             not (cfg.confine_to_corpus or bool(index.meta.get("confine_to_corpus"))),
+                             task.MAX_REINSPECT)
         pipe.prepare(requests)
     except PipelineError as e:
         _error(f"{e}")
@@ -225,7 +226,7 @@ def _main(argv: list[str] | None, on_row) -> int:
         skip = set(done)
         pending = [r for r in requests if str(r.query_id) not in skip]
         t1 = time.perf_counter()
-        n = answer(cfg, index, pipe, pending, out, on_row)
+        n = answer(cfg, pipe, pending, out, on_row)
     t_end = time.perf_counter()
     rate = n / (t_end - t1) if t_end > t1 else 0.0
     summary = {"queries": len(requests), "answered": n, "resumed": len(done), "method": method.to_dict(),
@@ -323,13 +324,12 @@ def resume_mismatch(output: Path, index_dir: Path, ident: dict) -> str | None:
     return "no record of the requests, method and index that wrote it"
 
 
-def answer(cfg: RunConfig, index, pipe, pending, out, on_row=None) -> int:
-    """Write one row per pending request, batch by batch (evaluator.cir.query); returns the rows written."""
+def answer(cfg: RunConfig, pipe, pending, out, on_row=None) -> int:
+    """Write one row per pending request, batch by batch (engine.retrieval.query); returns the rows written."""
     written = 0
     for lo in range(0, len(pending), cfg.batch_size):
         batch = pending[lo:lo + cfg.batch_size]
-        for r, hits in zip(batch, pipe.answer(batch)):
-            results = [{"image_id": index.ids[j], "score": v} for j, v in hits if math.isfinite(v)]
+        for r, results in zip(batch, pipe.results(batch)):
             out.write((json.dumps({"query_id": r.query_id, "results": results}) + "\n").encode())
             out.flush()                                                # a killed call keeps this row
             written += 1

@@ -49,7 +49,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from evaluator.cir.jsonl import REFERENCE_KEYS, is_id, read_requests
+from engine.retrieval.jsonl import REFERENCE_KEYS, is_id, read_requests
 from evaluator.cir.task import TOP_K
 
 CIRCO_KS = (5, 10, 25, 50)

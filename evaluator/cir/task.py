@@ -11,11 +11,13 @@ MAX_REINSPECT = 100         # candidate images per request that may be re-inspec
 CLIP_DIR = Path("/task/models/clip")   # where the task mounts the supplied CLIP
 
 
-def clip_dir(given=None) -> Path:
-    """The CLIP folder: `given`, else CLIP_MODEL_DIR, else where the task mounts it."""
-    from engine import settings
+def clip_dir(given=None, meta: dict | None = None, model_name: str | None = None, say=None) -> Path:
+    """The CLIP folder: `given`, else CLIP_MODEL_DIR, else where the task mounts it when it is
+    there, else the folder the index (its meta.json `meta`) records when its digest matches
+    (said through `say`), else where the task mounts it (engine.retrieval.index_clip.resolve)."""
+    from engine.retrieval.index_clip import resolve
 
-    return Path(given or settings.clip_model_dir() or CLIP_DIR)
+    return resolve(given, meta, CLIP_DIR, model_name, say)
 
 
 def method(name: str = "slerp", text_weight: float | None = None, prompt: str | None = None):

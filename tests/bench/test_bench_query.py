@@ -4,7 +4,7 @@
         [--device cpu|cuda] [--methods slerp,slerp+qbnorm,...] [--repeat 3] [--json OUT.json]
 
 One call = what scripts/run.sh does after the CLIP is loaded: load the committed index
-(memory-mapped FP16 rows), read the requests file, build evaluator.cir.query.QueryPipeline,
+(memory-mapped FP16 rows), read the requests file, build engine.retrieval.query.QueryPipeline,
 `prepare` (bank statistics), and `evaluator.cir.run.answer` (compose, score, top 50, one
 flushed JSONL row per request). Only the CLIP towers are left out: the text side is
 generated unit rows looked up by prompt (`GeneratedTowers`), so the figures are the
@@ -61,9 +61,9 @@ class GeneratedTowers:
 
 
 def generate(out: Path, n: int, m: int, dim: int, seed: int = 0) -> tuple[Path, Path, torch.Tensor, dict]:
-    """Write a committed index (evaluator.cir.index.commit) and a requests file under `out`.
+    """Write a committed index (engine.retrieval.index.commit) and a requests file under `out`.
     Returns (index dir, requests file, text rows [m, D], prompt -> text row)."""
-    from evaluator.cir.index import commit
+    from engine.retrieval.index import commit
 
     g = torch.Generator().manual_seed(seed)
     centres = F.normalize(torch.randn(max(1, n // 50), dim, generator=g), dim=-1)
@@ -111,10 +111,10 @@ def generate(out: Path, n: int, m: int, dim: int, seed: int = 0) -> tuple[Path, 
 
 def one_call(index_dir: Path, queries: Path, towers: GeneratedTowers, name: str, output: Path) -> dict:
     """One call of the query path (scripts/run.sh after the CLIP load); seconds per stage."""
+    from engine.retrieval.index import load_index
+    from engine.retrieval.jsonl import read_requests
+    from engine.retrieval.query import QueryPipeline
     from evaluator.cir import task
-    from evaluator.cir.index import load_index
-    from evaluator.cir.jsonl import read_requests
-    from evaluator.cir.query import QueryPipeline
     from evaluator.cir.run import answer
 
     def sync() -> float:
@@ -126,11 +126,12 @@ def one_call(index_dir: Path, queries: Path, towers: GeneratedTowers, name: str,
     index = load_index(index_dir)
     requests = read_requests(queries, lambda msg: print(msg, file=sys.stderr))
     method = task.method(name)
-    pipe = QueryPipeline(index, towers, method, lambda msg: print(msg, file=sys.stderr), queries, None, 50)
+    pipe = QueryPipeline(index, towers, method, lambda msg: print(msg, file=sys.stderr), queries, None, 50,
+                         max_reinspect=task.MAX_REINSPECT)
     pipe.prepare(requests)
     t1 = sync()
     with open(output, "wb") as out:
-        n = answer(SimpleNamespace(batch_size=256), index, pipe, requests, out)
+        n = answer(SimpleNamespace(batch_size=256), pipe, requests, out)
     t2 = sync()
     assert n == len(requests)
     return {"setup_s": t1 - t0, "answer_s": t2 - t1, "total_s": t2 - t0, "label": method.label,

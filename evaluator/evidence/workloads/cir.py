@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.io import sha256_file
-from evaluator.cir.jsonl import is_id
+from engine.retrieval.jsonl import is_id
 from evaluator.cir.task import TOP_K
 from evaluator.evidence import provd
 from evaluator.evidence.runs import (
@@ -108,8 +108,8 @@ def prepare_min(source_dir: Path, dest: Path, count: int, requests: int, seed: i
 
 def load_judge(index_dir: Path, queries: Path, labels: tuple[Path, ...]) -> CirJudge:
     """Requests (read as scripts/run.sh reads them), gallery ids and labels; ValueError names a bad input."""
-    from evaluator.cir.index import IndexLoadError, load_index
-    from evaluator.cir.jsonl import read_requests
+    from engine.retrieval.index import IndexLoadError, load_index
+    from engine.retrieval.jsonl import read_requests
     from evaluator.cir.score import load_label_files
 
     warnings: list[str] = []

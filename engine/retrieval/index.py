@@ -1,4 +1,4 @@
-"""The CIR gallery index on disk: chunked while building, committed by one rename.
+"""The retrieval gallery index on disk: chunked while building, committed by one rename.
 
     INDEX_DIR/meta.json                     the commit record (written last, by rename)
     INDEX_DIR/embeddings-<build>.f16.npy    [N, D] float16, L2-normalised rows
@@ -33,7 +33,7 @@ from engine.io import write_atomic
 
 FORMAT = "cir-index/1"
 BUILD_DIR = ".build"
-EXTRA_FILES = ("pic2word", "text_bank", "dba")   # optional data files (evaluator.cir.extras)
+EXTRA_FILES = ("pic2word", "text_bank", "dba")   # optional data files (engine.retrieval.extras)
 KERNEL_DIR = "kernels"   # compiled kernels the query run loads instead of compiling (kernels.topk)
 
 
@@ -70,7 +70,7 @@ def _plain_name(v) -> bool:
 
 
 def _read_json_file(path: Path):
-    from evaluator.cir.jsonl import parse_line, read_input
+    from engine.retrieval.jsonl import parse_line, read_input
 
     return parse_line(read_input(path).decode("utf-8"))
 
@@ -104,7 +104,7 @@ def load_index(index_dir: str | os.PathLike) -> Index:
         ids = _read_json_file(d / files["ids"])
     except (OSError, ValueError, EOFError) as e:
         raise IndexLoadError(f"{d}: index files named by meta.json are unreadable ({e})") from e
-    from evaluator.cir.jsonl import is_id
+    from engine.retrieval.jsonl import is_id
 
     if not isinstance(emb, np.ndarray) or not isinstance(ids, list) or not all(is_id(i) for i in ids):
         raise IndexLoadError(f"{d}: the embeddings are not an array or the ids not a list of ids")

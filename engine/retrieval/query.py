@@ -1,4 +1,4 @@
-"""One CIR call's query pipeline: encode -> compose -> gallery-aware scores -> top k [-> re-inspect].
+"""One retrieval call's query pipeline: encode -> compose -> gallery-aware scores -> top k [-> re-inspect].
 
     q = compose(image, text)                      engine.retrieval.compose (pic2word: the pseudo-word prompt)
     gap:      image, text and gallery shifted along the gap vector before composing  engine.retrieval.gap
@@ -13,10 +13,12 @@ Methods that need the call's own requests (gap-centre with the requests' text me
 scorer with a requests bank) encode every request of the call first (`prepare`), so the
 answers do not depend on batching or on where a killed call resumed. Plain methods encode
 batch by batch, as before. `report()` says what was used (bank source and size, means,
-re-inspection counts) for the run's summary.
+re-inspection counts) for the run's summary. `results` gives each request's rows as
+{"image_id", "score"} dicts, the rows a run writes.
 """
 from __future__ import annotations
 
+import math
 import sys
 import time
 from pathlib import Path
@@ -43,12 +45,17 @@ class _Lookup(dict):
 
 
 class QueryPipeline:
-    def __init__(self, index, towers, method, warn, queries: Path, corpus: Path | None = None, k: int = 50,
-                 bank_chunk: int = 256, allow_outside_corpus: bool = False):
+    """`queries` names the requests' source in messages (`source:line: query ...`); `k`: results
+    per request; `max_reinspect`: the re-inspection budget's hard limit per request (None: the
+    method's own count)."""
+
+    def __init__(self, index, towers, method, warn, queries: Path | str, corpus: Path | None, k: int,
+                 bank_chunk: int = 256, allow_outside_corpus: bool = False, max_reinspect: int | None = None):
         from engine.retrieval.rescore import center
 
         self.index, self.towers, self.method, self.warn, self.queries = index, towers, method, warn, queries
         self.k = min(k, len(index.ids))
+        self.max_reinspect = max_reinspect
         dev = towers.device
         # [N, D] unit rows; FP16 on disk, FP32 for scoring (ties and order as the reference computes them)
         self.raw = torch.from_numpy(np.array(index.emb)).to(dev).float()   # copy: the mmap is read-only
@@ -155,9 +162,8 @@ class QueryPipeline:
         return center(t, self.text_mean) if self.text_mean is not None else t
 
     def _reinspector(self, corpus: Path | None):
-        from engine.retrieval.reinspect import ReinspectBudget, Reinspector
-        from evaluator.cir.jsonl import read_records, record_reader
-        from evaluator.cir.task import MAX_REINSPECT
+        from engine.retrieval.jsonl import read_records, record_reader
+        from engine.retrieval.reinspect import Reinspector
 
         meta = self.index.meta
         root = corpus or (Path(meta["corpus"]) if meta.get("corpus") else
@@ -188,9 +194,14 @@ class QueryPipeline:
         self.info["reinspection"] = (f"{self.method.reinspect} candidates x {self.method.crops} views, "
                                      f"decoder {decoder}, corpus {root}")
         return Reinspector(read, self.towers.encode_images, self.towers.spec.image, self.method.crops,
-                           ReinspectBudget(self.method.reinspect, MAX_REINSPECT), decoder,
+                           self._reinspect_budget(), decoder,
                            batch_size=256 if self.towers.device.type == "cuda" else 64,
                            readers=budget.readers, isolate=engine_settings.decoder_isolate())
+
+    def _reinspect_budget(self):
+        from engine.retrieval.reinspect import ReinspectBudget
+
+        return ReinspectBudget(self.method.reinspect, self.max_reinspect)
 
     # ------------------------------------------------------------ encoding
     def _refs(self, batch) -> torch.Tensor:
@@ -240,9 +251,13 @@ class QueryPipeline:
         return compose(self.method, image, ref_t >= 0, text, weights)          # [B, D] unit rows
 
     def prepare(self, requests) -> None:
-        """Per-call statistics: the text mean, the hubness bank (encoding every request when needed)."""
+        """Per-call statistics: the text mean, the hubness bank (encoding every request when needed).
+        Each call's prepare replaces the one before, so one pipeline serves call after call."""
         from engine.retrieval.rescore import bank_stats
 
+        self.cached = {}
+        if self.reinspector is not None:           # each call's requests start with their whole budget
+            self.reinspector.budget = self._reinspect_budget()
         m, bank = self.method, self.text_bank
         centre = m.gap_mode == "centre"
         use_requests_mean = centre and (m.gap in ("requests", "both") or (m.gap == "bank" and bank is None))
@@ -315,8 +330,8 @@ class QueryPipeline:
 
     def answer(self, batch) -> list[list[tuple[int, float]]]:
         """[(gallery row, score), ...] per request: at most k, best first, the reference excluded."""
+        from engine.retrieval.index import KERNEL_DIR
         from engine.retrieval.rescore import alpha_qe
-        from evaluator.cir.index import KERNEL_DIR
         from kernels.topk import to_host, topk
 
         stored = self.index.dir / KERNEL_DIR                               # compiled at build time, if any
@@ -350,6 +365,11 @@ class QueryPipeline:
         for vs, js in zip(vals.tolist(), idx.tolist()):
             out.append([(j, v) for v, j in zip(vs, js) if j >= 0 and np.isfinite(v)])
         return out
+
+    def results(self, batch) -> list[list[dict]]:
+        """Each request's rows as a run writes them: {"image_id" (as the index holds it), "score"}, best first."""
+        ids = self.index.ids
+        return [[{"image_id": ids[j], "score": v} for j, v in hits if math.isfinite(v)] for hits in self.answer(batch)]
 
     def _reinspect(self, batch, q, vals, idx, state):
         """Re-score each row's top R candidates with multi-view rows (same scorer).

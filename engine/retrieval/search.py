@@ -1,0 +1,127 @@
+"""Retrieval in this process: a committed index opened with the CLIP that built it.
+
+    import engine.retrieval
+
+    idx = engine.retrieval.open_index("cir/index")      # the CLIP: clip_dir, CLIP_MODEL_DIR, or the index's own
+    hits = idx.search(1234, "make it red", shared_concept=None, k=50, method="slerp")
+    # [{"image_id": ..., "score": ...}, ...]: best first, at most k, the reference left out
+    rows = idx.search_many([{"query_id": 7, "reference_image_id": 1234, "relative_caption": "..."}])
+
+`search_many` takes request objects as the requests JSONL holds them (engine.retrieval.jsonl:
+query_id, reference_image_id, modification or its synonyms, shared_concept) and answers
+them as one call: its rows are the ones scripts/run.sh writes for the same requests, method
+and k (the same pipeline, engine.retrieval.query, batch by batch, `batch_size` requests per
+batch). `search` is a call of one request: the row run.sh --batch-size 1 writes for it (a
+larger batch is rounded differently by the CPU's BLAS, by ~1e-7). Methods are named as scripts/run.sh --method names
+them (engine.retrieval.compose); each (method, k) keeps its pipeline for the next call.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+DEFAULT_K = 50   # results per request unless asked
+
+
+class Searcher:
+    """An open index: `index` (engine.retrieval.index.Index), `towers` (engine.clip.towers.ClipTowers)
+    and `info`, engine.clip.load's record of their CLIP."""
+
+    def __init__(self, index, towers, info: dict, corpus: Path | None = None, confine_to_corpus: bool = False,
+                 batch_size: int = 256, bank_chunk: int = 256, warn=None):
+        from engine.retrieval.jsonl import stderr_warn
+
+        self.index, self.towers, self.info = index, towers, info
+        self.corpus, self.batch_size, self.bank_chunk = corpus, batch_size, bank_chunk
+        # records paths are followed as the build followed them, unless confined (here or at build time)
+        self.confine = confine_to_corpus or bool(index.meta.get("confine_to_corpus"))
+        self.warn = warn or stderr_warn("retrieval")
+        self._pipelines: dict[tuple[str, int], object] = {}
+
+    def _pipeline(self, method, k: int):
+        from engine.retrieval.compose import Method, make_method
+        from engine.retrieval.query import QueryPipeline
+
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"k must be an int >= 1, got {k!r}")
+        m = method if isinstance(method, Method) else make_method(method)
+        key = (json.dumps(m.to_dict(), sort_keys=True), k)
+        if key not in self._pipelines:
+            self._pipelines[key] = QueryPipeline(self.index, self.towers, m, self.warn, "requests", self.corpus, k,
+                                                 self.bank_chunk, not self.confine)
+        return self._pipelines[key]
+
+    def search(self, reference_image_id, modification: str, shared_concept: str | None = None,
+               k: int = DEFAULT_K, method="slerp") -> list[dict]:
+        """One request's rows: [{"image_id", "score"}, ...], best first, at most k. A reference
+        of None (or one the index lacks, said on stderr) answers from the text alone."""
+        from engine.retrieval.jsonl import Request, is_id
+
+        if reference_image_id is not None and not is_id(reference_image_id):
+            raise TypeError(f"reference_image_id must be a str or int id (or None), got {reference_image_id!r}")
+        if not isinstance(modification, str):
+            raise TypeError(f"modification must be a str, got {type(modification).__name__}")
+        if shared_concept is not None and not isinstance(shared_concept, str):
+            raise TypeError(f"shared_concept must be a str or None, got {type(shared_concept).__name__}")
+        ref = None if reference_image_id is None else str(reference_image_id)
+        return self._call([Request(1, 0, ref, modification, shared_concept or None)], k, method)[0]
+
+    def search_many(self, requests, k: int = DEFAULT_K, method="slerp") -> list[list[dict]]:
+        """Each request's rows, in request order. `requests`: objects as the requests JSONL holds
+        them; one without a query_id takes its position. ValueError for a request that is not an
+        object, or a query_id given twice."""
+        from engine.retrieval.jsonl import parse_request
+
+        parsed, seen = [], {}
+        for i, obj in enumerate(requests):
+            if not isinstance(obj, dict):
+                raise ValueError(f"requests[{i}]: expected a dict, got {type(obj).__name__}")
+            r = parse_request(obj, f"requests[{i}]", self.warn, line=i + 1, query_id=i)
+            if r is None:
+                raise ValueError(f"requests[{i}]: no usable query_id (a str or int)")
+            if str(r.query_id) in seen:
+                raise ValueError(f"requests[{i}]: query_id {r.query_id!r} also at requests[{seen[str(r.query_id)]}]")
+            seen[str(r.query_id)] = i
+            parsed.append(r)
+        return self._call(parsed, k, method)
+
+    def _call(self, requests, k: int, method) -> list[list[dict]]:
+        pipe = self._pipeline(method, k)
+        pipe.prepare(requests)
+        out: list[list[dict]] = []
+        for lo in range(0, len(requests), self.batch_size):
+            out += pipe.results(requests[lo:lo + self.batch_size])
+        return out
+
+
+def open_index(index_dir: str | os.PathLike, clip_dir: str | os.PathLike | None = None, *,
+               device: str | None = None, precision: str | None = None, model_name: str | None = None,
+               corpus: str | os.PathLike | None = None, confine_to_corpus: bool = False,
+               allow_model_mismatch: bool = False, batch_size: int = 256) -> Searcher:
+    """The index in `index_dir` with its CLIP loaded (engine.retrieval.index_clip: `clip_dir`, else
+    CLIP_MODEL_DIR, else the folder the index records when its digest matches). `device` /
+    `precision` as CLIP_DEVICE / CLIP_PRECISION; `corpus`: image files for re-inspecting methods
+    (default: the index's). IndexLoadError / ClipLoadError say what is missing; a CLIP other than
+    the index's is a ClipLoadError unless `allow_model_mismatch`."""
+    import sys
+
+    from engine.clip.load import ClipLoadError, load_clip
+    from engine.clip.towers import ClipTowers
+    from engine.retrieval.index import load_index
+    from engine.retrieval.index_clip import mismatch, resolve
+
+    index = load_index(index_dir)
+
+    def say(msg: str) -> None:
+        print(f"[retrieval] {msg}", file=sys.stderr, flush=True)
+
+    model, spec, info = load_clip(resolve(clip_dir, index.meta, model_name=model_name, say=say), model_name)
+    msg = mismatch(index.meta, info)
+    if msg and not allow_model_mismatch:
+        raise ClipLoadError(f"{msg}; pass allow_model_mismatch=True to search anyway")
+    if msg:
+        say(f"warning: {msg}")
+    towers = ClipTowers(model, spec, device, precision)
+    return Searcher(index, towers, info, Path(corpus) if corpus is not None else None, confine_to_corpus,
+                    batch_size)
