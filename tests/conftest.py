@@ -6,6 +6,7 @@ session. GPU tests carry the `gpu` marker and skip cleanly without CUDA.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -133,3 +134,9 @@ def run_abi(manifest: Path, root: Path, output: Path, artifact: Path, *extra: st
     e = {**os.environ, "ENGINE_ARTIFACT": str(artifact), **(env or {})}
     return subprocess.run([str(REPO / "scripts" / "run"), str(manifest), str(root), str(output), *extra],
                           env=e, capture_output=True, text=True, timeout=timeout)
+
+
+def readme_python_block(n: int) -> str:
+    """The n-th ```python block of README.md, as the README shows it (its examples run in tests)."""
+    blocks = re.findall(r"^```python\n(.*?)^```", (REPO / "README.md").read_text(), re.M | re.S)
+    return blocks[n]

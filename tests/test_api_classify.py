@@ -8,22 +8,14 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import REPO, run_abi
+from conftest import REPO, readme_python_block, run_abi
 from PIL import Image
 
 import engine
 from evaluator.contest.manifest import read_manifest
 
-# the README shows this snippet: `artifact` is a folder ./build.sh wrote, `paths` image files
-EXAMPLE = """\
-import engine
-
-with engine.load(artifact) as clf:
-    top1 = clf.classify(paths)                  # int32 numpy array: one class per path, in order
-    for i, why in clf.last_failed.items():      # files that could not be read or decoded
-        print(f"{paths[i]}: unreadable ({why}), predicted {top1[i]}")
-    stages = clf.report()["stages"]             # seconds: imports, artifact_load, read, decode, ...
-"""
+# the README's first example: `artifact` is a folder ./build.sh wrote, `paths` image files
+EXAMPLE = readme_python_block(0)
 
 
 @pytest.fixture(scope="module")

@@ -19,25 +19,12 @@ from cir_helpers import (
     run_args,
     script,
 )
+from conftest import readme_python_block
 
 import engine.retrieval
 
-# The snippet the README shows, run as is in a folder holding cir/index and cir/corpus.
-EXAMPLE = '''
-import json
-
-import engine.retrieval
-
-idx = engine.retrieval.open_index("cir/index")   # its CLIP: clip_dir=..., else CLIP_MODEL_DIR, else the one it records
-hits = idx.search(reference_image_id=100000, modification="make it red", shared_concept=None, k=5)
-for hit in hits:                                 # best first; the reference image is never among them
-    print(hit["image_id"], round(hit["score"], 4))
-
-with open("cir/corpus/requests.jsonl") as f:     # the rows scripts/run.sh would write for these requests
-    requests = [json.loads(line) for line in f if line.strip()]
-rows = idx.search_many(requests)
-print(len(rows), "requests answered,", len(rows[0]), "results each")
-'''
+# The README's second example, run as is in a folder holding cir/index and cir/corpus.
+EXAMPLE = readme_python_block(1)
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +126,9 @@ def test_the_example_runs_with_the_clip_the_index_records(tmp_path, monkeypatch,
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("CLIP_MODEL_DIR", raising=False)
     monkeypatch.setenv("CLIP_DEVICE", "cpu")
-    exec(compile(EXAMPLE, "EXAMPLE", "exec"), {})
+    ns: dict = {}
+    exec(compile(EXAMPLE, "EXAMPLE", "exec"), ns)
+    assert ns["rows"] == [row["results"] for row in read_rows(full_run())]   # scripts/run.sh's rows, exactly
     out, err = capsys.readouterr()
     lines = out.splitlines()
     assert len(lines) == 6 and lines[-1] == "40 requests answered, 50 results each"
