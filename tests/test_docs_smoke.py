@@ -29,11 +29,12 @@ TINY_BUILD = ("--build-arg=--input-size=112 --build-arg=--crop-mode=squash --bui
 CIR = "cir/corpus"
 
 # (step, shell command run in the work folder, expected exit status). Smaller counts than the
-# documents show, and the eager backend where they leave the default (aot compiles for minutes).
+# documents show, the eager backend where they leave the default (aot compiles for minutes), and
+# fp32 where they leave the precision to the measured search (tests/test_build_sh.py runs it).
 STEPS: list[tuple[str, str, int]] = [
     ("cohort", "python -m evaluator.cohort --out cohort --count 24", 0),
     ("build", "ENGINE_CHECKPOINT=cohort/tiny_eva02.safetensors ENGINE_ARTIFACT=artifacts/tiny "
-              "ENGINE_BACKEND=eager ENGINE_BATCH_SIZE=8 ./build.sh", 0),
+              "ENGINE_BACKEND=eager ENGINE_BATCH_SIZE=8 ENGINE_PRECISION=fp32 ./build.sh", 0),
     ("run", "ENGINE_ARTIFACT=artifacts/tiny scripts/run cohort/manifest.tsv cohort pred.i32", 0),
     ("reference", "python -m evaluator.reference cohort/manifest.tsv cohort ref.i32 "
                   "--checkpoint cohort/tiny_eva02.safetensors", 0),
