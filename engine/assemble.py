@@ -11,13 +11,10 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
-from engine import backends
+from engine import backends, calibrate
 from engine.artifact import Artifact, write_manifest
-from engine.checkpoint import load_model
 from engine.io import sha256_file
-from engine.precision import describe as describe_policy
+from engine.presets import preset
 from engine.spec import Spec
 
 RECHECK_DIR = "recheck"   # the guard's FP32 graph, built by the same backend, inside the artifact
@@ -27,13 +24,16 @@ RECHECK_DIR = "recheck"   # the guard's FP32 graph, built by the same backend, i
 class GuardConfig:
     enabled: bool = True                  # below fp32: re-check near-ties in FP32
     calibration_images: Path | None = None  # a folder of the user's images; None: calibration_source
-    calibration_count: int = 256
-    safety: float = 2.0                   # factor on the estimated disagreements
-    recheck_batch: int | str = 8          # static batch of the FP32 re-check graph, or "auto" (measured)
+    calibration_count: int = calibrate.DEFAULT_COUNT
+    safety: float = calibrate.DEFAULT_SAFETY   # factor on the estimated disagreements
+    recheck_batch: int | str | None = None  # static batch of the FP32 re-check graph, "auto" (measured),
+                                            # None: the device preset's
     recheck_backend: str | None = None    # backend of the re-check graph (default: the build's)
-    budget: float = 10.0                  # estimated disagreements per 10,000 images tau must stay under
+    budget: float = calibrate.DEFAULT_BUDGET   # estimated disagreements tau must stay under, in basis points
     calibration_source: str = "photos"    # photos (scikit-image's bundled photos) | renders
     smoke_count: int = 32                 # renders that check the low-precision graph is not broken
+    calibration_check: calibrate.FolderCheck | None = None   # the caller's reasons to refuse calibration_images
+    run_images: int | None = None         # images one run classifies: "auto" sizes the re-check calls for them
 
 
 def assemble(be, backend: str, net, spec: Spec, checkpoint: Path | None, device: str, tmp: Path,
@@ -41,6 +41,8 @@ def assemble(be, backend: str, net, spec: Spec, checkpoint: Path | None, device:
               chosen_guard: tuple | None = None) -> dict:
     """The artifact's files and manifest in `tmp`: the backend's graph (`saved`: its manifest extras,
     when the search already wrote its files there), below fp32 the guard, then manifest.json."""
+    from engine.precision import describe as describe_policy
+
     guarded = guard.enabled and spec.precision != "fp32" and be.NEEDS_WEIGHTS
     extra = {**extra, "precision_policy": describe_policy(spec.precision)}
     extra.update(saved if saved is not None else be.save(net, spec, device, tmp, margin=guarded))
@@ -56,10 +58,8 @@ SMOKE_AGREEMENT = 0.5   # raw low precision agreeing with FP32 on fewer renders 
 
 def calibration_pixels(spec: Spec, cfg: GuardConfig) -> tuple:
     """(pixels [N, S, S, 3] uint8, origin record) of the guard's calibration source."""
-    from engine import calibrate
-
     if cfg.calibration_images is not None:
-        return calibrate.folder_pixels(cfg.calibration_images, spec, cfg.calibration_count)
+        return calibrate.folder_pixels(cfg.calibration_images, spec, cfg.calibration_count, cfg.calibration_check)
     if cfg.calibration_source == "renders":
         return calibrate.generated_pixels(spec, cfg.calibration_count)
     if cfg.calibration_source == "photos":
@@ -71,7 +71,8 @@ def build_guard(be, backend: str, net, spec: Spec, device: str, tmp: Path, cfg: 
                  chosen_guard: tuple | None = None) -> dict:
     """Choose tau with the compiled low-precision graph, then build the FP32 re-check graph.
     `chosen_guard`: (choose_tau's record, origin) when the search already chose tau with this graph."""
-    from engine import calibrate
+    import torch
+
     from engine.model import wrap
 
     t0 = time.perf_counter()
@@ -86,17 +87,18 @@ def build_guard(be, backend: str, net, spec: Spec, device: str, tmp: Path, cfg: 
         ref_top1, ref_margins = calibrate.classify(ref, pixels, 16, margin=True, device=device)
         chosen = calibrate.choose_tau(low_top1, margins, ref_top1, ref_margins, cfg.budget, cfg.safety)
     smoke = smoke_check(calibrate, low, ref, spec, device, cfg.smoke_count)
-    rbatch, rsweep = cfg.recheck_batch, None
+    rbatch = cfg.recheck_batch if cfg.recheck_batch is not None else preset(device).recheck_batch
+    rsweep = None
     if rbatch == "auto":
-        rbatch, rsweep = measure_recheck_batch(net, spec, device, chosen["rechecked_fraction"])
+        rbatch, rsweep = measure_recheck_batch(net, spec, device, chosen["rechecked_fraction"], cfg.run_images)
         print(f"engine.build: re-check batch {rbatch} (measured: {rsweep['images_per_s']} images/s)", file=sys.stderr)
     rspec = dataclasses.replace(spec, precision="fp32", batch_size=rbatch)
     (tmp / RECHECK_DIR).mkdir()
     rbackend = cfg.recheck_backend or backend
     backends.get(rbackend).save(net, rspec, device, tmp / RECHECK_DIR, margin=False)
-    print(f"engine.build: guard budget {cfg.budget:g} disagreements per 10,000 (safety x{cfg.safety:g}): "
+    print(f"engine.build: guard budget {cfg.budget:g} basis points of the images (safety x{cfg.safety:g}): "
           f"tau {chosen['tau']:.4f}, expected re-checked fraction {chosen['rechecked_fraction']:.1%} "
-          f"(estimated {chosen['estimated_per_10k']:.2f} per 10,000; {chosen['images']} calibration images, "
+          f"(estimated {chosen['estimated_per_10k']:.2f} basis points; {chosen['images']} calibration images, "
           f"{chosen['disagreements']} raw disagreements; {origin['origin']})", file=sys.stderr)
     out = {**chosen, "recheck_batch": rbatch, "dir": RECHECK_DIR, "recheck_spec": rspec.to_dict(),
            "recheck_backend": rbackend, "calibration": origin, "smoke": smoke,
@@ -121,19 +123,26 @@ def smoke_check(calibrate, low, ref, spec: Spec, device: str, count: int) -> dic
 RECHECK_BATCHES = {"cuda": (8, 16, 32, 64), "cpu": (4, 8, 16)}
 
 
-def measure_recheck_batch(net, spec: Spec, device: str, fraction: float) -> tuple[int, dict]:
+def measure_recheck_batch(net, spec: Spec, device: str, fraction: float,
+                          images: int | None = None) -> tuple[int, dict]:
     """(re-check batch, record): the FP32 graph's images/s per candidate batch (eager, as
-    measure_batch_size), then the batch with the least expected re-check time for 10,000
-    images at the calibration's re-checked fraction: ceil(k / R) calls of R images each."""
+    measure_batch_size), then the batch with the least expected re-check time. For a run of
+    `images` images at the calibration's re-checked fraction, k = ceil(fraction x images) rows
+    take ceil(k / R) calls of R images each; without `images` (a long run, its last call's
+    padding negligible) the fastest batch."""
     import math
 
     fp32 = dataclasses.replace(spec, precision="fp32")
     _, sweep = measure_batch_size(fp32, None, device, RECHECK_BATCHES.get(device, RECHECK_BATCHES["cpu"]), net=net)
-    k = max(1, math.ceil(fraction * 10_000))
-    cost = {int(b): math.ceil(k / int(b)) * int(b) / r for b, r in sweep["images_per_s"].items()}
+    rates = {int(b): r for b, r in sweep["images_per_s"].items()}
+    if images is None:
+        best = max(rates, key=rates.get)
+        return best, {**sweep, "chosen": best, "run_images": None}
+    k = max(1, math.ceil(fraction * images))
+    cost = {b: math.ceil(k / b) * b / r for b, r in rates.items()}
     best = min(cost, key=cost.get)
-    return best, {**sweep, "chosen": best, "expected_rechecks_per_10k": k,
-                  "expected_seconds_per_10k": {str(b): round(v, 3) for b, v in cost.items()}}
+    return best, {**sweep, "chosen": best, "run_images": images, "expected_rechecks": k,
+                  "expected_seconds": {str(b): round(v, 3) for b, v in cost.items()}}
 
 
 def measure_batch_size(spec: Spec, checkpoint: Path | None, device: str, candidates=None,
@@ -141,13 +150,14 @@ def measure_batch_size(spec: Spec, checkpoint: Path | None, device: str, candida
     """(fastest batch, images/s per batch) of the policy network in eager mode on `device`;
     each candidate timed after one warm-up, synchronised. Recorded in the artifact.
     `net`: the FP32 network already loaded (else it is loaded from `checkpoint`)."""
+    import torch
+
+    from engine.checkpoint import load_model
     from engine.model import wrap
 
     net = net if net is not None else load_model(spec, checkpoint)
     rates = {}
     with torch.inference_mode():
-        from engine.presets import preset
-
         for b in candidates or preset(device).batch_sizes:
             m = wrap(net, dataclasses.replace(spec, batch_size=b), device)
             x = torch.randint(0, 256, (b, spec.input_size, spec.input_size, 3), dtype=torch.uint8, device=device)

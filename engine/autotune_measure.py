@@ -110,7 +110,7 @@ class Measurer:
     under `workdir/<name>`."""
 
     def __init__(self, net, spec: Spec, device: str, pixels: np.ndarray, ref: tuple[np.ndarray, np.ndarray],
-                 workdir: Path, budget: float = 10.0, safety: float = 2.0):
+                 workdir: Path, budget: float, safety: float):
         self.net, self.spec, self.device, self.pixels = net, spec, device, pixels
         self.ref_top1, self.ref_margins = ref
         self.workdir, self.budget, self.safety = workdir, budget, safety
@@ -160,7 +160,7 @@ class Measurer:
         if c.precision == "fp32":
             top1, _ = calibrate.classify(h.fn, self.pixels, c.batch_size, margin=False, device=self.device)
             wrong = int((top1 != self.ref_top1).sum())
-            allowed = max(1, int(self.budget * n / calibrate.PER))   # the calibration set resolves 1 image
+            allowed = max(1, int(self.budget * n / calibrate.BASIS_POINTS))   # the calibration set resolves 1 image
             return Agreement(1 - wrong / n, wrong <= allowed,
                              f"{wrong} of {n} calibration images disagree with the FP32 graph" if wrong > allowed
                              else "")
@@ -169,6 +169,6 @@ class Measurer:
         guarded = np.where(margins < g["tau"], self.ref_top1, top1)   # the guard's FP32 answers below tau
         agreement = float((guarded == self.ref_top1).mean())
         holds = g["estimated_per_10k"] <= self.budget
-        why = "" if holds else (f"no tau holds the budget: {g['estimated_per_10k']:.1f} estimated disagreements "
-                                f"per 10,000 > {self.budget:g}")
+        why = "" if holds else (f"no tau holds the budget: {g['estimated_per_10k']:.1f} basis points of estimated "
+                                f"disagreements > {self.budget:g}")
         return Agreement(agreement, holds, why, g["tau"], g["rechecked_fraction"], g["estimated_per_10k"], g)

@@ -1,20 +1,23 @@
 """The untimed preparation step: checkpoint -> artifact directory.
 
     python -m engine.build --model NAME --checkpoint FILE --out DIR [--device cpu|cuda]
-        [--precision fp32|bf16|fp16|fp8] [--backend NAME] [--batch-size N|auto]
+        [--precision auto|fp32|bf16|fp16|fp8] [--backend auto|NAME] [--batch-size auto|N]
         [--input-size N] [--crop-mode center|squash] [--crop-pct F] [--model-kwargs JSON]
         [--no-guard] [--calibration-source photos|renders] [--calibration-images DIR]
-        [--guard-budget N] [--guard-safety F] [--recheck-batch N|auto]
+        [--calibration-check MODULE:FUNCTION] [--guard-budget BP] [--guard-safety F]
+        [--recheck-batch N|auto] [--run-images N]
 
-Below FP32 the network follows the mixed-precision policy (engine.precision) and the
-build is guarded by default (engine.guard): the low-precision graph also returns its
-top-1/top-2 margin, a second FP32 graph of `--recheck-batch` images re-checks the rows
-under tau, and tau is chosen here on natural photos that are not evaluation data
-(engine.calibrate: scikit-image's bundled photos, or `--calibration-images DIR`) as the
-smallest threshold whose estimated disagreements per 10,000 images, times a safety
-factor, stay under `--guard-budget`. The build prints the budget, tau and the expected
-re-checked fraction; renders only check that the low-precision graph is not broken.
-`--no-guard` builds the raw low-precision form.
+Precision, backend and batch size default to the device's preset (engine/presets.py):
+`auto` there, measured on this machine (engine.build_auto). Below FP32 the network follows
+the mixed-precision policy (engine.precision) and the build is guarded by default
+(engine.guard): the low-precision graph also returns its top-1/top-2 margin, a second FP32
+graph of `--recheck-batch` images re-checks the rows under tau, and tau is chosen here on
+natural photos that are not evaluation data (engine.calibrate: scikit-image's bundled
+photos, or `--calibration-images DIR`) as the smallest threshold whose estimated
+disagreement rate, times a safety factor, stays under `--guard-budget` (in basis points of
+the images: 1 is 0.01 %). The build prints the budget, tau and the expected re-checked
+fraction; renders only check that the low-precision graph is not broken. `--no-guard`
+builds the raw low-precision form.
 
 The artifact is written into a temporary sibling directory and renamed into place, so
 an interrupted build never leaves a directory that looks complete.
@@ -31,11 +34,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 from engine import backends
 from engine.assemble import RECHECK_DIR, GuardConfig, assemble, measure_batch_size  # noqa: F401 - re-exported
-from engine.checkpoint import load_model
+from engine.presets import per_device, preset
 from engine.spec import CROP_MODES, PRECISIONS, Spec, resolve_spec
 
 
@@ -55,6 +56,9 @@ def build(spec: Spec, checkpoint: Path | None, out: Path, backend: str = backend
           auto: AutoConfig | None = None) -> dict:
     """Build the artifact for `spec` with `backend` (a name in engine.backends) and return its manifest.
     `auto`: measure the candidates on this machine and build the fastest that holds (engine.autotune)."""
+    import torch
+
+    from engine.checkpoint import load_model
     from engine.fp32 import set_fp32_math
 
     guard = guard or GuardConfig()
@@ -105,23 +109,61 @@ def _batch_size(text: str) -> int | str:
     return v
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return v
+
+
+def _json_object(text: str) -> dict:
+    try:
+        v = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r} ({e})") from None
+    if not isinstance(v, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return v
+
+
+def _folder_check(text: str):
+    """MODULE:FUNCTION -> the function (engine.calibrate.FolderCheck), imported now."""
+    import importlib
+
+    module, _, name = text.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), name) if module and name else None
+    except (ImportError, AttributeError) as e:
+        raise argparse.ArgumentTypeError(f"cannot import {text!r}: {e}") from None
+    if not callable(fn):
+        raise argparse.ArgumentTypeError(f"must name a function as MODULE:FUNCTION, got {text!r}")
+    return fn
+
+
+def argument_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
+    """The flags of `python -m engine.build`; exit_on_error=False raises argparse.ArgumentError
+    (naming the flag) for a value argparse refuses, as a caller that maps flags to its own knobs wants."""
     from engine.cli import ArgumentParser, HelpFormatter, debug_flag
 
     p = debug_flag(ArgumentParser(prog="python -m engine.build", description=__doc__.split("\n\n")[0],
-                                  formatter_class=HelpFormatter))
+                                  formatter_class=HelpFormatter, exit_on_error=exit_on_error))
     p.add_argument("--model", required=True, help="timm name, e.g. eva02_large_patch14_448.mim_m38m_ft_in22k_in1k")
     p.add_argument("--checkpoint", type=Path, help="local .safetensors / .pth / .bin (every backend but null needs one)")
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--precision", choices=PRECISIONS + ("auto",), default="fp32",
+    p.add_argument("--precision", choices=PRECISIONS + ("auto",),
                    help="auto: measured on this machine (engine.autotune): the fastest of the device's native "
-                        "precisions that holds the guard's disagreement budget")
-    p.add_argument("--backend", choices=tuple(backends.BACKENDS) + ("auto",), default=backends.DEFAULT,
-                   help="auto: the fastest measured of the backends that import here")
+                        "precisions that holds the guard's disagreement budget (default: the device preset's, "
+                        f"engine/presets.py: {per_device('precision')})")
+    p.add_argument("--backend", choices=tuple(backends.BACKENDS) + ("auto",),
+                   help="auto: the fastest measured of the backends that import here (default: the device "
+                        f"preset's: {per_device('backend')})")
     p.add_argument("--batch-size", type=_batch_size,
-                   help="static batch; auto: the fastest of the device preset's batch sizes (engine.presets), "
-                        "measured on the compiled graph")
+                   help="static batch; auto: the fastest of the device preset's batch sizes, measured on the "
+                        f"compiled graph (default: the device preset's: {per_device('batch_size')})")
     s = p.add_argument_group("measured build (any of precision, batch size, backend auto)")
     s.add_argument("--search-budget-s", type=float, default=None,
                    help="time for the whole search (default: the device preset's: cpu 900, cuda 1500)")
@@ -130,27 +172,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(default: the ones this device runs natively)")
     s.add_argument("--no-verify", dest="verify", action="store_false",
                    help="skip the chosen artifact's end-to-end check through scripts/run")
-    p.add_argument("--input-size", type=int)
+    p.add_argument("--input-size", type=_positive_int)
     p.add_argument("--crop-mode", choices=CROP_MODES)
     p.add_argument("--crop-pct", type=float)
     p.add_argument("--interpolation")
     p.add_argument("--num-classes", type=int)
-    p.add_argument("--model-kwargs", type=json.loads, help="extra timm constructor kwargs as JSON")
+    p.add_argument("--model-kwargs", type=_json_object, help="extra timm constructor kwargs as JSON")
     g = p.add_argument_group("margin guard (precisions below fp32)")
     g.add_argument("--no-guard", dest="guard", action="store_false", help="build the raw low-precision form")
     g.add_argument("--calibration-source", choices=("photos", "renders"), default="photos",
                    help="images to choose tau on: crops of scikit-image's bundled photos, or procedural renders")
     g.add_argument("--calibration-images", type=Path,
                    help="folder of your own images (not evaluation data) to choose tau on, instead")
-    g.add_argument("--calibration-count", type=int, default=256, help="calibration images used")
-    g.add_argument("--guard-budget", type=float, default=10.0,
-                   help="estimated disagreements per 10,000 images that tau must keep under")
-    g.add_argument("--guard-safety", type=float, default=2.0, help="factor on the estimated disagreements")
-    g.add_argument("--recheck-batch", type=_batch_size, default=8,
-                   help="static batch of the FP32 re-check graph; auto: measured on the build device")
+    g.add_argument("--calibration-check", type=_folder_check, metavar="MODULE:FUNCTION",
+                   help="function(folder, files) -> reasons to refuse --calibration-images (e.g. it holds "
+                        "evaluation data); none: the folder is taken as it is")
+    g.add_argument("--calibration-count", type=int, default=GuardConfig.calibration_count,
+                   help="calibration images used")
+    g.add_argument("--guard-budget", type=float, default=GuardConfig.budget, metavar="BP",
+                   help="estimated disagreements tau must keep under, in basis points of the images (1 = 0.01 %%)")
+    g.add_argument("--guard-safety", type=float, default=GuardConfig.safety, help="factor on the estimated disagreements")
+    g.add_argument("--recheck-batch", type=_batch_size,
+                   help="static batch of the FP32 re-check graph; auto: measured on the build device "
+                        f"(default: the device preset's: {per_device('recheck_batch')})")
     g.add_argument("--recheck-backend", choices=tuple(backends.BACKENDS), default=None,
                    help="backend of the re-check graph (default: --backend)")
+    g.add_argument("--run-images", type=_positive_int,
+                   help="images one run classifies: --recheck-batch auto sizes its calls for them "
+                        "(default: a long run, the fastest batch)")
+    return p
+
+
+def parse_args(argv: list[str] | None = None, exit_on_error: bool = True) -> argparse.Namespace:
+    """The flags, checked, with the device preset's defaults filled in."""
+    p = argument_parser(exit_on_error)
     a = p.parse_args(argv)
+    pre = preset(a.device)
+    a.precision = a.precision or pre.precision
+    a.backend = a.backend or pre.backend
+    a.batch_size = a.batch_size if a.batch_size is not None else pre.batch_size
+    a.recheck_batch = a.recheck_batch if a.recheck_batch is not None else pre.recheck_batch
     if a.calibration_count < 16 or a.guard_safety < 1 or a.guard_budget <= 0:
         p.error("--calibration-count must be >= 16, --guard-safety >= 1 and --guard-budget > 0")
     if a.recheck_batch == "auto" and a.checkpoint is None:
@@ -171,16 +232,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     try:
-        from engine.presets import preset
-
-        pre = preset(a.device)
-        fixed_batch = a.batch_size if a.batch_size not in (None, "auto") else (pre.batch_size if a.auto else None)
+        fixed_batch = a.batch_size if a.batch_size != "auto" else preset(a.device).static_batch_size
         spec = resolve_spec(a.model, precision="fp32" if a.precision == "auto" else a.precision,
                             batch_size=fixed_batch, input_size=a.input_size, crop_mode=a.crop_mode,
                             crop_pct=a.crop_pct, interpolation=a.interpolation, num_classes=a.num_classes,
                             model_kwargs=a.model_kwargs)
-        guard = GuardConfig(a.guard, a.calibration_images, a.calibration_count, a.guard_safety, a.recheck_batch,
-                            a.recheck_backend, a.guard_budget, a.calibration_source)
+        guard = GuardConfig(enabled=a.guard, calibration_images=a.calibration_images,
+                            calibration_count=a.calibration_count, safety=a.guard_safety,
+                            recheck_batch=a.recheck_batch, recheck_backend=a.recheck_backend, budget=a.guard_budget,
+                            calibration_source=a.calibration_source, calibration_check=a.calibration_check,
+                            run_images=a.run_images)
         auto = None
         if a.auto:
             auto = AutoConfig(a.precision == "auto", a.batch_size == "auto", a.backend == "auto",

@@ -8,19 +8,22 @@ Images (engine.build `--calibration-source`, `--calibration-images DIR`):
              seed, then preprocessed by the PIL reference path of the spec;
     renders  the procedural renders of engine.renders (a smoke check that a build is not
              broken; they say little about photos' margins);
-    DIR      a folder of the user's own images (e.g. ImageNet *train* images); a folder
-             that engine.dataset_flags flags as ImageNet-validation-like is refused.
+    DIR      a folder of the user's own images; the caller may pass a check (`refuse`, engine.build
+             `--calibration-check`) whose reasons refuse the folder, e.g. that it holds evaluation data.
 
 Both precisions classify every image: the compiled low-precision graph (top-1 and its
 margin) and the FP32 reference (top-1 and its margin). `choose_tau` then picks the
-smallest tau whose estimated disagreements per 10,000 images stay under a budget; its
-docstring states the estimator. The source, the margin-error quantiles and the curve
-(re-checked fraction and estimated disagreements per threshold) go into the artifact.
+smallest tau whose estimated disagreement rate stays under a budget; its docstring states
+the estimator. Budgets and estimates are rates in basis points of the images (BASIS_POINTS:
+1 is 0.01 %; the manifest's `*_per_10k` keys hold them). The source, the margin-error
+quantiles and the curve (re-checked fraction and estimated disagreements per threshold) go
+into the artifact.
 """
 from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -134,26 +137,26 @@ def generated_pixels(spec: Spec, count: int = DEFAULT_COUNT, seed: int = 1) -> t
                  "pixels_sha256": h.hexdigest()}
 
 
-def folder_pixels(folder: Path, spec: Spec, count: int = DEFAULT_COUNT) -> tuple[np.ndarray, dict]:
+# a calibration folder's check: (folder, its files sorted by path) -> the reasons it must not be used
+FolderCheck = Callable[[Path, list[Path]], list[str]]
+
+
+def folder_pixels(folder: Path, spec: Spec, count: int = DEFAULT_COUNT,
+                  refuse: FolderCheck | None = None) -> tuple[np.ndarray, dict]:
     """([n, S, S, 3] uint8 of the first `count` images of `folder`, sorted by path; record).
 
-    Refuses a folder whose file names or answer-like files look like ImageNet validation data.
+    `refuse(folder, files)`: the caller's reasons to refuse the folder (e.g. it holds evaluation
+    data); any reason is a CalibrationError before an image is read.
     """
-    from engine.dataset_flags import content_flags, name_flags
     from engine.decoders.pil import decode_pil
 
     folder = Path(folder)
     if not folder.is_dir():
         raise CalibrationError(f"calibration folder not found: {folder}")
     files = sorted(p for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
-    flags = []
-    for p in files:
-        rel = p.relative_to(folder).as_posix()
-        flags += [f"{rel}: {f}" for f in name_flags(rel)]
-        if p.suffix.lower() not in IMAGE_SUFFIXES:
-            flags += [f"{rel}: {f}" for f in content_flags(p)]
+    flags = refuse(folder, files) if refuse is not None else []
     if flags:
-        raise CalibrationError(f"{folder} looks like ImageNet validation data, which must never feed a build: "
+        raise CalibrationError(f"{folder} must never feed a build: "
                                + "; ".join(flags[:3]) + (f" (+{len(flags) - 3} more)" if len(flags) > 3 else ""))
     images = [p for p in files if p.suffix.lower() in IMAGE_SUFFIXES][:count]
     pixels, h, used = [], hashlib.sha256(), []
@@ -199,7 +202,9 @@ def classify(fn, pixels: np.ndarray, batch: int, margin: bool, device=None) -> t
     return top1, (margins if margin else None)
 
 
-PER = 10_000          # disagreements are counted per this many images
+BASIS_POINTS = 1e4     # basis points in a rate of 1: budgets and estimates are rates x BASIS_POINTS (1 = 0.01 %)
+DEFAULT_BUDGET = 10.0  # basis points (0.1 % of the images)
+DEFAULT_SAFETY = 2.0
 TAIL_QUANTILE = 0.9   # margin errors above this quantile are modelled by an exponential tail
 
 
@@ -234,21 +239,21 @@ class ErrorTail:
 
 
 def choose_tau(low_top1: np.ndarray, margins: np.ndarray, ref_top1: np.ndarray, ref_margins: np.ndarray,
-               budget: float = 10.0, safety: float = 2.0) -> dict:
-    """The smallest tau whose estimated disagreements per 10,000 images stay under `budget`.
+               budget: float = DEFAULT_BUDGET, safety: float = DEFAULT_SAFETY) -> dict:
+    """The smallest tau whose estimated disagreement rate, in basis points, stays under `budget`.
 
     The estimator. Rounding moves each logit a little; an image whose low-precision margin
     (top-1 minus top-2 logit) is m can change its top-1 only if the error on that gap is at
     least m. The calibration images give the error distribution (`margin_errors`, modelled
-    by `ErrorTail`: empirical body, exponential tail) and stand in for the cohort's margin
+    by `ErrorTail`: empirical body, exponential tail) and stand in for the run's margin
     distribution. The guard re-checks every image with m < tau in FP32 (those cannot
-    disagree), so with tau the expected disagreements per 10,000 images are
+    disagree), so with tau the expected disagreement rate, in basis points, is
 
-        model(tau)    = 10,000 x mean over calibration images of [m_i >= tau] x P(E >= m_i)
-        observed(tau) = 10,000 x (calibration disagreements with m_i >= tau) / N
+        model(tau)    = BASIS_POINTS x mean over calibration images of [m_i >= tau] x P(E >= m_i)
+        observed(tau) = BASIS_POINTS x (calibration disagreements with m_i >= tau) / N
         estimate(tau) = safety x max(model(tau), observed(tau))
 
-    `safety` covers what the calibration set cannot show: a cohort with more near-ties
+    `safety` covers what the calibration set cannot show: images with more near-ties
     than the photos, an error tail heavier than exponential. estimate(tau) falls as tau
     grows; tau is the smallest threshold (0, or just above a calibration margin) at which
     it is <= budget, and the expected re-checked fraction is the share of calibration
@@ -267,8 +272,8 @@ def choose_tau(low_top1: np.ndarray, margins: np.ndarray, ref_top1: np.ndarray, 
 
     def estimate(tau: float) -> tuple[float, float]:
         kept = margins >= tau                                       # not re-checked
-        model = PER * float((flip * kept).sum()) / n
-        observed = PER * float((disagree & kept).sum()) / n
+        model = BASIS_POINTS * float((flip * kept).sum()) / n
+        observed = BASIS_POINTS * float((disagree & kept).sum()) / n
         return safety * max(model, observed), observed
 
     # thresholds: 0 and just above each margin (the guard re-checks margin < tau); "just above" in
@@ -293,6 +298,6 @@ def choose_tau(low_top1: np.ndarray, margins: np.ndarray, ref_top1: np.ndarray, 
                                            for q in ("0.5", "0.9", "0.99", "1.0")},
                              "tail": {"u": round(tail.u, 6), "p_u": round(tail.p_u, 6),
                                       "scale": round(tail.scale, 6)}},
-            "rule": "smallest tau with safety x max(model, observed) disagreements per 10,000 <= budget "
-                    "(engine.calibrate.choose_tau)",
+            "rule": "smallest tau with safety x max(model, observed) disagreements, in basis points of the "
+                    "images, <= budget (engine.calibrate.choose_tau)",
             "curve": curve}

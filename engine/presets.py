@@ -1,5 +1,6 @@
 """The build's defaults, one table per device (as gpt-fast's `transformer_configs` or MLPerf's
-`SUPPORTED_PROFILES`): `python -m engine.build`, `./build.sh` and the device check read them here.
+`SUPPORTED_PROFILES`): `python -m engine.build`, `./build.sh` and the device check read them here,
+so changing a default precision, backend or batch size is one edit in this file.
 
 `auto` means measured on the build machine (engine.autotune): the precision, the batch size
 and the backend are the fastest candidate that holds the disagreement budget there.
@@ -13,13 +14,15 @@ import dataclasses
 class Preset:
     device: str
     batch_sizes: tuple[int, ...]       # the candidates of --batch-size auto
-    batch_size: int                    # a fixed precision's batch when --batch-size is not given
+    static_batch_size: int             # a static batch where none is measured: the spec's until the search
+                                       # picks one, the eager FP32 fallback's, scripts/device_check.py's builds
     search_budget_s: float             # the whole auto search (screens, compiles, timings, agreement)
     options: tuple[str, ...]           # backend compile options the search tries ("default" first)
     cuda_graphs: tuple[bool, ...]      # CUDA graph replay on / off, measured
-    precision: str = "auto"
-    backend: str = "auto"
-    recheck_batch: int = 8             # the guard's FP32 re-check graph
+    precision: str = "auto"            # --precision when none is given
+    backend: str = "auto"              # --backend when none is given
+    batch_size: int | str = "auto"     # --batch-size when none is given
+    recheck_batch: int = 8             # --recheck-batch when none is given: the guard's FP32 re-check graph
     verify_images: int = 256           # the chosen artifact end to end through scripts/run, against FP32
     verify_gate: float = 0.99          # its top-1 agreement with the FP32 eager path, at least
 
@@ -39,3 +42,8 @@ def preset(device: str) -> Preset:
     if device not in PRESETS:
         raise ValueError(f"no preset for device {device!r}; one of {', '.join(PRESETS)}")
     return PRESETS[device]
+
+
+def per_device(field: str) -> str:
+    """`field` of every preset, for a --help: "cpu: auto, cuda: auto"."""
+    return ", ".join(f"{d}: {getattr(p, field)}" for d, p in PRESETS.items())

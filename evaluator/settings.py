@@ -12,12 +12,24 @@
 | CIR_PROMPT | auto | scripts/run.sh --prompt |
 | CIR_CORPUS | the index's | scripts/run.sh --corpus (records for re-inspection) |
 | REHEARSE_RUN_CMD | scripts/run | the command scripts/rehearse runs as the entry point |
+| ENGINE_CHECKPOINT | /checkpoint/model.safetensors | ./build.sh: the checkpoint file |
+| ENGINE_MODEL | the checkpoint's record, else evaluator/contest/task.py's | ./build.sh: timm name, decides the spec |
+| ENGINE_PRECISION | the device's preset (engine/presets.py) | ./build.sh: auto, fp32, bf16, fp16 or fp8 (auto: the fastest native precision here that holds the guard's budget, measured) |
+| ENGINE_BATCH_SIZE | the device's preset | ./build.sh: auto or a static batch (auto: the fastest of the preset's candidates) |
+| ENGINE_BACKEND | the device's preset | ./build.sh: auto or a backend of engine/backends (auto: the fastest that builds here) |
+| ENGINE_DEVICE | auto | ./build.sh: auto, cuda or cpu (auto: cuda when torch sees a GPU) |
+| ENGINE_INPUT_SIZE | the checkpoint's record, else the model's | ./build.sh spec override: input size in px |
+| ENGINE_CROP_MODE | the checkpoint's record, else the model's | ./build.sh spec override: center or squash |
+| ENGINE_CROP_PCT | the checkpoint's record, else the model's | ./build.sh spec override: crop fraction |
+| ENGINE_MODEL_KWARGS | the checkpoint's record, else none | ./build.sh spec override: timm kwargs as JSON |
+| FORCE | 0 | ./build.sh: 1 rebuilds even when the artifact is current |
+| PYTHON | python3 | ./build.sh: the interpreter (read by the shell script) |
 """
 from __future__ import annotations
 
 from pathlib import Path
 
-from engine.settings import flag, number, path, read, text
+from engine.settings import choice, flag, number, path, read, text
 
 
 def contest_manifest() -> Path:
@@ -58,6 +70,35 @@ def cir_corpus() -> Path | None:
 
 def rehearse_run_cmd() -> str | None:
     return read("REHEARSE_RUN_CMD", text, None)
+
+
+def build_checkpoint() -> Path:
+    return read("ENGINE_CHECKPOINT", path, Path("/checkpoint/model.safetensors"))
+
+
+def build_device() -> str:
+    return read("ENGINE_DEVICE", choice("auto", "cuda", "cpu"), "auto")
+
+
+def build_force() -> bool:
+    return read("FORCE", choice("0", "1"), "0") == "1"
+
+
+def build_knob(name: str) -> str | None:
+    """A ./build.sh knob that becomes an engine.build flag, as text (None: unset); engine.build's
+    parser checks it (evaluator.contest.build_step names the knob in its refusal)."""
+    if name not in BUILD_FLAG_KNOBS:
+        raise KeyError(f"{name} is not a build knob")
+    return read(name, text, None)
+
+
+# the ./build.sh knobs that are engine.build flags, in the order its log line names them
+BUILD_FLAG_KNOBS = ("ENGINE_MODEL", "ENGINE_PRECISION", "ENGINE_BATCH_SIZE", "ENGINE_BACKEND", "ENGINE_INPUT_SIZE",
+                    "ENGINE_CROP_MODE", "ENGINE_CROP_PCT", "ENGINE_MODEL_KWARGS")
+# every variable ./build.sh reads, in the order its --help lists them
+BUILD_ENV = ("ENGINE_CHECKPOINT", "ENGINE_MODEL", "ENGINE_PRECISION", "ENGINE_BATCH_SIZE", "ENGINE_BACKEND",
+             "ENGINE_DEVICE", "ENGINE_ARTIFACT", "ENGINE_INPUT_SIZE", "ENGINE_CROP_MODE", "ENGINE_CROP_PCT",
+             "ENGINE_MODEL_KWARGS", "FORCE", "PYTHON")
 
 
 # every variable scripts/run reads, in the order its --help lists them

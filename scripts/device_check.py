@@ -1,14 +1,15 @@
 """One-shot GPU check of the contest path: most valuable facts first, whatever happens.
 
     python3 scripts/device_check.py --out DIR [--limit-s 560] [--count 2000] [--ref-count 500]
-        [--batch-size 64] [--calibration-count 64] [--gpu-tests-s 90] [--tiny --device cpu]
+        [--batch-size N] [--calibration-count 64] [--gpu-tests-s 90] [--tiny --device cpu]
 
 Steps, in the order the JSON records them; each is timed, reads "running" while under way,
 and is skipped with a reason when the time left cannot hold it:
  1. env            machine, GPU, versions
  2. packages       which optional packages import (scikit-image, DALI, TensorRT, torch-tensorrt,
                    open_clip, CuPy, torchvision) and whether torchvision decodes JPEGs on CUDA
- 3. checkpoint     EVA-02-L/448 whose head is fit on generated renders (trained-looking logits)
+ 3. checkpoint     the contest's model (evaluator.contest.task: EVA-02-L/448) whose head is fit on
+                   generated renders (trained-looking logits)
  4. aot_bf16       the guarded AOT bf16 build, started in the background with a short calibration
                    (scikit-image's photos, or renders when scikit-image is absent); while it compiles:
  5. fp8_gemm       the engine's FP8 linear against its FP32 twin and bf16 at EVA-02-L's shapes
@@ -26,7 +27,7 @@ and is skipped with a reason when the time left cannot hold it:
 14. abi_aot_bf16_raw        the same raw (ENGINE_GUARD=0), side by side with the guarded run
 15. gpu_tests      pytest -m gpu -rA, interrupted with SIGINT at its limit
 16. eager_*        bf16, fp16 and fp8 eager builds, each end to end guarded and raw
-17. batch_sweep    policy bf16 inference alone at several batch sizes
+17. batch_sweep    policy bf16 inference alone at the device preset's batch sizes (engine/presets.py)
 The JSON's not_exercised lists what of the scored setup (ARM64 + Hopper, the Dockerfile's Python,
 requirements/lock.txt) this run did not exercise. Work files (checkpoint, artifacts, cohort,
 predictions) live in a private folder under $TMPDIR, removed at the end and on SIGTERM/SIGINT
@@ -52,7 +53,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from device_probes import batch_sweep, env_info, not_exercised, scored_setup  # noqa: E402 - scripts/ is this file's folder
 
-LARGE = ("eva02_large_patch14_448.mim_m38m_ft_in22k_in1k", {}, 448)
+from engine.presets import preset  # noqa: E402 - after the path setup
+from evaluator.contest.task import COHORT_IMAGES, DEFAULT_MODEL  # noqa: E402
+
+LARGE = (DEFAULT_MODEL, {}, 448)
 LOG_TAIL = 200_000          # bytes of each step's output kept in DIR/device_check.log
 LOG_MAX = 12 << 20          # the combined log stays under the 16 MiB a returned file may have
 ABI_NEED_S = 40             # the guarded ABI run on 2,000 images, fixed costs included
@@ -228,7 +232,7 @@ def judge(c: Check, name: str, art: Path, cohort: Path, ref, n_ref: int, count: 
            "decoder_notes": [ln[:200] for ln in r.stderr.splitlines() if "[engine] decoder" in ln][:4],
            "cuda_graph": rt.get("cuda_graph"), "gpu_busy_s": rt.get("gpu_busy_s"), "guard": rt.get("guard"),
            "stages": stages, "first_batch_s": timing.get("first_batch_s"),
-           "projected_10k_s": round((stages.get("total") or 0) - pipeline + 10000 / steady, 1)}
+           "projected_10k_s": round((stages.get("total") or 0) - pipeline + COHORT_IMAGES / steady, 1)}
     if str(res["cuda_graph"]).startswith("failed"):
         c.doc["alarms"].append(f"{name}: CUDA graph capture failed: {res['cuda_graph']}")
     return res, got
@@ -262,12 +266,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="deadline for every step together (default: a 600 s window, less start-up and teardown)")
     p.add_argument("--count", type=int, default=2000, help="generated JPEGs")
     p.add_argument("--ref-count", type=int, default=500, help="rows the naive FP32 path answers")
-    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--batch-size", type=int, help="the builds' static batch (default: the device preset's, "
+                                                  "engine/presets.py)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--tiny", action="store_true", help="the tiny test model (rehearsal of every step on the CPU)")
     p.add_argument("--gpu-tests-s", type=float, default=90.0)
     p.add_argument("--calibration-count", type=int, default=64, help="images each guarded build chooses tau on")
     a = p.parse_args(argv)
+    a.batch_size = a.batch_size or preset(a.device).static_batch_size
     a.out.mkdir(parents=True, exist_ok=True)
     c = Check(a.out, a.limit_s)
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -335,7 +341,8 @@ def _steps(a: argparse.Namespace, c: Check) -> int:
         c.doc["steps"]["aot_bf16"] = {"skipped": f"{c.left():.0f} s left, the build and a run need ~{BUILD_NEED_S} s"}
     else:   # the compiled build runs in the background while the GPU probes, the cohort and the reference run
         build = c.start("build_aot_bf16", build_cmd(model_args, aot_art, dev, main_backend, "bf16", a.batch_size,
-                                                    *calib, "--recheck-batch", "auto", "--recheck-backend", eager))
+                                                    *calib, "--recheck-batch", "auto", "--recheck-backend", eager,
+                                                    "--run-images", str(COHORT_IMAGES)))
         c.doc["steps"]["aot_bf16"] = {"running": f"in the background since {c.elapsed()} s", **built_with}
     t_build = time.perf_counter()
     c.save()
@@ -492,7 +499,7 @@ def _steps(a: argparse.Namespace, c: Check) -> int:
             shutil.rmtree(art, ignore_errors=True)      # ~2 GB each at EVA-02-L scale
             return {"backend": eager, **res}
         c.step(f"eager_{prec}", eager_step, need_s=60)
-    batches = [8, 16] if a.tiny else [32, 64, 80, 128]
+    batches = list(preset(dev).batch_sizes)
     c.step("batch_sweep", lambda: batch_sweep(model, kwargs, size, ckpt, dev, batches), need_s=20)
     return 1 if c.doc["alarms"] else 0
 

@@ -162,11 +162,27 @@ def test_the_environment_is_read_only_in_the_settings_modules():
             assert not read.search(line), f"{rel}:{i} reads the environment: use engine.settings / evaluator.settings"
 
 
+# the contest's cohort sizes (10,000 scored images, 50,000 validation images) and ImageNet's file
+# names, in any spelling: the engine is told them by its caller (evaluator.contest)
+CONTEST_NUMBERS = re.compile(r"(?<![\w.])(?<!\d,)(?:10_?000|10,000|50_?000|50,000)(?!\w|,\d)|ilsvrc", re.IGNORECASE)
+# a number that is not the cohort: engine/retrieval/reinspect.py's decoded-row cache size
+NOT_THE_COHORT = {"engine/retrieval/reinspect.py": "cache_rows: int = 50_000"}
+
+
 def test_the_engine_knows_no_task():
     for path in (REPO / "engine").rglob("*.py"):
         text = path.read_text()
+        rel = path.relative_to(REPO).as_posix()
         for word in ("/task/", "the task", "contest"):
-            assert word not in text.lower(), f"{path.relative_to(REPO)} mentions {word!r}"
+            assert word not in text.lower(), f"{rel} mentions {word!r}"
+        for i, line in enumerate(text.splitlines(), 1):
+            if NOT_THE_COHORT.get(rel, "\0") in line:
+                continue
+            hit = CONTEST_NUMBERS.search(line)
+            assert not hit, f"{rel}:{i} names the contest's {hit.group()!r}: take it from the caller"
+    assert CONTEST_NUMBERS.search("PER = 10_000") and CONTEST_NUMBERS.search("counts = 10000, 5")
+    assert CONTEST_NUMBERS.search("per 10,000 images") and CONTEST_NUMBERS.search('"ILSVRC2012" + "_val_"')
+    assert not CONTEST_NUMBERS.search("budget 1e4, 100_000 rows, 110,000 px, 1.10000, 10,000,000 B")
 
 
 def test_bad_settings_are_one_clear_error(monkeypatch):

@@ -135,7 +135,8 @@ def test_bad_device_is_a_usage_error(tmp_path, read_only_checkpoint):
 
 @pytest.mark.parametrize("knob, value", [("ENGINE_PRECISION", "bf61"), ("ENGINE_BATCH_SIZE", "0"),
                                          ("ENGINE_BATCH_SIZE", "many"), ("ENGINE_INPUT_SIZE", "-3"),
-                                         ("ENGINE_CROP_MODE", "zoom"), ("FORCE", "yes"), ("ENGINE_BACKEND", "foo")])
+                                         ("ENGINE_CROP_MODE", "zoom"), ("FORCE", "yes"), ("ENGINE_BACKEND", "foo"),
+                                         ("ENGINE_CROP_PCT", "half"), ("ENGINE_MODEL_KWARGS", "{depth")])
 def test_a_bad_knob_is_one_line_naming_it(knob, value, tmp_path, read_only_checkpoint):
     r = _build(_env(read_only_checkpoint, tmp_path / "art", **{knob: value}))
     assert r.returncode == 2, r.stderr[-2000:]
@@ -173,13 +174,77 @@ def test_a_failed_check_exits_1(first_build):
     assert r2.stderr.strip().splitlines()[-1].startswith("build.sh: error: the artifact at")
 
 
+def _read_by_the_build_step() -> set[str]:
+    """The variables build.sh reads (`${NAME`) and those evaluator.settings' build_* getters read."""
+    import ast
+
+    from evaluator import settings
+
+    names = set(re.findall(r"\$\{((?:ENGINE_[A-Z_]+|FORCE|PYTHON))\b", BUILD.read_text()))
+    tree = ast.parse((REPO / "evaluator" / "settings.py").read_text())
+    for fn in tree.body:
+        if isinstance(fn, ast.FunctionDef) and fn.name.startswith("build_"):
+            names |= {c.args[0].value for c in ast.walk(fn) if isinstance(c, ast.Call) and getattr(c.func, "id", "") == "read"
+                      and isinstance(c.args[0], ast.Constant)}
+    return names | set(settings.BUILD_FLAG_KNOBS)
+
+
 def test_help_lists_every_knob_and_exits_0():
+    from engine.presets import PRESETS
+    from evaluator import settings
+    from evaluator.contest.task import DEFAULT_MODEL
+
     r = subprocess.run(["sh", str(BUILD), "--help"], capture_output=True, text=True, timeout=30, cwd="/")
     assert r.returncode == 0 and r.stderr == ""
-    read = set(re.findall(r"\$\{((?:ENGINE_[A-Z_]+|FORCE|PYTHON))\b", BUILD.read_text()))
-    assert {"ENGINE_CHECKPOINT", "ENGINE_DEVICE", "FORCE", "PYTHON"} <= read
-    for name in read:
-        assert name in r.stdout, f"--help does not list {name}"
-    assert "exit status" in r.stdout
+    read = _read_by_the_build_step()
+    assert {"ENGINE_CHECKPOINT", "ENGINE_DEVICE", "FORCE", "PYTHON"} <= read <= set(settings.BUILD_ENV) | {"ENGINE_ARTIFACT"}
+    for name in settings.BUILD_ENV:
+        assert f"  {name} " in r.stdout, f"--help does not list {name}"
+    text = " ".join(r.stdout.split())          # the defaults, read where they live
+    assert f"the model (evaluator/contest/task.py): {DEFAULT_MODEL}" in text
+    assert "(default: /checkpoint/model.safetensors)" in text
+    for device, pre in PRESETS.items():
+        assert f"{device}: precision {pre.precision}, batch {pre.batch_size}" in text
+    assert "exit status: 0 ready, 1 the build or the check failed, 2 a bad knob or a missing input" in text
     bad = subprocess.run(["sh", str(BUILD), "--frobnicate"], capture_output=True, text=True, timeout=30, cwd="/")
     assert bad.returncode == 2 and bad.stderr.startswith("build.sh: error: unknown argument '--frobnicate'")
+
+
+def test_build_sh_is_a_thin_wrapper_of_the_build_step():
+    lines = BUILD.read_text().splitlines()
+    assert len(lines) <= 40, len(lines)
+    assert lines[-1] == 'exec "$PY" -m evaluator.contest.build_step "$@"'
+
+
+def test_the_contest_passes_its_guard_budget_and_calibration_check(read_only_checkpoint, tmp_path):
+    from engine.build import parse_args
+    from engine.calibrate import DEFAULT_BUDGET
+    from evaluator.contest import build_step, task
+    from evaluator.contest.agreement import threshold
+    from evaluator.contest.dataset_flags import calibration_refusals
+
+    assert threshold(task.COHORT_IMAGES) == 9_900 and task.allowed_disagreements() == 100
+    assert task.GUARD_DISAGREEMENTS < task.allowed_disagreements()
+    assert task.guard_budget() == DEFAULT_BUDGET == 10     # 10 of 10,000 images: engine.build's default unit
+    knobs = {"ENGINE_MODEL": TINY_MODEL, "ENGINE_INPUT_SIZE": str(TINY_INPUT), "ENGINE_PRECISION": "bf16"}
+    a = parse_args(build_step.engine_flags(knobs, read_only_checkpoint, tmp_path / "art", "cpu"))
+    assert a.calibration_check is calibration_refusals and a.guard_budget == 10 and a.run_images == task.COHORT_IMAGES
+    assert (a.precision, a.input_size, a.device, a.out) == ("bf16", TINY_INPUT, "cpu", tmp_path / "art")
+
+
+def test_a_gpu_torch_cannot_use_is_a_usage_error(tmp_path, read_only_checkpoint):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("torch sees the GPU here")
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H200 (UUID: GPU-0)'\n")
+    (fake / "nvidia-smi").chmod(0o755)
+    env = _env(read_only_checkpoint, tmp_path / "art", PATH=f"{fake}:{os.environ['PATH']}")
+    r = _build(env)
+    assert r.returncode == 2, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("build.sh: error: nvidia-smi lists a GPU but torch.cuda cannot use it") and \
+        "ENGINE_DEVICE=cpu" in last
+    assert not (tmp_path / "art").exists()

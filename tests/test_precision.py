@@ -150,6 +150,8 @@ def test_choose_tau_keeps_the_estimate_under_the_budget():
 def test_calibration_images_generated_and_from_a_folder(tmp_path):
     from PIL import Image
 
+    from evaluator.contest.dataset_flags import calibration_refusals
+
     spec = tiny_spec()
     px, rec = generated_pixels(spec, 20)
     assert px.shape == (20, 112, 112, 3) and px.dtype == np.uint8 and "procedural" in rec["origin"]
@@ -165,8 +167,12 @@ def test_calibration_images_generated_and_from_a_folder(tmp_path):
     bad.mkdir()
     for i in range(18):
         Image.fromarray(px[i]).save(bad / f"ILSVRC2012_val_{i + 1:08d}.JPEG")
-    with pytest.raises(ValueError, match="ImageNet validation"):
-        folder_pixels(bad, spec)
+    assert len(folder_pixels(bad, spec)[0]) == 18         # the engine alone knows no evaluation data
+    with pytest.raises(ValueError, match="ImageNet validation"):   # the contest's check, as its build passes it
+        folder_pixels(bad, spec, refuse=calibration_refusals)
+    (good / "answers.txt").write_text("".join(f"ILSVRC2012_val_{i:08d}\t{i % 1000}\n" for i in range(1, 1100)))
+    with pytest.raises(ValueError, match="answer table"):
+        folder_pixels(good, spec, refuse=calibration_refusals)
 
 
 def test_projection_fusion_is_exact_on_an_eva02_large_layout():
@@ -199,7 +205,7 @@ def test_batch_size_auto_measures_and_records(tiny_checkpoint, tmp_path):
     out = tmp_path / "art"
     rc = main(["--model", tiny_spec().model, "--checkpoint", str(tiny_checkpoint), "--out", str(out),
                "--input-size", "112", "--crop-mode", "squash", "--crop-pct", "1.0", "--model-kwargs", '{"depth": 4}',
-               "--backend", "eager", "--batch-size", "auto"])
+               "--backend", "eager", "--batch-size", "auto", "--precision", "fp32"])
     assert rc == 0
     import json
 

@@ -59,7 +59,7 @@ def planned_decoder(name: str) -> tuple[str, list[str]]:
 def slow_decoder_reason(device: str, name: str | None = None) -> str | None:
     """For an artifact built for `device`, decoding with `name` (default: the device's): why the run
     would decode with something slower than the GPU decoder, or None. Every chroma-subsampled JPEG
-    then goes through PIL on the CPU (~5 ms an image; tens of seconds over 10,000 images)."""
+    then goes through PIL on the CPU (~5 ms an image; tens of seconds over a few thousand images)."""
     if device != "cuda":
         return None
     want = name or default_decoder(device)

@@ -29,6 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 # caches scripts/run points into TMPDIR; a file there after the check means the run compiled
 COMPILE_CACHES = ("inductor", "triton", "cupy")
+RUN_TIMEOUT_S = 900.0   # scripts/run on one image, its artifact's load and warm-up included
 
 
 PROG = "python -m evaluator.contest.selfcheck"
@@ -56,14 +57,7 @@ def stale_reasons(build_argv: list[str]) -> list[str]:
     # the same mapping engine.build.main applies, so the comparison is one-to-one with the flags;
     # what auto measured is the artifact's, provided it was measured on a machine like this one
     precision = art.precision if a.precision == "auto" else a.precision
-    if a.batch_size == "auto":
-        batch = art.batch_size
-    elif a.batch_size is None and a.auto:
-        from engine.presets import preset
-
-        batch = preset(a.device).batch_size
-    else:
-        batch = a.batch_size
+    batch = art.batch_size if a.batch_size == "auto" else a.batch_size
     if a.auto:
         from engine.build_auto import device_name
 
@@ -177,14 +171,15 @@ def slow_decoder(artifact: Path) -> str | None:
     return slow_decoder_reason(meta.get("device", "cpu"), settings.decoder())
 
 
-def run_check(artifact: Path, timeout: float) -> int:
+def run_check(artifact: Path, timeout: float = RUN_TIMEOUT_S) -> int:
     """Run scripts/run on one generated image with `artifact`; 0 when the output is sane. 1 before
     that when a CUDA artifact would decode with a slow fallback (engine.decoders.slow_decoder_reason)."""
     from evaluator.contest.agreement import read_i32
+    from evaluator.contest.task import COHORT_IMAGES
 
     why = slow_decoder(artifact)
     if why:
-        _err(f"{why}: tens of seconds more on 10,000 images (ENGINE_SLOW_DECODER_OK=1 accepts it)")
+        _err(f"{why}: tens of seconds more on {COHORT_IMAGES:,} images (ENGINE_SLOW_DECODER_OK=1 accepts it)")
         return 1
 
     work = Path(tempfile.mkdtemp(prefix="selfcheck-"))
@@ -237,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("build_argv", nargs=argparse.REMAINDER, help="the flags for python -m engine.build")
     r = sub.add_parser("run", help="one generated image through scripts/run", formatter_class=HelpFormatter)
     r.add_argument("--artifact", type=Path, required=True, help="the artifact to check")
-    r.add_argument("--timeout", type=float, default=900.0, help="seconds scripts/run may take on one image")
+    r.add_argument("--timeout", type=float, default=RUN_TIMEOUT_S, help="seconds scripts/run may take on one image")
     k = sub.add_parser("recorded", help="the spec knobs a checkpoint records, as KNOB=value lines",
                        formatter_class=HelpFormatter)
     k.add_argument("checkpoint", type=Path)

@@ -77,6 +77,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def run_one(a: argparse.Namespace, precision: str, batch: int, ref, unreadable, rows: int) -> dict:
     """Build, run and judge one configuration; a failed step is recorded, never raised."""
+    from engine import backends
     from evaluator.contest.agreement import agreement, judge, read_i32
 
     tag = f"{precision}_b{batch}"
@@ -85,7 +86,7 @@ def run_one(a: argparse.Namespace, precision: str, batch: int, ref, unreadable, 
     cmd = [sys.executable, "-m", "engine.build", "--model", a.model, "--checkpoint", str(a.checkpoint),
            "--out", str(art), "--device", a.device, "--precision", precision,
            "--batch-size", "auto" if precision == "auto" else str(batch),
-           *a.build_arg] + (["--backend", a.backend] if a.backend else [])
+           "--backend", a.backend or backends.DEFAULT, *a.build_arg]
     _log(f"{tag}: building")
     t = time.perf_counter()
     b = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=a.timeout_s)

@@ -22,8 +22,8 @@ import zipfile
 from pathlib import Path
 
 from engine.backends import compiled_suffixes
-from engine.dataset_flags import content_flags, name_flags
 from engine.io import package_versions, sha256_file
+from evaluator.contest.dataset_flags import content_flags, name_flags
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("torch", "torchvision", "timm", "numpy", "pillow", "safetensors", "nvidia-dali-cuda130",

@@ -43,6 +43,8 @@ import numpy as np
 import pytest
 from conftest import REPO, run_abi
 
+from engine.backends import DEFAULT as DEFAULT_BACKEND
+
 MODEL = "eva02_tiny_patch14_336.mim_in22k_ft_in1k"
 SIZE = 336
 IMAGES = int(os.environ.get("BENCH_IMAGES", "250"))
@@ -55,8 +57,8 @@ SPEC_ARGS = ["--model", MODEL, "--input-size", str(SIZE), "--crop-mode", "squash
              "--model-kwargs", json.dumps(KWARGS)]
 ALL_PATHS = ("naive", "timm_batched", "kit_auto", "kit_fp32", "kit", "kit_raw")
 BUILDS = {"kit_auto": ["--precision", "auto", "--batch-size", "auto", "--backend", "auto"],
-          "kit_fp32": ["--precision", "fp32", "--batch-size", "16"],
-          "kit": ["--precision", "bf16", "--batch-size", "16"]}
+          "kit_fp32": ["--precision", "fp32", "--batch-size", "16", "--backend", DEFAULT_BACKEND],
+          "kit": ["--precision", "bf16", "--batch-size", "16", "--backend", DEFAULT_BACKEND]}
 
 
 def bench_paths() -> tuple[str, ...]:

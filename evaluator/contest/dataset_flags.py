@@ -1,13 +1,16 @@
 """Flags for files that look like ImageNet validation data or its answers.
 
-Evaluation data must never feed a build (calibration, fitting): the build step refuses
-a calibration folder these flag, and the provenance record lists them for every file of
+Evaluation data must never feed a build (calibration, fitting): the contest's build step
+passes `calibration_refusals` to engine.build (`--calibration-check`), which refuses a
+calibration folder it flags, and the provenance record lists the flags for every file of
 an artifact. The patterns are assembled so this file does not flag itself.
 """
 from __future__ import annotations
 
 import re
 from pathlib import Path
+
+from evaluator.contest.task import COHORT_IMAGES
 
 VAL = "ILSVRC2012" + "_val_"
 VAL_NAME = re.compile(re.escape(VAL) + r"\d{8}", re.IGNORECASE)
@@ -21,7 +24,8 @@ BAD_NAMES = [
 ANSWER_LINE = re.compile(rb"^\s*\S+[\t ,]+(\d{1,3})\s*$")  # <id><sep><class>
 SYNSET_LINE = re.compile(rb"^\s*n\d{8}\b")
 CLASS_LINE = re.compile(rb"^\s*(\d{1,4})\s*$")  # one class id per line, as the devkit's ground truth
-ANSWER_COUNTS = (10_000, 50_000)  # a 10k evaluation cohort and the full validation set
+VALIDATION_IMAGES = 50_000
+ANSWER_COUNTS = (COHORT_IMAGES, VALIDATION_IMAGES)  # a scored cohort and the full validation set
 TABLE_LINES = 1000
 TEXT_LIMIT = 64 << 20  # larger files are binaries (weights, engines): names and arrays only
 
@@ -66,4 +70,18 @@ def content_flags(path: Path) -> list[str]:
     names = set(VAL_NAME.findall(data.decode("utf-8", "replace")))
     if len(names) >= 10:
         flags.append(f"lists {len(names)} ImageNet validation file names")
+    return flags
+
+
+def calibration_refusals(folder: Path, files: list[Path]) -> list[str]:
+    """engine.calibrate's folder check: `REL: flag` for every file of `folder` whose name, or
+    (for a file that is not an image) whose content, looks like ImageNet validation data."""
+    from engine.calibrate import IMAGE_SUFFIXES
+
+    flags = []
+    for p in files:
+        rel = p.relative_to(folder).as_posix()
+        flags += [f"{rel}: {f}" for f in name_flags(rel)]
+        if p.suffix.lower() not in IMAGE_SUFFIXES:
+            flags += [f"{rel}: {f}" for f in content_flags(p)]
     return flags
