@@ -119,16 +119,6 @@ def _positive_int(text: str) -> int:
     return v
 
 
-def _json_object(text: str) -> dict:
-    try:
-        v = json.loads(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r} ({e})") from None
-    if not isinstance(v, dict):
-        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
-    return v
-
-
 def _folder_check(text: str):
     """MODULE:FUNCTION -> the function (engine.calibrate.FolderCheck), imported now."""
     import importlib
@@ -146,7 +136,7 @@ def _folder_check(text: str):
 def argument_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
     """The flags of `python -m engine.build`; exit_on_error=False raises argparse.ArgumentError
     (naming the flag) for a value argparse refuses, as a caller that maps flags to its own knobs wants."""
-    from engine.cli import ArgumentParser, HelpFormatter, debug_flag
+    from engine.cli import ArgumentParser, HelpFormatter, debug_flag, json_object
 
     p = debug_flag(ArgumentParser(prog="python -m engine.build", description=__doc__.split("\n\n")[0],
                                   formatter_class=HelpFormatter, exit_on_error=exit_on_error))
@@ -177,7 +167,7 @@ def argument_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--crop-pct", type=float)
     p.add_argument("--interpolation")
     p.add_argument("--num-classes", type=int)
-    p.add_argument("--model-kwargs", type=_json_object, help="extra timm constructor kwargs as JSON")
+    p.add_argument("--model-kwargs", type=json_object, help="extra timm constructor kwargs as JSON")
     g = p.add_argument_group("margin guard (precisions below fp32)")
     g.add_argument("--no-guard", dest="guard", action="store_false", help="build the raw low-precision form")
     g.add_argument("--calibration-source", choices=("photos", "renders"), default="photos",

@@ -40,6 +40,19 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
 
 
+def json_object(text: str) -> dict:
+    """An argparse `type`: a JSON object (model kwargs and the like), else a one-line refusal."""
+    import json
+
+    try:
+        v = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e} (got {text!r})") from None
+    if not isinstance(v, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return v
+
+
 def env_epilog(env: dict[str, str] | None) -> str | None:
     """The `environment:` block of a --help: one `NAME  what` line per variable (None when none)."""
     if not env:

@@ -72,7 +72,7 @@ def thread_settings(device: str) -> dict:
 
 def parse_args(argv: list[str] | None):
     from engine import settings
-    from engine.cli import parser
+    from engine.cli import json_object, parser
 
     p = parser(PROG, __doc__.split("\n\n")[0], {
         **settings.env_help(("ENGINE_THREADS", "OMP_WAIT_POLICY", "ENGINE_MAX_FILE_BYTES", "ENGINE_PROGRESS",
@@ -86,21 +86,9 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--input-size", type=int, help="spec override")
     p.add_argument("--crop-mode", choices=("center", "squash"), help="spec override")
     p.add_argument("--crop-pct", type=float, help="spec override")
-    p.add_argument("--model-kwargs", type=_json_object, help="timm create_model kwargs as a JSON object")
+    p.add_argument("--model-kwargs", type=json_object, help="timm create_model kwargs as a JSON object")
     p.add_argument("--device", default="cpu", help="cpu or cuda (IEEE FP32 either way: TF32 off unless ENGINE_TF32=1)")
     return p.parse_args(argv)
-
-
-def _json_object(text: str) -> dict:
-    import argparse
-
-    try:
-        v = json.loads(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
-    if not isinstance(v, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object")
-    return v
 
 
 def run(a) -> int:
