@@ -381,6 +381,13 @@ def test_cli_bad_input_exits_2(tmp_path, manifest, capsys, case):
     assert err.startswith("agreement: error:") and len(err.strip().splitlines()) == 1, err
 
 
+def test_cli_debug_shows_the_error_instead_of_one_line(tmp_path):
+    """--debug: the bad input's own exception (its traceback), not the one-line error."""
+    ref = _i32(tmp_path / "r.i32", [1, 2, 3])
+    with pytest.raises(OSError):
+        main(["--predictions", str(tmp_path / "absent.i32"), "--reference", str(ref), "--debug"])
+
+
 @pytest.mark.parametrize("flag, value", [("--gate", "1.5"), ("--gate", "0"), ("--gate", "x"), ("--expect-rows", "0")])
 def test_cli_bad_flag_values_exit_2(tmp_path, capsys, flag, value):
     pred = _i32(tmp_path / "p.i32", [1])
