@@ -215,9 +215,9 @@ def test_batch_size_auto_measures_and_records(tiny_checkpoint, tmp_path):
     assert set(rows) == {8, 16, 32} and all(r["precision"] == "fp32" and r["backend"] == "eager" for r in rows.values())
     assert search["chosen"] == f"eager/fp32/b{meta['batch_size']}" and rows[meta["batch_size"]]["status"] == "chosen"
     # the fastest on the graph, unless a simpler one ties (a smaller batch within TIE)
-    best = max(r["images_per_s"] for r in rows.values())
+    best = max(r["images_per_s"] for r in rows.values() if r.get("images_per_s"))   # a pruned batch is not timed
     assert rows[meta["batch_size"]]["images_per_s"] >= best * (1 - search["tie"])
-    assert all(r["status"] in ("chosen", "holds", "slower") for r in rows.values())
+    assert all(r["status"] in ("chosen", "holds", "slower", "not compiled") for r in rows.values())
     assert search["verify"][-1]["ok"] and search["verify"][-1]["agreement"] >= 0.99
     with pytest.raises(SystemExit):     # auto measures the model: no checkpoint is a usage error
         main(["--model", "x", "--out", str(tmp_path / "b"), "--batch-size", "auto"])
