@@ -7,6 +7,7 @@
         clf.last_failed                             # {index: why}: the files nothing could read
 
 Load, in this order (Classifier.__init__):
+0. the address-space limit (ulimit -v) is checked against what the run will map;
 1. a decoder that runs in a child process (engine.decoders.runs_isolated) is started from the
    artifact's manifest before torch is imported: it starts while torch loads;
 2. torch and the engine's modules are imported, the artifact is read and checked
@@ -44,9 +45,12 @@ if TYPE_CHECKING:
     import numpy as np
 
 
+BASE_ADDRESS_SPACE = 4 << 30   # virtual memory a CPU run maps besides its artifact (measured 3.4-3.8 GiB, 2 threads)
+
+
 class LoadError(RuntimeError):
-    """The artifact cannot be loaded here. `stage`: "imports" (torch), "artifact" (its checks)
-    or "runtime" (its model)."""
+    """The artifact cannot be loaded here. `stage`: "memory" (the address-space limit),
+    "imports" (torch), "artifact" (its checks) or "runtime" (its model)."""
 
     def __init__(self, message: str, stage: str):
         super().__init__(message)
@@ -58,6 +62,22 @@ def is_oom(e: BaseException) -> bool:
     text = str(e).lower()
     return isinstance(e, MemoryError) or (isinstance(e, RuntimeError) and (
         "out of memory" in text or "can't allocate memory" in text or "cannot allocate memory" in text))
+
+
+def check_address_space(artifact: Path) -> None:
+    """LoadError when RLIMIT_AS is below what a run maps (the artifact plus the runtime's base)."""
+    import resource
+
+    from engine.io import tree_bytes
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return
+    art, base = tree_bytes(artifact), BASE_ADDRESS_SPACE
+    if soft < art + base:
+        raise LoadError(f"the address-space limit ({soft >> 20} MiB, ulimit -v) is below the about "
+                        f"{(art + base) >> 20} MiB this run maps (artifact {art >> 20} MiB + runtime "
+                        f"{base >> 20} MiB)", "memory")
 
 
 def start_isolated_decoder(artifact: Path, name: str | None, isolate: bool, threads: int):
@@ -106,6 +126,7 @@ class Classifier:
         self.last_failed: dict[int, str] = {}
         self._closed = False
         name = decoder or settings.decoder()
+        check_address_space(self.path)                                                            # step 0
         early = start_isolated_decoder(self.path, name, isolate, threads.budget("cpu").decoder)   # step 1
         try:
             self._load(name, readers, isolate, early)

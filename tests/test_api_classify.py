@@ -91,6 +91,17 @@ def test_a_directory_that_is_not_an_artifact_is_a_load_error(tmp_path):
     assert e.value.stage == "artifact" and str(e.value).startswith(f"cannot load artifact {tmp_path}: ")
 
 
+def test_an_address_space_limit_below_the_need_is_a_load_error_before_torch(eager_artifact):
+    """The limit is checked first (stage "memory"), in a child so the limit binds nothing else."""
+    code = ("import resource, sys, engine; resource.setrlimit(resource.RLIMIT_AS, (1 << 30, resource.RLIM_INFINITY))\n"
+            "try:\n    engine.load(sys.argv[1])\nexcept engine.LoadError as e:\n"
+            "    print(e.stage, 'torch' in sys.modules, str(e).split(' (')[0])")
+    r = subprocess.run([sys.executable, "-c", code, str(eager_artifact)], cwd=REPO, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().split(maxsplit=2) == ["memory", "False", "the address-space limit"]
+
+
 def test_importing_engine_loads_neither_torch_nor_numpy():
     code = ("import sys, engine; heavy = sorted(m for m in ('torch', 'numpy') if m in sys.modules); "
             "r = engine.retrieval; print(heavy, r.__name__, callable(engine.load))")

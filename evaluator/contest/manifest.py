@@ -36,7 +36,15 @@ class Row:
 @dataclass(frozen=True)
 class Manifest:
     rows: list[Row]
+    path: str = ""
     blank: list[int] = field(default_factory=list)   # line numbers of skipped blank lines
+
+    def blank_notes(self, most: int = 10) -> list[str]:
+        """One line per skipped blank line (the first `most`, then a count), for stderr."""
+        notes = [f"{self.path}:{no}: blank line skipped (not a row)" for no in self.blank[:most]]
+        if len(self.blank) > most:
+            notes.append(f"{self.path}: {len(self.blank) - most} more blank lines skipped")
+        return notes
 
 
 def _lines(text: str) -> list[str]:
@@ -69,7 +77,7 @@ def parse_manifest(path: str | os.PathLike) -> Manifest:
             raise ManifestError(f"{path}:{no}: expected request_id<TAB>path, found no tab: {line[:80]!r}")
         rid, rel = line.split("\t", 1)
         rows.append(Row(rid, rel, no))
-    return Manifest(rows, blank)
+    return Manifest(rows, os.fspath(path), blank)
 
 
 def read_manifest(path: str | os.PathLike) -> list[Row]:

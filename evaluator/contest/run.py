@@ -27,13 +27,12 @@ from pathlib import Path
 
 import engine
 from engine.classifier import LoadError, is_oom
-from engine.io import read_regular, resolve_relative, tree_bytes
+from engine.io import read_regular, resolve_relative
 from engine.process_stats import process_start, start_offset
 from evaluator.contest.exits import Held, Signalled, exit_now, private_tmpdir, signals_exit
 from evaluator.contest.output import Output, OutputError
 
 PROG = "run"
-BASE_ADDRESS_SPACE = 4 << 30   # virtual memory a CPU run maps besides its artifact (measured 3.4-3.8 GiB, 2 threads)
 
 
 class RunError(Exception):
@@ -71,28 +70,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if (a.readers is not None and a.readers < 1) or a.depth < 0:
         p.error("--readers must be >= 1 and --depth >= 0")
     return a
-
-
-def check_address_space(artifact: Path) -> None:
-    """RunError when RLIMIT_AS is below what the run maps (the artifact plus the runtime's base)."""
-    import resource
-
-    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
-    if soft == resource.RLIM_INFINITY:
-        return
-    art = tree_bytes(artifact)
-    if soft < art + BASE_ADDRESS_SPACE:
-        raise RunError(f"the address-space limit ({soft >> 20} MiB, ulimit -v) is below the about "
-                       f"{(art + BASE_ADDRESS_SPACE) >> 20} MiB this run maps (artifact {art >> 20} MiB + runtime "
-                       f"{BASE_ADDRESS_SPACE >> 20} MiB)")
-
-
-def _say_blank(path: Path, blank: list[int], most: int = 10) -> None:
-    """One stderr line per skipped blank manifest line (the first `most`, then a count)."""
-    for no in blank[:most]:
-        print(f"{PROG}: {path}:{no}: blank line skipped (not a row)", file=sys.stderr)
-    if len(blank) > most:
-        print(f"{PROG}: {path}: {len(blank) - most} more blank lines skipped", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,11 +126,11 @@ def _run(argv, wall0: float, held: Held) -> int:
     except (OutputError, ManifestError) as e:
         raise RunError(str(e)) from None
     rows = manifest.rows
-    _say_blank(a.manifest, manifest.blank)
-    check_address_space(a.artifact)                  # before anything large is mapped
+    for line in manifest.blank_notes():
+        print(f"{PROG}: {line}", file=sys.stderr)
     held.scratch = private_tmpdir(PROG)
 
-    try:   # an isolated decoder starts first, then torch imports, the artifact is checked and loaded
+    try:   # the address-space limit is checked, an isolated decoder starts, torch imports, the artifact loads
         clf = engine.load(a.artifact, decoder=a.decoder, readers=a.readers, depth=a.depth, isolate=isolate,
                           max_file_bytes=cap)
     except LoadError as e:
