@@ -1,6 +1,8 @@
 """The build's defaults, one table per device (as gpt-fast's `transformer_configs` or MLPerf's
 `SUPPORTED_PROFILES`): `python -m engine.build`, `./build.sh` and the device check read them here,
 so changing a default precision, backend or batch size is one edit in this file.
+`python -m engine.presets` prints the table as docs/classification.md shows it (a test keeps
+the two equal).
 
 `auto` means measured on the build machine (engine.autotune): the precision, the batch size
 and the backend are the fastest candidate that holds the disagreement budget there.
@@ -10,21 +12,27 @@ from __future__ import annotations
 import dataclasses
 
 
+def _field(doc: str, **default):
+    """A preset field whose meaning the table (markdown()) prints beside its values."""
+    return dataclasses.field(metadata={"doc": doc}, **default)
+
+
 @dataclasses.dataclass(frozen=True)
 class Preset:
-    device: str
-    batch_sizes: tuple[int, ...]       # the candidates of --batch-size auto
-    static_batch_size: int             # a static batch where none is measured: the spec's until the search
-                                       # picks one, the eager FP32 fallback's, scripts/device_check.py's builds
-    search_budget_s: float             # the whole auto search (screens, compiles, timings, agreement)
-    options: tuple[str, ...]           # backend compile options the search tries ("default" first)
-    cuda_graphs: tuple[bool, ...]      # CUDA graph replay on / off, measured
-    precision: str = "auto"            # --precision when none is given
-    backend: str = "auto"              # --backend when none is given
-    batch_size: int | str = "auto"     # --batch-size when none is given
-    recheck_batch: int = 8             # --recheck-batch when none is given: the guard's FP32 re-check graph
-    verify_images: int = 256           # the chosen artifact end to end through scripts/run, against FP32
-    verify_gate: float = 0.99          # its top-1 agreement with the FP32 eager path, at least
+    device: str = _field("the device the preset is for")
+    batch_sizes: tuple[int, ...] = _field("the candidates of `--batch-size auto`")
+    static_batch_size: int = _field("a static batch where none is measured: the spec's until the search picks "
+                                    "one, the eager FP32 fallback's, the device check's builds")
+    search_budget_s: float = _field("seconds for the whole auto search (screens, compiles, timings, agreement)")
+    options: tuple[str, ...] = _field("backend compile options the search tries (`default` first)")
+    cuda_graphs: tuple[bool, ...] = _field("CUDA graph replay on / off, measured")
+    precision: str = _field("`--precision` when none is given", default="auto")
+    backend: str = _field("`--backend` when none is given", default="auto")
+    batch_size: int | str = _field("`--batch-size` when none is given", default="auto")
+    recheck_batch: int = _field("`--recheck-batch` when none is given: the guard's FP32 re-check graph", default=8)
+    verify_images: int = _field("images the chosen artifact classifies end to end through scripts/run, "
+                                "against FP32", default=256)
+    verify_gate: float = _field("the least top-1 agreement of that check with the FP32 eager path", default=0.99)
 
 
 PRESETS = {
@@ -44,6 +52,24 @@ def preset(device: str) -> Preset:
     return PRESETS[device]
 
 
+def markdown() -> str:
+    """The table as Markdown: one row per field, one column per device, and what the field means."""
+    rows = ["| field | " + " | ".join(PRESETS) + " | meaning |", "|---|" + "---|" * (len(PRESETS) + 1)]
+    for f in dataclasses.fields(Preset):
+        if f.name == "device":
+            continue
+        cells = []
+        for p in PRESETS.values():
+            value = getattr(p, f.name)
+            cells.append(", ".join(map(str, value)) if isinstance(value, tuple) else str(value))
+        rows.append(f"| `{f.name}` | " + " | ".join(cells) + f" | {f.metadata['doc']} |")
+    return "\n".join(rows)
+
+
 def per_device(field: str) -> str:
     """`field` of every preset, for a --help: "cpu: auto, cuda: auto"."""
     return ", ".join(f"{d}: {getattr(p, field)}" for d, p in PRESETS.items())
+
+
+if __name__ == "__main__":
+    print(markdown())

@@ -32,6 +32,7 @@ CIR = "cir/corpus"
 # documents show, the eager backend where they leave the default (aot compiles for minutes), and
 # fp32 where they leave the precision to the measured search (tests/test_build_sh.py runs it).
 STEPS: list[tuple[str, str, int]] = [
+    ("presets", "python -m engine.presets", 0),
     ("cohort", "python -m evaluator.cohort --out cohort --count 24", 0),
     ("build", "ENGINE_CHECKPOINT=cohort/tiny_eva02.safetensors ENGINE_ARTIFACT=artifacts/tiny "
               "ENGINE_BACKEND=eager ENGINE_BATCH_SIZE=8 ENGINE_PRECISION=fp32 ./build.sh", 0),
@@ -77,6 +78,7 @@ DOCUMENTED: dict[str, str] = {
     "python -m evaluator.sweep --model NAME --checkpoint FILE --manifest M.tsv --image-root DIR --reference "
     "ANSWERS.tsv [--precisions fp32,bf16,fp16,fp8] [--batch-sizes 16,32,64] [--backend NAME]": "sweep",
     "scripts/run MANIFEST IMAGE_ROOT OUTPUT": "run",
+    "python -m engine.presets": "presets",
     "python -m evaluator.reference MANIFEST IMAGE_ROOT REF.i32 --model NAME --checkpoint FILE": "reference",
     "python -m evaluator.agreement --predictions P.i32 --reference REF.i32|ANSWERS.tsv [--manifest M] "
     "[--gate 0.99] [--expect-rows N] [--json]": "agreement",
@@ -209,7 +211,9 @@ def test_documented_step(work, name, cmd, rc):
     env["OMP_WAIT_POLICY"] = "PASSIVE"
     r = subprocess.run(["sh", "-c", cmd], cwd=work, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == rc, f"{cmd}\nexit {r.returncode}\n{r.stderr[-3000:]}"
-    if name == "agreement":
+    if name == "presets":   # the docs' copy of the defaults table is the table
+        assert r.stdout.strip() and r.stdout.strip() in (REPO / "docs/classification.md").read_text(), r.stdout
+    elif name == "agreement":
         assert "PASS" in r.stdout.splitlines()[0] and "could not read" in r.stdout, r.stdout
     elif name == "build":
         assert "the checkpoint records its spec" in r.stderr and (work / "artifacts/tiny/manifest.json").is_file()
