@@ -29,7 +29,8 @@ class Searcher:
     and `info`, engine.clip.load's record of their CLIP."""
 
     def __init__(self, index, towers, info: dict, corpus: Path | None = None, confine_to_corpus: bool = False,
-                 batch_size: int = 256, bank_chunk: int = 256, warn=None):
+                 batch_size: int = 256, bank_chunk: int = 256, warn=None, max_reinspect: int | None = None,
+                 source: str | os.PathLike = "requests"):
         from engine.retrieval.jsonl import stderr_warn
 
         self.index, self.towers, self.info = index, towers, info
@@ -37,19 +38,22 @@ class Searcher:
         # records paths are followed as the build followed them, unless confined (here or at build time)
         self.confine = confine_to_corpus or bool(index.meta.get("confine_to_corpus"))
         self.warn = warn or stderr_warn("retrieval")
+        self.max_reinspect, self.source = max_reinspect, source   # source: how warnings name the requests
         self._pipelines: dict[tuple[str, int], object] = {}
 
-    def _pipeline(self, method, k: int):
+    def pipeline(self, method, k: int = DEFAULT_K):
+        """The query pipeline (engine.retrieval.query.QueryPipeline) of `method` (a name or a
+        compose.Method) and `k`, made once and kept: prepare(requests), then results(batch)."""
         from engine.retrieval.compose import Method, make_method
         from engine.retrieval.query import QueryPipeline
 
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"k must be an int >= 1, got {k!r}")
-        m = method if isinstance(method, Method) else make_method(method)
+        m = method if isinstance(method, Method) else make_method(method, max_reinspect=self.max_reinspect)
         key = (json.dumps(m.to_dict(), sort_keys=True), k)
         if key not in self._pipelines:
-            self._pipelines[key] = QueryPipeline(self.index, self.towers, m, self.warn, "requests", self.corpus, k,
-                                                 self.bank_chunk, not self.confine)
+            self._pipelines[key] = QueryPipeline(self.index, self.towers, m, self.warn, self.source, self.corpus, k,
+                                                 self.bank_chunk, not self.confine, self.max_reinspect)
         return self._pipelines[key]
 
     def search(self, reference_image_id, modification: str, shared_concept: str | None = None,
@@ -87,7 +91,7 @@ class Searcher:
         return self._call(parsed, k, method)
 
     def _call(self, requests, k: int, method) -> list[list[dict]]:
-        pipe = self._pipeline(method, k)
+        pipe = self.pipeline(method, k)
         pipe.prepare(requests)
         out: list[list[dict]] = []
         for lo in range(0, len(requests), self.batch_size):
@@ -95,33 +99,51 @@ class Searcher:
         return out
 
 
+def clip_for(index, clip_dir: str | os.PathLike | None = None, *, default_clip_dir: Path | None = None,
+             device: str | None = None, precision: str | None = None, model_name: str | None = None,
+             allow_model_mismatch: bool = False, say=None,
+             mismatch_hint: str = "pass allow_model_mismatch=True to search anyway"):
+    """(towers, info): the CLIP of `index` loaded on its device, with the device's thread budget
+    applied. The folder: engine.retrieval.index_clip.resolve (`clip_dir`, else CLIP_MODEL_DIR,
+    else `default_clip_dir` when it exists, else the folder the index records when its digest
+    matches). A CLIP other than the index's is a ClipLoadError ending in `mismatch_hint`, unless
+    `allow_model_mismatch` (then a warning through `say`)."""
+    from engine import threads
+    from engine.clip.load import ClipLoadError, load_clip
+    from engine.clip.towers import ClipTowers
+    from engine.retrieval.index_clip import mismatch, resolve
+
+    say = say or _say
+    model, spec, info = load_clip(resolve(clip_dir, index.meta, default_clip_dir, model_name, say), model_name)
+    msg = mismatch(index.meta, info)
+    if msg and not allow_model_mismatch:
+        raise ClipLoadError(f"{msg}; {mismatch_hint}")
+    if msg:
+        say(f"warning: {msg}")
+    towers = ClipTowers(model, spec, device, precision)
+    threads.apply_torch(threads.budget(towers.device.type))
+    return towers, info
+
+
+def _say(msg: str) -> None:
+    import sys
+
+    print(f"[retrieval] {msg}", file=sys.stderr, flush=True)
+
+
 def open_index(index_dir: str | os.PathLike, clip_dir: str | os.PathLike | None = None, *,
                device: str | None = None, precision: str | None = None, model_name: str | None = None,
                corpus: str | os.PathLike | None = None, confine_to_corpus: bool = False,
                allow_model_mismatch: bool = False, batch_size: int = 256) -> Searcher:
-    """The index in `index_dir` with its CLIP loaded (engine.retrieval.index_clip: `clip_dir`, else
-    CLIP_MODEL_DIR, else the folder the index records when its digest matches). `device` /
-    `precision` as CLIP_DEVICE / CLIP_PRECISION; `corpus`: image files for re-inspecting methods
-    (default: the index's). IndexLoadError / ClipLoadError say what is missing; a CLIP other than
-    the index's is a ClipLoadError unless `allow_model_mismatch`."""
-    import sys
-
-    from engine.clip.load import ClipLoadError, load_clip
-    from engine.clip.towers import ClipTowers
+    """The index in `index_dir` with its CLIP loaded (clip_for: `clip_dir`, else CLIP_MODEL_DIR,
+    else the folder the index records when its digest matches). `device` / `precision` as
+    CLIP_DEVICE / CLIP_PRECISION; `corpus`: image files for re-inspecting methods (default: the
+    index's). IndexLoadError / ClipLoadError say what is missing; a CLIP other than the index's
+    is a ClipLoadError unless `allow_model_mismatch`."""
     from engine.retrieval.index import load_index
-    from engine.retrieval.index_clip import mismatch, resolve
 
     index = load_index(index_dir)
-
-    def say(msg: str) -> None:
-        print(f"[retrieval] {msg}", file=sys.stderr, flush=True)
-
-    model, spec, info = load_clip(resolve(clip_dir, index.meta, model_name=model_name, say=say), model_name)
-    msg = mismatch(index.meta, info)
-    if msg and not allow_model_mismatch:
-        raise ClipLoadError(f"{msg}; pass allow_model_mismatch=True to search anyway")
-    if msg:
-        say(f"warning: {msg}")
-    towers = ClipTowers(model, spec, device, precision)
+    towers, info = clip_for(index, clip_dir, device=device, precision=precision, model_name=model_name,
+                            allow_model_mismatch=allow_model_mismatch)
     return Searcher(index, towers, info, Path(corpus) if corpus is not None else None, confine_to_corpus,
                     batch_size)

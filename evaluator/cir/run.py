@@ -164,31 +164,20 @@ def _main(argv: list[str] | None, on_row) -> int:
         _error(f"{e}")
         return 2
 
-    from engine.clip.load import ClipLoadError, load_clip
-    from engine.clip.towers import ClipTowers
-    from engine.retrieval.index_clip import mismatch
+    from engine.clip.load import ClipLoadError
+    from engine.retrieval.query import PipelineError
+    from engine.retrieval.search import Searcher, clip_for
 
     try:
-        model, spec, info = load_clip(task.clip_dir(cfg.model_dir, index.meta, cfg.model_name, _log), cfg.model_name)
-    except (ClipLoadError, OSError) as e:
-        _error(f"{e}")
-        return 2
-    msg = mismatch(index.meta, info)
-    if msg:
-        if not cfg.allow_model_mismatch:
-            _error(f"{msg}; pass --allow-model-mismatch to run anyway")
-            return 2
-        _log(f"warning: {msg}")
-    towers = ClipTowers(model, spec, cfg.device, cfg.precision)
-    threads.apply_torch(threads.budget(towers.device.type))
-    from engine.retrieval.query import PipelineError, QueryPipeline
-
-    try:
-        pipe = QueryPipeline(index, towers, method, warn, cfg.queries, cfg.corpus, cfg.k, cfg.bank_chunk,
-                             not (cfg.confine_to_corpus or bool(index.meta.get("confine_to_corpus"))),
-                             task.MAX_REINSPECT)
+        towers, info = clip_for(index, cfg.model_dir, default_clip_dir=task.CLIP_DIR, device=cfg.device,
+                                precision=cfg.precision, model_name=cfg.model_name,
+                                allow_model_mismatch=cfg.allow_model_mismatch, say=_log,
+                                mismatch_hint="pass --allow-model-mismatch to run anyway")
+        searcher = Searcher(index, towers, info, cfg.corpus, cfg.confine_to_corpus, cfg.batch_size, cfg.bank_chunk,
+                            warn, task.MAX_REINSPECT, cfg.queries)
+        pipe = searcher.pipeline(method, cfg.k)
         pipe.prepare(requests)
-    except PipelineError as e:
+    except (ClipLoadError, OSError, PipelineError) as e:
         _error(f"{e}")
         return 2
 
