@@ -70,6 +70,17 @@ def test_blank_lines_are_skipped_and_named_not_rows(tmp_path):
     assert [r.line for r in m.rows] == [1, 3, 5] and m.blank == [2, 4]
 
 
+@pytest.mark.parametrize("blanks", [0, 1, 10, 11, 13])
+def test_blank_notes_name_the_first_ten_then_count_the_rest(tmp_path, blanks):
+    p = tmp_path / "m.tsv"
+    p.write_bytes(b"a\tx\n" + b"\n" * blanks + b"b\ty\n")
+    m = parse_manifest(p)
+    named = [f"{p}:{no}: blank line skipped (not a row)" for no in range(2, 2 + min(blanks, 10))]
+    rest = [f"{p}: {blanks - 10} more blank lines skipped"] if blanks > 10 else []
+    assert m.path == str(p) and m.blank_notes() == named + rest
+    assert m.blank_notes(most=1) == named[:1] + ([f"{p}: {blanks - 1} more blank lines skipped"] if blanks > 1 else [])
+
+
 @pytest.mark.parametrize("tail", [b"\n", b"\n\n", b"\r\n\r\n", b"\r\r\r", b"\n \n\t\n"])
 def test_trailing_blank_lines_are_reported_and_never_rows(tmp_path, tail):
     body = "\n".join(f"{r.request_id}\t{r.path}" for r in ROWS).encode()
