@@ -208,6 +208,27 @@ DEFAULT_SAFETY = 2.0
 TAIL_QUANTILE = 0.9   # margin errors above this quantile are modelled by an exponential tail
 
 
+def allowed_disagreements(budget: float, n: int, alpha: float) -> int:
+    """The gate of a check on n images against FP32: the most disagreements a true rate of `budget`
+    basis points still explains, i.e. the smallest k with P(X <= k) >= 1 - alpha for
+    X ~ Binomial(n, budget / BASIS_POINTS). An artifact whose rate is the budget fails the check
+    with probability at most alpha; one at twice the budget still passes it often (B = 50, n = 256:
+    3 allowed, passed by a rate of 100 with probability 0.75): the check catches gross failures,
+    the estimate that holds the budget is choose_tau's."""
+    if not 0 < alpha < 1 or n < 0 or budget < 0:
+        raise ValueError(f"the gate needs 0 < alpha < 1, n >= 0 and a budget >= 0, got {alpha}, {n}, {budget}")
+    p = min(budget / BASIS_POINTS, 1.0)
+    if p >= 1.0:
+        return n
+    pmf = (1.0 - p) ** n                     # P(X = 0); the recurrence keeps a large n in floating range
+    cdf, k = pmf, 0
+    while cdf < 1.0 - alpha and k < n:
+        pmf *= (n - k) / (k + 1) * p / (1.0 - p)
+        k += 1
+        cdf += pmf
+    return k
+
+
 def margin_errors(low_top1: np.ndarray, margins: np.ndarray, ref_top1: np.ndarray,
                   ref_margins: np.ndarray) -> np.ndarray:
     """[N] how far low precision moved each image's leading gap: |m_low - m_fp32| where both
