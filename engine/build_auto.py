@@ -108,7 +108,7 @@ def _search_and_assemble(net, spec, checkpoint, backend, device, guard, auto, tm
     _say(f"autotune: measuring {', '.join(cfg.precisions)} x batch {', '.join(map(str, cfg.batch_sizes))} x "
          f"{', '.join(cfg.backends)} on {device_name(device)} (budget {cfg.budget_s:.0f} s)"
          + (f"; skipped: {'; '.join(f'{k}: {v}' for k, v in skipped.items())}" if skipped else ""))
-    m = Measurer(net, spec, device, pixels, ref, work, guard.budget, guard.safety)
+    m = Measurer(net, spec, device, pixels, ref, work, guard.budget, guard.safety, guard.recheck_batch)
     result = autotune.search(m, cfg, skipped)
     import torch
 
