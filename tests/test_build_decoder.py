@@ -1,0 +1,143 @@
+"""The build's decoder choice (engine.build_decoder) and the end-to-end gate (engine.calibrate.
+allowed_disagreements): a decoder whose own flips against PIL break the budget is replaced by the
+next one, PIL last, and the artifact records the one taken."""
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import numpy as np
+import pytest
+from conftest import tiny_spec
+
+from engine import build_decoder
+from engine.calibrate import allowed_disagreements
+
+
+def _binomial_cdf(k: int, n: int, p: float) -> float:
+    return sum(math.comb(n, i) * p ** i * (1 - p) ** (n - i) for i in range(k + 1))
+
+
+@pytest.mark.parametrize("budget, n, alpha", itertools.product((1.0, 10.0, 50.0, 100.0, 1000.0), (16, 64, 256, 1024),
+                                                               (0.01, 0.05, 0.2)))
+def test_the_gate_is_the_binomial_quantile_of_the_budget(budget, n, alpha):
+    k = allowed_disagreements(budget, n, alpha)
+    p = budget / 1e4
+    assert _binomial_cdf(k, n, p) >= 1 - alpha                   # a rate at the budget fails with <= alpha
+    assert k == 0 or _binomial_cdf(k - 1, n, p) < 1 - alpha      # and k is the smallest such count
+
+
+def test_the_gate_in_numbers():
+    assert allowed_disagreements(50, 256, 0.05) == 3       # the contest's 50 basis points on 256 images
+    assert allowed_disagreements(10, 256, 0.05) == 1       # engine.build's default budget
+    assert allowed_disagreements(50, 10_000, 0.05) == 62   # a large n: about the mean 50 + 1.645 sd
+    assert allowed_disagreements(0, 256, 0.05) == 0
+    with pytest.raises(ValueError, match="alpha"):
+        allowed_disagreements(50, 256, 0.0)
+
+
+def test_the_order_is_the_fast_decoder_first_and_pil_last():
+    assert build_decoder.order("cuda") == ["dali-gpu", "nvjpeg", "pil"]
+    assert build_decoder.order("cpu") == ["dali-cpu", "pil"]
+    assert build_decoder.order("cuda", first="nvjpeg") == ["nvjpeg", "pil"]   # ENGINE_DECODER pins the start
+    assert build_decoder.order("cpu", first="pil") == ["pil"]
+
+
+class PixelDecoder:
+    """Decodes a blob to the pixels it names (a fake: blob i is b"i"); `flip` rows get one pixel changed."""
+
+    def __init__(self, name: str, flip=lambda i: False):
+        self.name, self.flip = name, flip
+
+    def decode(self, blobs):
+        out = np.zeros((len(blobs), 4, 4, 3), np.uint8)
+        for r, b in enumerate(blobs):
+            i = int(b)
+            out[r] = i % 200
+            if self.flip(i):
+                out[r, 0, 0, 0] += 1
+        return out, {}
+
+
+def _classify(px: np.ndarray) -> np.ndarray:
+    """A fake FP32 graph whose answer moves with every pixel value: their sum."""
+    return px.reshape(len(px), -1).astype(np.int64).sum(1)
+
+
+def _make(decoders: dict):
+    return lambda name: (decoders[name], None) if name in decoders else (None, "planted: not installed")
+
+
+def test_a_decoder_that_flips_2_percent_is_replaced_by_the_next(capsys):
+    blobs = [str(i).encode() for i in range(200)]
+    decs = {"fast": PixelDecoder("fast", lambda i: i % 50 == 0), "pil": PixelDecoder("pil")}
+    choice = build_decoder.choose(["fast", "pil"], blobs, _classify, 50.0, _make(decs))
+    assert choice.name == "pil" and choice.precision_budget == 50.0
+    fast = choice.tried[0]
+    assert (fast["flips"], fast["images"], fast["per_10k"], fast["holds"]) == (4, 200, 200.0, False)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "decoder fast changes the FP32 answer on 4 of 200" in err[0] and "with pil" in err[0]
+
+
+def test_a_decoder_within_the_budget_is_kept_and_precision_gets_the_rest(capsys):
+    blobs = [str(i).encode() for i in range(200)]
+    decs = {"fast": PixelDecoder("fast", lambda i: i == 7), "pil": PixelDecoder("pil")}
+    choice = build_decoder.choose(["missing", "fast", "pil"], blobs, _classify, 100.0, _make(decs))
+    assert choice.name == "fast"
+    assert choice.precision_budget == pytest.approx(100.0 - 50.0)        # 1 of 200 images: 50 basis points
+    assert choice.tried[0] == {"decoder": "missing", "holds": False, "why": "cannot start: planted: not installed"}
+    assert "decoder missing cannot start here" in capsys.readouterr().err
+    rec = choice.record()
+    assert rec["name"] == "fast" and rec["budget_per_10k"] == 100.0 and rec["precision_budget_per_10k"] == 50.0
+
+
+# a decoder registered for one test (the registry's tables patched by monkeypatch): PIL's pixels,
+# every 50th image it decodes inverted
+class FlippingDecoder:
+    name = "flip-2pc"
+
+    def __init__(self, spec):
+        from engine.decoders.pil import PilDecoder
+
+        self.pil, self.seen = PilDecoder(spec, 16, 1), 0
+
+    def decode(self, blobs):
+        px, failed = self.pil.decode(blobs)
+        for r in range(len(blobs)):
+            if (self.seen + r) % 50 == 0:
+                px[r] = 255 - px[r]
+        self.seen += len(blobs)
+        return px, failed
+
+
+def create(name, spec, batch_size, threads=None):
+    return FlippingDecoder(spec)
+
+
+def test_at_build_time_a_flipping_decoder_gives_way_to_pil_which_the_artifact_records(tmp_path, tiny_checkpoint,
+                                                                                   monkeypatch, capsys):
+    from engine.build import AutoConfig, GuardConfig, build
+    from engine.decoders import registry
+
+    monkeypatch.setitem(registry.DECODERS, "flip-2pc", __name__)
+    monkeypatch.setitem(registry.NEEDS, "flip-2pc", ((), False))
+    monkeypatch.setitem(registry.FALLBACK, "flip-2pc", "pil")
+    monkeypatch.setenv("ENGINE_DECODER", "flip-2pc")          # where the build's order starts
+    meta = build(tiny_spec("squash", 16), tiny_checkpoint, tmp_path / "art", backend="eager", device="cpu",
+                 guard=GuardConfig(calibration_source="renders", calibration_count=100),
+                 auto=AutoConfig(precision=False, batch_size=False, backend=False, budget_s=60))
+    err = capsys.readouterr().err
+    rec = meta["build"]["decoder"]
+    flipped = rec["tried"][0]
+    assert flipped["decoder"] == "flip-2pc" and flipped["flips"] >= 1 and not flipped["holds"], rec
+    assert meta["decoder"] == rec["name"] == "pil"
+    assert "decoder flip-2pc changes the FP32 answer" in err and "the artifact decodes with pil" in err
+    # the end-to-end check ran scripts/run with PIL: no decoder flips, the total within the gate
+    v = meta["build"]["search"]["verify"][-1]
+    assert v["ok"] and v["decoder"] == "pil" and v["decoder_flips"] == 0 and v["disagreements"] <= v["allowed"]
+    on_disk = json.loads((tmp_path / "art" / "manifest.json").read_text())
+    assert on_disk["decoder"] == "pil"
+    from engine.decoders import artifact_decoder
+
+    assert artifact_decoder(on_disk) == "pil" and artifact_decoder({"device": "cuda"}) == "dali-gpu"
