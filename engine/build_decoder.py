@@ -163,7 +163,8 @@ def choose(names: Sequence[str], blobs: list[bytes], classify: Classify, budget:
             return Choice(name, budget, budget - rec["per_10k"], tried)
         nxt = names[names.index(name) + 1] if names.index(name) + 1 < len(names) else REFERENCE
         _say(f"decoder {name} changes the FP32 answer on {rec['flips']} of {rec['images']} calibration images "
-             f"({rec['per_10k']:.0f} basis points, budget {budget:g}): the artifact decodes with {nxt}")
+             f"({rec['per_10k']:.0f} basis points, budget {budget:g}): "
+             + ("the artifact decodes with pil, the reference" if nxt == REFERENCE else f"measuring {nxt} next"))
     tried.append({"decoder": REFERENCE, "images": len(blobs), "flips": 0, "per_10k": 0.0, "holds": True})
     return Choice(REFERENCE, budget, budget, tried)
 

@@ -80,6 +80,18 @@ def test_a_decoder_that_flips_2_percent_is_replaced_by_the_next(capsys):
     assert len(err) == 1 and "decoder fast changes the FP32 answer on 4 of 200" in err[0] and "with pil" in err[0]
 
 
+def test_each_decoder_that_breaks_the_budget_is_one_line_and_the_next_is_measured(capsys):
+    blobs = [str(i).encode() for i in range(100)]
+    decs = {"gpu": PixelDecoder("gpu", lambda i: i % 10 == 0), "other": PixelDecoder("other", lambda i: i == 3),
+            "pil": PixelDecoder("pil")}
+    choice = build_decoder.choose(["gpu", "other", "pil"], blobs, _classify, 200.0, _make(decs))
+    assert choice.name == "other" and choice.precision_budget == pytest.approx(100.0)
+    assert [t["flips"] for t in choice.tried] == [10, 1]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["engine.build: decoder gpu changes the FP32 answer on 10 of 100 calibration images "
+                   "(1000 basis points, budget 200): measuring other next"]
+
+
 def test_a_decoder_within_the_budget_is_kept_and_precision_gets_the_rest(capsys):
     blobs = [str(i).encode() for i in range(200)]
     decs = {"fast": PixelDecoder("fast", lambda i: i == 7), "pil": PixelDecoder("pil")}
@@ -141,3 +153,15 @@ def test_at_build_time_a_flipping_decoder_gives_way_to_pil_which_the_artifact_re
     from engine.decoders import artifact_decoder
 
     assert artifact_decoder(on_disk) == "pil" and artifact_decoder({"device": "cuda"}) == "dali-gpu"
+
+
+def test_the_self_check_accepts_the_decoder_the_build_chose_but_not_a_fallback_from_it(monkeypatch):
+    import engine.decoders as decoders
+    from engine.decoders import slow_decoder_reason
+
+    monkeypatch.setattr(decoders, "start_problem", lambda name: None if name == "pil" else "planted: no GPU")
+    assert slow_decoder_reason("cuda", recorded="pil") is None               # measured: the fast ones flip
+    assert slow_decoder_reason("cuda", recorded="nvjpeg").startswith("this CUDA artifact would decode with pil")
+    assert slow_decoder_reason("cuda").startswith("this CUDA artifact would decode with pil")   # nothing recorded
+    assert slow_decoder_reason("cuda", "pil", recorded="dali-gpu").startswith("this CUDA artifact would decode "
+                                                                              "with pil")
