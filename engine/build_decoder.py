@@ -42,6 +42,10 @@ def _say(msg: str) -> None:
     print(f"engine.build: {msg}", file=sys.stderr, flush=True)
 
 
+def _why(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}".replace("\n", " ")[:200]
+
+
 def jpeg_blobs(pixels: np.ndarray, n: int) -> list[bytes]:
     """The first n of pixels [N, S, S, 3] uint8 as JPEG files (quality JPEG_QUALITY, PIL's encoder)."""
     from PIL import Image
@@ -113,7 +117,7 @@ def start(name: str, spec, batch: int) -> tuple[object | None, str | None]:
     try:
         dec = make_decoder(name, spec, batch, None, isolate=False)
     except Exception as e:  # noqa: BLE001 - a driver or pipeline error: this decoder is not measured
-        return None, f"{type(e).__name__}: {e}".replace("\n", " ")[:200]
+        return None, _why(e)
     if getattr(dec, "name", name) != name:
         return None, f"it fell back to {dec.name}"
     return dec, None
@@ -153,10 +157,15 @@ def choose(names: Sequence[str], blobs: list[bytes], classify: Classify, budget:
         if want is None:
             pil, _ = make(REFERENCE)
             want = classify(decoded(pil, blobs, 16)[0])     # [n] FP32 on PIL's pixels
-        rec = flips(dec, blobs, classify, want)
-        close = getattr(dec, "close", None)
-        if close is not None:
-            close()
+        try:
+            rec = flips(dec, blobs, classify, want)
+        except Exception as e:  # noqa: BLE001 - a decoder that fails on the calibration files is not taken
+            why = _why(e)
+            tried.append({"decoder": name, "holds": False, "why": f"failed: {why}"})
+            _say(f"decoder {name} failed on the calibration images ({why}); measuring the next")
+            continue
+        finally:
+            getattr(dec, "close", lambda: None)()
         rec["holds"] = rec["per_10k"] < budget
         tried.append(rec)
         if rec["holds"]:

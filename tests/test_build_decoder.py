@@ -94,12 +94,15 @@ def test_each_decoder_that_breaks_the_budget_is_one_line_and_the_next_is_measure
 
 def test_a_decoder_within_the_budget_is_kept_and_precision_gets_the_rest(capsys):
     blobs = [str(i).encode() for i in range(200)]
-    decs = {"fast": PixelDecoder("fast", lambda i: i == 7), "pil": PixelDecoder("pil")}
-    choice = build_decoder.choose(["missing", "fast", "pil"], blobs, _classify, 100.0, _make(decs))
+    broken = PixelDecoder("broken", lambda i: 1 / 0)
+    decs = {"broken": broken, "fast": PixelDecoder("fast", lambda i: i == 7), "pil": PixelDecoder("pil")}
+    choice = build_decoder.choose(["missing", "broken", "fast", "pil"], blobs, _classify, 100.0, _make(decs))
     assert choice.name == "fast"
     assert choice.precision_budget == pytest.approx(100.0 - 50.0)        # 1 of 200 images: 50 basis points
     assert choice.tried[0] == {"decoder": "missing", "holds": False, "why": "cannot start: planted: not installed"}
-    assert "decoder missing cannot start here" in capsys.readouterr().err
+    assert choice.tried[1]["why"].startswith("failed: ZeroDivisionError")
+    err = capsys.readouterr().err
+    assert "decoder missing cannot start here" in err and "decoder broken failed on the calibration images" in err
     rec = choice.record()
     assert rec["name"] == "fast" and rec["budget_per_10k"] == 100.0 and rec["precision_budget_per_10k"] == 50.0
 
