@@ -17,7 +17,8 @@ smallest tau whose estimated disagreement rate stays under a budget; its docstri
 the estimator. Budgets and estimates are rates in basis points of the images (BASIS_POINTS:
 1 is 0.01 %; the manifest's `*_per_10k` keys hold them). The source, the margin-error
 quantiles and the curve (re-checked fraction and estimated disagreements per threshold) go
-into the artifact.
+into the artifact. `allowed_disagreements` is the gate a check on n images applies for a
+budget (a binomial quantile): the search's FP32 candidates and the build's end-to-end check.
 """
 from __future__ import annotations
 
