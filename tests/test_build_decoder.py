@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -107,8 +108,11 @@ def test_a_decoder_within_the_budget_is_kept_and_precision_gets_the_rest(capsys)
     assert rec["name"] == "fast" and rec["budget_per_10k"] == 100.0 and rec["precision_budget_per_10k"] == 50.0
 
 
-# a decoder registered for one test (the registry's tables patched by monkeypatch): PIL's pixels,
-# every 50th image it decodes inverted
+# a decoder registered for a test (the registry's tables patched by monkeypatch): PIL's pixels,
+# every EVERY-th image it decodes inverted (the first one included)
+EVERY = 50
+
+
 class FlippingDecoder:
     name = "flip-2pc"
 
@@ -120,7 +124,7 @@ class FlippingDecoder:
     def decode(self, blobs):
         px, failed = self.pil.decode(blobs)
         for r in range(len(blobs)):
-            if (self.seen + r) % 50 == 0:
+            if (self.seen + r) % EVERY == 0:
                 px[r] = 255 - px[r]
         self.seen += len(blobs)
         return px, failed
@@ -130,15 +134,37 @@ def create(name, spec, batch_size, threads=None):
     return FlippingDecoder(spec)
 
 
-def test_at_build_time_a_flipping_decoder_gives_way_to_pil_which_the_artifact_records(tmp_path, tiny_checkpoint,
-                                                                                   monkeypatch, capsys):
-    from engine.build import AutoConfig, GuardConfig, build
+@pytest.fixture
+def flipping_decoder(monkeypatch):
+    """FlippingDecoder registered as `flip-2pc` (falling back to pil), and the start of the build's order."""
     from engine.decoders import registry
 
     monkeypatch.setitem(registry.DECODERS, "flip-2pc", __name__)
     monkeypatch.setitem(registry.NEEDS, "flip-2pc", ((), False))
     monkeypatch.setitem(registry.FALLBACK, "flip-2pc", "pil")
-    monkeypatch.setenv("ENGINE_DECODER", "flip-2pc")          # where the build's order starts
+    monkeypatch.setenv("ENGINE_DECODER", "flip-2pc")
+
+
+def test_a_decoder_kept_leaves_precision_the_rest_of_the_budget(tiny_checkpoint, flipping_decoder, monkeypatch):
+    from engine import build_auto
+    from engine.assemble import GuardConfig
+    from engine.calibrate import generated_pixels
+    from engine.checkpoint import load_model
+
+    monkeypatch.setattr(sys.modules[__name__], "EVERY", 1000)     # the first of 100 images only: 100 basis points
+    spec = tiny_spec("squash", 16)
+    pixels, _ = generated_pixels(spec, 100)
+    guard, extra = build_auto._choose_decoder(load_model(spec, tiny_checkpoint), spec, "cpu", pixels,
+                                              GuardConfig(budget=500.0), {"build": {}})
+    rec = extra["build"]["decoder"]
+    assert rec["tried"][0]["flips"] == 1 and extra["decoder"] == rec["name"] == "flip-2pc"
+    assert guard.budget == rec["precision_budget_per_10k"] == 400.0 and rec["budget_per_10k"] == 500.0
+
+
+def test_at_build_time_a_flipping_decoder_gives_way_to_pil_which_the_artifact_records(tmp_path, tiny_checkpoint,
+                                                                                   flipping_decoder, capsys):
+    from engine.build import AutoConfig, GuardConfig, build
+
     meta = build(tiny_spec("squash", 16), tiny_checkpoint, tmp_path / "art", backend="eager", device="cpu",
                  guard=GuardConfig(calibration_source="renders", calibration_count=100),
                  auto=AutoConfig(precision=False, batch_size=False, backend=False, budget_s=60))
