@@ -29,7 +29,8 @@ class GuardConfig:
     recheck_batch: int | str | None = None  # static batch of the FP32 re-check graph, "auto" (measured),
                                             # None: the device preset's
     recheck_backend: str | None = None    # backend of the re-check graph (default: the build's)
-    budget: float = calibrate.DEFAULT_BUDGET   # estimated disagreements tau must stay under, in basis points
+    budget: float = calibrate.DEFAULT_BUDGET   # disagreements allowed, in basis points: tau keeps its estimate
+                                               # under it (under auto, what the decoder's flips leave of it)
     calibration_source: str = "photos"    # photos (scikit-image's bundled photos) | renders
     smoke_count: int = 32                 # renders that check the low-precision graph is not broken
     calibration_check: calibrate.FolderCheck | None = None   # the caller's reasons to refuse calibration_images

@@ -76,13 +76,14 @@ class Trial:
     estimated_per_10k: float | None = None
     seconds: float = 0.0
     guard: dict | None = None                    # choose_tau's record (low precision), for the artifact
+    recheck_images_per_s: float | None = None    # the re-check graph's rate its effective rate was priced at
 
     def row(self) -> dict:
         c = self.candidate
         out = {"name": c.name, "precision": c.precision, "batch_size": c.batch_size, "backend": c.backend,
                "cuda_graphs": c.cuda_graphs, "options": c.options, "status": self.status}
         for k in ("why", "screened_images_per_s", "images_per_s", "effective_images_per_s", "agreement", "tau",
-                  "rechecked_fraction", "estimated_per_10k"):
+                  "rechecked_fraction", "estimated_per_10k", "recheck_images_per_s"):
             v = getattr(self, k)
             if v not in (None, ""):
                 out[k] = round(v, 6) if isinstance(v, float) else v
@@ -116,6 +117,9 @@ class Measurer(Protocol):
 
     def agree(self, handle, cand: Candidate) -> Agreement:
         """The candidate on the calibration images against the FP32 graph, with its guard."""
+
+    def recheck_rate(self) -> float:
+        """images/s of the guard's FP32 re-check graph at its batch on this device (measured once)."""
 
 
 @dataclasses.dataclass
@@ -237,7 +241,7 @@ def search(m: Measurer, cfg: SearchConfig, skipped: dict[str, str] | None = None
         trial.seconds = clock() - t
     _confirm(m, trials, built, cfg)
     _readmit(m, trials, built, handles, cfg)
-    _effective_rates(trials)
+    _effective_rates(trials, m)
     ranked = rank(trials)
     if ranked:
         mark(trials, ranked[0])
@@ -324,20 +328,34 @@ def _confirm(m: Measurer, trials: list[Trial], built: dict, cfg: SearchConfig) -
         t.images_per_s = statistics.median(samples[id(t)])
 
 
-def _effective_rates(trials: list[Trial]) -> None:
+def _effective_rates(trials: list[Trial], m: Measurer | None = None) -> None:
     """A guarded candidate's rate with its expected re-check cost: each image costs 1/r, plus the
-    re-checked share at the FP32 rate (the best FP32 trial's, the re-check graph's stand-in)."""
-    fp32 = [t.images_per_s for t in trials if t.candidate.precision == "fp32" and t.status == "holds"
-            and t.images_per_s]
-    r32 = max(fp32) if fp32 else None
+    re-checked share f at the rate of the graph that runs the re-checks, r_re (IEEE FP32 at the
+    re-check batch, `m.recheck_rate()`, measured once on this device: on a GPU about a tenth of
+    bf16's, so each re-check costs ~10 images): 1 / (1/r + f/r_re). Without that measurement
+    (it failed: one stderr line), the best FP32 candidate's rate stands in, else the candidate's own."""
+    guarded = [t for t in trials if t.status == "holds" and t.images_per_s and t.candidate.precision != "fp32"
+               and t.rechecked_fraction]
+    r_re = None
+    if guarded and m is not None:
+        try:
+            r_re = m.recheck_rate()
+        except Exception as e:  # noqa: BLE001 - priced with a stand-in instead, said here
+            _say(f"autotune: the re-check graph's rate could not be measured ({_why(e)}); re-checks priced at "
+                 "the best FP32 candidate's rate")
+    if r_re is None:
+        fp32 = [t.images_per_s for t in trials if t.candidate.precision == "fp32" and t.status == "holds"
+                and t.images_per_s]
+        r_re = max(fp32) if fp32 else None
     for t in trials:
         if t.images_per_s is None or t.status != "holds":
             continue
         f = t.rechecked_fraction or 0.0
         if t.candidate.precision == "fp32" or f == 0.0:
             t.effective_images_per_s = t.images_per_s
-        elif r32:
-            t.effective_images_per_s = 1.0 / (1.0 / t.images_per_s + f / r32)
+        elif r_re:
+            t.effective_images_per_s = 1.0 / (1.0 / t.images_per_s + f / r_re)
+            t.recheck_images_per_s = r_re
         else:  # no FP32 rate measured: the re-checks are costed at the low-precision rate
             t.effective_images_per_s = t.images_per_s / (1.0 + f)
 

@@ -110,10 +110,15 @@ class Measurer:
     under `workdir/<name>`."""
 
     def __init__(self, net, spec: Spec, device: str, pixels: np.ndarray, ref: tuple[np.ndarray, np.ndarray],
-                 workdir: Path, budget: float, safety: float):
+                 workdir: Path, budget: float, safety: float, recheck_batch: int | None = None):
+        from engine.presets import preset
+
         self.net, self.spec, self.device, self.pixels = net, spec, device, pixels
         self.ref_top1, self.ref_margins = ref
         self.workdir, self.budget, self.safety = workdir, budget, safety
+        self.alpha = preset(device).verify_alpha
+        self.recheck_batch = recheck_batch if isinstance(recheck_batch, int) else preset(device).recheck_batch
+        self._recheck_rate: float | None = None
         s = spec.input_size
         self._x = {}
         self._shape = lambda b: (b, s, s, 3)
@@ -160,7 +165,7 @@ class Measurer:
         if c.precision == "fp32":
             top1, _ = calibrate.classify(h.fn, self.pixels, c.batch_size, margin=False, device=self.device)
             wrong = int((top1 != self.ref_top1).sum())
-            allowed = max(1, int(self.budget * n / calibrate.BASIS_POINTS))   # the calibration set resolves 1 image
+            allowed = calibrate.allowed_disagreements(self.budget, n, self.alpha)   # the end-to-end check's gate
             return Agreement(1 - wrong / n, wrong <= allowed,
                              f"{wrong} of {n} calibration images disagree with the FP32 graph" if wrong > allowed
                              else "")
@@ -172,3 +177,12 @@ class Measurer:
         why = "" if holds else (f"no tau holds the budget: {g['estimated_per_10k']:.1f} basis points of estimated "
                                 f"disagreements > {self.budget:g}")
         return Agreement(agreement, holds, why, g["tau"], g["rechecked_fraction"], g["estimated_per_10k"], g)
+
+    def recheck_rate(self) -> float:
+        """images/s of the guard's FP32 re-check graph at its batch on this device (the FP32 policy
+        network, eager: its GEMMs are the cost a compile leaves), measured once and kept."""
+        if self._recheck_rate is None:
+            b = self.recheck_batch
+            m = wrap(self.net, self._spec("fp32", b), self.device)
+            self._recheck_rate = rate(m, self._batch(b), self.device)
+        return self._recheck_rate

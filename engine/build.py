@@ -180,7 +180,8 @@ def argument_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
     g.add_argument("--calibration-count", type=int, default=GuardConfig.calibration_count,
                    help="calibration images used")
     g.add_argument("--guard-budget", type=float, default=GuardConfig.budget, metavar="BP",
-                   help="estimated disagreements tau must keep under, in basis points of the images (1 = 0.01 %%)")
+                   help="disagreements with FP32 on PIL's pixels allowed, in basis points of the images (1 = 0.01 %%): "
+                        "tau keeps its estimate under it, less the decoder's measured flips under auto")
     g.add_argument("--guard-safety", type=float, default=GuardConfig.safety, help="factor on the estimated disagreements")
     g.add_argument("--recheck-batch", type=_batch_size,
                    help="static batch of the FP32 re-check graph; auto: measured on the build device "

@@ -1,19 +1,22 @@
 """`engine.build ... auto`: measure the candidates here, build the fastest that holds, verify it end
 to end, and fall back to what is known to work.
 
-After the search (engine.autotune) ranks the candidates that hold the disagreement budget,
-the first is assembled into the artifact (its compiled graph reused from the search, the
-guard's re-check graph added below fp32) and run through `scripts/run` on the calibration
-images written as JPEGs; its answers must agree with the FP32 eager path (PIL decoding,
-as the reference) on at least the preset's verify gate. A candidate that fails that is
-one stderr line, and the next is tried; when none is left, the build is the plain eager
-FP32 path without CUDA graphs, said loudly. The manifest's `build.search` records every
-candidate measured, the verification and the choice.
+First the decoder (engine.build_decoder): the device's fast one unless its own flips against
+PIL break the disagreement budget, then the next, PIL last; precision gets the budget it
+leaves. After the search (engine.autotune) ranks the candidates that hold that budget, the
+first is assembled into the artifact (its compiled graph reused from the search, the guard's
+re-check graph added below fp32, the decoder recorded) and run through `scripts/run` with
+that decoder on the calibration images written as JPEGs; its answers are counted against
+FP32 on PIL's pixels, beside the decoder's own flips, and the total must be within the gate
+the budget allows on that many images (engine.calibrate.allowed_disagreements, the preset's
+verify_alpha). A candidate that fails that is one stderr line, and the next is tried; when
+none is left, the build is the plain eager FP32 path without CUDA graphs (with the chosen
+decoder), said loudly. The manifest's `build.search` records every candidate measured, the
+verification and the choice; `build.decoder` the decoders measured.
 """
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import os
 import shutil
@@ -76,12 +79,26 @@ def build_measured(net, spec: Spec, checkpoint, backend: str, device: str, guard
     pixels, origin = parts.calibration_pixels(spec, guard)
     ref = wrap(net, dataclasses.replace(spec, precision="fp32"), device, margin=True)
     ref_top1, ref_margins = calibrate.classify(ref, pixels, 16, margin=True, device=device)
+    guard, extra = _choose_decoder(net, spec, device, pixels, guard, extra)
     work = Path(tempfile.mkdtemp(prefix=".search.", dir=tmp.parent))   # the candidates' graphs, beside the artifact
     try:
         return _search_and_assemble(net, spec, checkpoint, backend, device, guard, auto, tmp, extra,
                                     t0, cfg, skipped, pixels, origin, (ref_top1, ref_margins), work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _choose_decoder(net, spec: Spec, device: str, pixels, guard, extra: dict) -> tuple:
+    """(guard with precision's share of the budget, extra naming the decoder): the first decoder
+    whose own flips leave precision a budget (engine.build_decoder); ENGINE_DECODER pins the first."""
+    from engine import build_decoder, settings
+
+    choice = build_decoder.for_build(net, spec, device, pixels, guard.budget, preset(device).verify_images,
+                                     first=settings.decoder())
+    _say(f"decoder {choice.name}: precision gets {choice.precision_budget:.4g} of the {guard.budget:g} basis "
+         "points of the disagreement budget")
+    extra = {**extra, "decoder": choice.name, "build": {**extra["build"], "decoder": choice.record()}}
+    return dataclasses.replace(guard, budget=choice.precision_budget), extra
 
 
 def _search_and_assemble(net, spec, checkpoint, backend, device, guard, auto, tmp, extra, t0, cfg,
@@ -91,7 +108,7 @@ def _search_and_assemble(net, spec, checkpoint, backend, device, guard, auto, tm
     _say(f"autotune: measuring {', '.join(cfg.precisions)} x batch {', '.join(map(str, cfg.batch_sizes))} x "
          f"{', '.join(cfg.backends)} on {device_name(device)} (budget {cfg.budget_s:.0f} s)"
          + (f"; skipped: {'; '.join(f'{k}: {v}' for k, v in skipped.items())}" if skipped else ""))
-    m = Measurer(net, spec, device, pixels, ref, work, guard.budget, guard.safety)
+    m = Measurer(net, spec, device, pixels, ref, work, guard.budget, guard.safety, guard.recheck_batch)
     result = autotune.search(m, cfg, skipped)
     import torch
 
@@ -115,7 +132,8 @@ def _search_and_assemble(net, spec, checkpoint, backend, device, guard, auto, tm
             continue
         pre = preset(device)
         try:
-            v = (verify_artifact(tmp, net, cspec, device, pixels, pre.verify_images, pre.verify_gate) if auto.verify
+            v = (verify_artifact(tmp, net, cspec, device, pixels, pre.verify_images, pre.verify_alpha,
+                                 extra["build"]["decoder"]) if auto.verify
                  else {"ok": True, "skipped": "verification off"})
         except (OSError, ValueError, RuntimeError, subprocess.SubprocessError) as e:
             v = {"ok": False, "why": autotune._why(e)}
@@ -194,46 +212,68 @@ def device_name(device: str) -> str:
     return f"{platform.machine()} CPU, capability {torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} CPUs"
 
 
-def verify_artifact(artifact: Path, net, spec: Spec, device: str, pixels: np.ndarray, count: int,
-                    gate: float) -> dict:
-    """The artifact end to end through scripts/run on `count` calibration images written as JPEGs,
-    against the FP32 eager path (PIL decoding, batch 16) on the same files."""
-    from PIL import Image
-
-    from engine import calibrate
-    from engine.decoders.pil import PilDecoder
+def verify_artifact(artifact: Path, net, spec: Spec, device: str, pixels: np.ndarray, count: int, alpha: float,
+                    decoder: dict) -> dict:
+    """The artifact end to end through scripts/run on `count` calibration images written as JPEG files,
+    with the decoder the build chose (`decoder`: build_decoder.Choice.record()), against FP32 on
+    PIL's pixels (the reference). Two counts: the decoder's own flips (FP32 on its pixels against
+    FP32 on PIL's) and the total (the artifact against FP32 on PIL's pixels); ok when the total is
+    within calibrate.allowed_disagreements(the budget, n, alpha)."""
+    from engine import build_decoder, calibrate
     from engine.model import wrap
 
-    n = min(count, len(pixels))
+    name, budget = decoder["name"], decoder["budget_per_10k"]
+    blobs = build_decoder.jpeg_blobs(pixels, count)
+    n = len(blobs)
+    fp32 = wrap(net, dataclasses.replace(spec, precision="fp32"), device)
+
+    def classify(px: np.ndarray) -> np.ndarray:
+        return calibrate.classify(fp32, px, 16, margin=False, device=device)[0]
+
+    pil, _ = build_decoder.start(build_decoder.REFERENCE, spec, 16)
+    want = classify(build_decoder.decoded(pil, blobs, 16)[0])        # [n] the reference's answers
+    own = {"flips": 0, "per_10k": 0.0}
+    if name != build_decoder.REFERENCE:
+        dec, why = build_decoder.start(name, spec, 16)
+        if dec is None:
+            return {"ok": False, "images": n, "decoder": name, "why": f"decoder {name} cannot start: {why}"}
+        own = build_decoder.flips(dec, blobs, classify, want)
+        getattr(dec, "close", lambda: None)()
+    got, run = _run_script(artifact, blobs, name)
+    if "why" in run:
+        return {"ok": False, "images": n, "decoder": name, **run}
+    total = int((got != want).sum()) if len(got) == n else n
+    gate = calibrate.allowed_disagreements(budget, n, alpha)
+    res = {"images": n, "decoder": name, "decoder_flips": own["flips"], "decoder_per_10k": own["per_10k"],
+           "disagreements": total, "per_10k": round(build_decoder.rate_bp(total, n), 3), "allowed": gate,
+           "budget_per_10k": budget, "alpha": alpha, "agreement": round(1 - total / n, 5) if n else 0.0,
+           **run, "ok": total <= gate and len(got) == n}
+    if not res["ok"]:
+        res["why"] = (f"{total} of {n} images disagree with FP32 on PIL's pixels (the decoder {name} "
+                      f"alone: {own['flips']}), over the {gate} a budget of {budget:g} basis points allows")
+    return res
+
+
+def _run_script(artifact: Path, blobs: list[bytes], decoder: str) -> tuple[np.ndarray, dict]:
+    """(top-1 [n] int32, {wall_s, images_per_s, cuda_graph} or {why}) of scripts/run over `blobs`
+    written as files, with `decoder` (the one the artifact records, named explicitly)."""
     with tempfile.TemporaryDirectory(prefix="engine-verify-") as d:
         root = Path(d)
         (root / "images").mkdir()
-        rows, blobs = [], []
-        for i in range(n):
-            buf = io.BytesIO()
-            Image.fromarray(pixels[i]).save(buf, "JPEG", quality=95)
-            (root / "images" / f"v{i:04d}.jpg").write_bytes(buf.getvalue())
-            blobs.append(buf.getvalue())
+        rows = []
+        for i, blob in enumerate(blobs):
+            (root / "images" / f"v{i:04d}.jpg").write_bytes(blob)
             rows.append(f"v{i}\tv{i:04d}.jpg\n")
         (root / "manifest.tsv").write_text("".join(rows))
-        fp32 = wrap(net, dataclasses.replace(spec, precision="fp32"), device)
-        px, failed = PilDecoder(spec, 16, 1).decode(blobs)                   # [n, S, S, 3] as the reference
-        want, _ = calibrate.classify(fp32, px, 16, margin=False, device=device)
         out, report = root / "pred.i32", root / "report.json"      # outside IMAGE_ROOT (root/images)
-        env = {**os.environ, "ENGINE_ARTIFACT": str(artifact)}
+        env = {**os.environ, "ENGINE_ARTIFACT": str(artifact), "ENGINE_DECODER": decoder}
         t = time.perf_counter()
         r = subprocess.run([str(REPO / "scripts" / "run"), str(root / "manifest.tsv"), str(root / "images"), str(out),
                             "--report", str(report)], env=env, capture_output=True, text=True, timeout=1800)
         wall = time.perf_counter() - t
         if r.returncode != 0:
             last = (r.stderr.strip().splitlines() or ["no output"])[-1][:300]
-            return {"ok": False, "images": n, "why": f"scripts/run exited {r.returncode}: {last}"}
-        got = np.fromfile(out, "<i4")
-        agreement = float((got == want).mean()) if len(got) == n else 0.0
+            return np.zeros(0, np.int32), {"why": f"scripts/run exited {r.returncode}: {last}"}
         rep = json.loads(report.read_text()) if report.is_file() else {}
-        res = {"images": n, "agreement": round(agreement, 5), "gate": gate, "wall_s": round(wall, 2),
-               "images_per_s": rep.get("images_per_s"), "cuda_graph": rep.get("runtime", {}).get("cuda_graph"),
-               "ok": agreement >= gate and len(got) == n}
-        if not res["ok"]:
-            res["why"] = f"{agreement:.2%} of {n} images agree with FP32 eager, under {gate:.0%}"
-        return res
+        return np.fromfile(out, "<i4"), {"wall_s": round(wall, 2), "images_per_s": rep.get("images_per_s"),
+                                         "cuda_graph": rep.get("runtime", {}).get("cuda_graph")}

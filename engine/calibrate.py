@@ -17,7 +17,8 @@ smallest tau whose estimated disagreement rate stays under a budget; its docstri
 the estimator. Budgets and estimates are rates in basis points of the images (BASIS_POINTS:
 1 is 0.01 %; the manifest's `*_per_10k` keys hold them). The source, the margin-error
 quantiles and the curve (re-checked fraction and estimated disagreements per threshold) go
-into the artifact.
+into the artifact. `allowed_disagreements` is the gate a check on n images applies for a
+budget (a binomial quantile): the search's FP32 candidates and the build's end-to-end check.
 """
 from __future__ import annotations
 
@@ -206,6 +207,27 @@ BASIS_POINTS = 1e4     # basis points in a rate of 1: budgets and estimates are 
 DEFAULT_BUDGET = 10.0  # basis points (0.1 % of the images)
 DEFAULT_SAFETY = 2.0
 TAIL_QUANTILE = 0.9   # margin errors above this quantile are modelled by an exponential tail
+
+
+def allowed_disagreements(budget: float, n: int, alpha: float) -> int:
+    """The gate of a check on n images against FP32: the most disagreements a true rate of `budget`
+    basis points still explains, i.e. the smallest k with P(X <= k) >= 1 - alpha for
+    X ~ Binomial(n, budget / BASIS_POINTS). An artifact whose rate is the budget fails the check
+    with probability at most alpha; one at twice the budget still passes it often (B = 50, n = 256:
+    3 allowed, passed by a rate of 100 with probability 0.75): the check catches gross failures,
+    the estimate that holds the budget is choose_tau's."""
+    if not 0 < alpha < 1 or n < 0 or budget < 0:
+        raise ValueError(f"the gate needs 0 < alpha < 1, n >= 0 and a budget >= 0, got {alpha}, {n}, {budget}")
+    p = min(budget / BASIS_POINTS, 1.0)
+    if p >= 1.0:
+        return n
+    pmf = (1.0 - p) ** n                     # P(X = 0); the recurrence keeps a large n in floating range
+    cdf, k = pmf, 0
+    while cdf < 1.0 - alpha and k < n:
+        pmf *= (n - k) / (k + 1) * p / (1.0 - p)
+        k += 1
+        cdf += pmf
+    return k
 
 
 def margin_errors(low_top1: np.ndarray, margins: np.ndarray, ref_top1: np.ndarray,

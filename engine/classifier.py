@@ -21,9 +21,10 @@ Answer: one int32 per item, in order. An item that cannot be read or decoded get
 prediction of a zero image (the pipeline keeps one in its slot) and is named in `last_failed`;
 classify and classify_bytes also say it on stderr, one line each.
 
-Options (None: the engine's settings): decoder (ENGINE_DECODER, else the fast decoder of the
-artifact's device), readers (ENGINE_READERS), depth (ENGINE_PIPELINE_DEPTH), isolate
-(ENGINE_DECODER_ISOLATE), max_file_bytes (ENGINE_MAX_FILE_BYTES: classify's file size cap).
+Options (None: the engine's settings): decoder (ENGINE_DECODER, else the one the artifact's
+manifest names, else the fast decoder of the artifact's device), readers (ENGINE_READERS), depth
+(ENGINE_PIPELINE_DEPTH), isolate (ENGINE_DECODER_ISOLATE), max_file_bytes (ENGINE_MAX_FILE_BYTES:
+classify's file size cap).
 A load that cannot succeed raises LoadError; running out of memory stays the MemoryError or
 RuntimeError it was (is_oom tells it).
 """
@@ -84,13 +85,13 @@ def start_isolated_decoder(artifact: Path, name: str | None, isolate: bool, thre
     """The decoder started from the artifact's manifest before torch is imported, when it runs in
     a child process (engine.decoders.runs_isolated); None otherwise or if the manifest is unusable
     (load_artifact then says why). The Classifier keeps it only if the checked artifact agrees."""
-    from engine.decoders import default_decoder, make_decoder, runs_isolated
+    from engine.decoders import artifact_decoder, make_decoder, runs_isolated
     from engine.spec import Spec
 
     try:
         with open(artifact / "manifest.json", "rb") as f:
             meta = json.loads(f.read(64 << 20))
-        name = name or default_decoder(meta.get("device", "cpu"))
+        name = name or artifact_decoder(meta)
         if not runs_isolated(name, isolate):
             return None
         spec = Spec.from_dict(meta["spec"])
@@ -145,7 +146,7 @@ class Classifier:
         import numpy as np
 
         from engine.artifact import ArtifactError, load_artifact
-        from engine.decoders import default_decoder, start_decoder
+        from engine.decoders import artifact_decoder, start_decoder
         from engine.pipeline import Result
         from engine.runtime import load_runtime
 
@@ -157,7 +158,7 @@ class Classifier:
         self.budget = threads.budget(art.device)
         threads.apply_torch(self.budget)
         self.readers = readers or self.budget.readers
-        name = name or default_decoder(art.device)
+        name = name or artifact_decoder(art.meta)
         if early is not None and (early.name, early.spec, early.batch_size) == (name, art.spec, art.batch_size):
             self.decoder, pending = early, None
         else:

@@ -31,8 +31,10 @@ class Preset:
     batch_size: int | str = _field("`--batch-size` when none is given", default="auto")
     recheck_batch: int = _field("`--recheck-batch` when none is given: the guard's FP32 re-check graph", default=8)
     verify_images: int = _field("images the chosen artifact classifies end to end through scripts/run, "
-                                "against FP32", default=256)
-    verify_gate: float = _field("the least top-1 agreement of that check with the FP32 eager path", default=0.99)
+                                "against FP32; each decoder's own flips are measured on them", default=256)
+    verify_alpha: float = _field("the chance an artifact exactly at the disagreement budget fails that check: "
+                                 "it allows the (1 - alpha) quantile of Binomial(images, budget) disagreements "
+                                 "with FP32 on PIL's pixels (the decoder's included)", default=0.05)
 
 
 PRESETS = {

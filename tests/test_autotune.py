@@ -27,12 +27,13 @@ class FakeMeasurer:
     `fail_compile` / `fail_run` / `disagree` plant failures; `costs` advance the clock."""
 
     def __init__(self, clock, screen, graph, fail_compile=(), fail_run=(), disagree=(), fraction=0.0,
-                 compile_s=10.0, first=None):
+                 compile_s=10.0, first=None, recheck=None):
         self.clock, self._screen, self._graph = clock, screen, graph
         self.first = dict(first or {})   # candidate name -> its first timing (a disturbed measurement)
         self.fail_compile, self.fail_run, self.disagree = set(fail_compile), set(fail_run), set(disagree)
         self.fraction, self.compile_s = fraction, compile_s
         self.compiled: list[str] = []
+        self.recheck, self.recheck_calls = recheck, 0   # the re-check graph's rate (None: it fails)
 
     def screen(self, p, b):
         self.clock.t += 1
@@ -61,6 +62,12 @@ class FakeMeasurer:
                  "safety": 2.0, "images": 16, "disagreements": 0}
         return Agreement(1.0, True, "", 0.01 if low else None, self.fraction if low else 0.0, 2.0 if low else None,
                          guard if low else None)
+
+    def recheck_rate(self):
+        self.recheck_calls += 1
+        if self.recheck is None:
+            raise RuntimeError("planted: the FP32 re-check graph does not run")
+        return self.recheck
 
 
 def _cfg(**k) -> SearchConfig:
@@ -93,11 +100,35 @@ def test_where_bf16_measures_faster_and_holds_it_is_chosen():
     clock = Clock()
     screen = {("fp32", 8): 30.0, ("fp32", 16): 32.0, ("bf16", 8): 55.0, ("bf16", 16): 60.0}
     graph = {**AVX2_GRAPH, ("bf16", 16, "aot", "default"): 90.0, ("bf16", 8, "aot", "default"): 80.0}
-    res = search(FakeMeasurer(clock, screen, graph, fraction=0.02), _cfg(), clock=clock)
+    m = FakeMeasurer(clock, screen, graph, fraction=0.02, recheck=9.0)
+    res = search(m, _cfg(), clock=clock)
     best = res.ranked[0]
     assert best.candidate == Candidate("bf16", 16, "aot")
-    # the guard's expected re-checks are paid at the FP32 rate: 1 / (1/90 + 0.02/43)
-    assert best.effective_images_per_s == pytest.approx(1 / (1 / 90 + 0.02 / 43))
+    # the guard's expected re-checks are paid at the re-check graph's measured rate: 1 / (1/90 + 0.02/9)
+    assert best.effective_images_per_s == pytest.approx(1 / (1 / 90 + 0.02 / 9))
+    assert best.row()["recheck_images_per_s"] == 9.0 and m.recheck_calls == 1
+
+
+def test_re_checks_are_priced_at_the_re_check_graphs_rate_not_the_best_fp32_candidates():
+    """IEEE FP32 at the re-check batch runs at a tenth of bf16 (a GPU): 20 % re-checked makes bf16
+    slower than FP32 (1 / (1/90 + 0.2/9) = 30 < 43), where the FP32 candidate's 43 would call it 63."""
+    screen = {("fp32", 8): 30.0, ("fp32", 16): 32.0, ("bf16", 8): 55.0, ("bf16", 16): 60.0}
+    graph = {**AVX2_GRAPH, ("bf16", 16, "aot", "default"): 90.0, ("bf16", 8, "aot", "default"): 80.0}
+    clock = Clock()
+    res = search(FakeMeasurer(clock, screen, graph, fraction=0.2, recheck=9.0), _cfg(), clock=clock)
+    assert res.ranked[0].candidate == Candidate("fp32", 16, "aot")
+    bf16 = next(t for t in res.trials if t.candidate == Candidate("bf16", 16, "aot"))
+    assert bf16.effective_images_per_s == pytest.approx(30.0)
+
+
+def test_a_re_check_rate_that_cannot_be_measured_is_priced_at_the_best_fp32_candidate(capsys):
+    screen = {("fp32", 8): 30.0, ("fp32", 16): 32.0, ("bf16", 8): 55.0, ("bf16", 16): 60.0}
+    graph = {**AVX2_GRAPH, ("bf16", 16, "aot", "default"): 90.0, ("bf16", 8, "aot", "default"): 80.0}
+    clock = Clock()
+    res = search(FakeMeasurer(clock, screen, graph, fraction=0.02), _cfg(), clock=clock)
+    assert res.ranked[0].effective_images_per_s == pytest.approx(1 / (1 / 90 + 0.02 / 43))
+    err = capsys.readouterr().err
+    assert err.count("re-check graph's rate could not be measured") == 1 and "planted" in err
 
 
 def test_a_lead_whose_first_timing_was_disturbed_prunes_nothing():
@@ -195,13 +226,13 @@ def test_native_precisions_follow_the_cpu_capability_and_onednn_limit(monkeypatc
 class _BuildFake(FakeMeasurer):
     """The fake measurer behind a real engine.build: planted rates, real (eager) builds."""
 
-    def __init__(self, real, net, spec, device, pixels, ref, workdir, budget, safety, **plant):
+    def __init__(self, real, *args, **plant):
         clock = Clock()
         screen = {(p, b): 30.0 for p in ("fp32", "bf16") for b in (8, 16, 32)}
         graph = {(p, b, be, "default"): 40.0 + b + (5 if p == "fp32" else -20) for p in ("fp32", "bf16")
                  for b in (8, 16, 32) for be in ("aot", "eager")}
         super().__init__(clock, screen, graph, **plant)
-        self._real = real(net, spec, device, pixels, ref, workdir, budget, safety)
+        self._real = real(*args)
 
     def compile(self, c):
         super().compile(c)
@@ -217,7 +248,7 @@ def _auto_build(tmp_path, tiny_checkpoint, monkeypatch, verify_ok=lambda name: T
     monkeypatch.setattr(autotune_measure, "importable_backends", lambda device: (["eager"], {}))
     seen = []
 
-    def verify(artifact, net, spec, device, pixels, count, gate):
+    def verify(artifact, net, spec, device, pixels, count, alpha, decoder):
         name = f"eager/{spec.precision}/b{spec.batch_size}"
         seen.append(name)
         return {"ok": verify_ok(name), "images": 16, "agreement": 1.0 if verify_ok(name) else 0.5,
@@ -262,3 +293,26 @@ def test_when_every_candidate_fails_the_build_is_eager_fp32_without_graphs(tmp_p
 
     rt = load_runtime(load_artifact(tmp_path / "art"))
     assert rt.run(np.zeros((16, 112, 112, 3), np.uint8)).shape == (16,)
+
+
+def test_the_re_check_rate_is_the_fp32_network_at_the_re_check_batch_measured_once(tiny_checkpoint, monkeypatch,
+                                                                                   tmp_path):
+    from engine import autotune_measure
+    from engine.checkpoint import load_model
+    from engine.presets import preset
+
+    spec = tiny_spec("squash", 16, "bf16")
+    net = load_model(spec, tiny_checkpoint)
+    pixels, ref = np.zeros((4, 112, 112, 3), np.uint8), (np.zeros(4, np.int64), np.zeros(4, np.float32))
+    timed = []
+
+    def rate(fn, x, device, **k):     # fake timings: what was timed, at which batch
+        timed.append((x.shape[0], {q.dtype for q in fn.parameters()}, fn(x).dtype))
+        return 123.0
+
+    monkeypatch.setattr(autotune_measure, "rate", rate)
+    m = autotune_measure.Measurer(net, spec, "cpu", pixels, ref, tmp_path, 10.0, 2.0, 4)
+    assert m.recheck_rate() == m.recheck_rate() == 123.0
+    assert timed == [(4, {torch.float32}, torch.int32)]     # once, FP32 weights, top-1 only, at the re-check batch
+    assert autotune_measure.Measurer(net, spec, "cpu", pixels, ref, tmp_path, 10.0, 2.0, "auto").recheck_batch \
+        == preset("cpu").recheck_batch

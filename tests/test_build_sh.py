@@ -224,11 +224,11 @@ def test_the_contest_passes_its_guard_budget_and_calibration_check(read_only_che
     from evaluator.contest.dataset_flags import calibration_refusals
 
     assert threshold(task.COHORT_IMAGES) == 9_900 and task.allowed_disagreements() == 100
-    assert task.GUARD_DISAGREEMENTS < task.allowed_disagreements()
-    assert task.guard_budget() == DEFAULT_BUDGET == 10     # 10 of 10,000 images: engine.build's default unit
+    # the build's budget: the gate's 100 of 10,000 over a margin of 2, in basis points (decoder and precision)
+    assert task.GATE_MARGIN == 2 and task.guard_budget() == 50 > DEFAULT_BUDGET
     knobs = {"ENGINE_MODEL": TINY_MODEL, "ENGINE_INPUT_SIZE": str(TINY_INPUT), "ENGINE_PRECISION": "bf16"}
     a = parse_args(build_step.engine_flags(knobs, read_only_checkpoint, tmp_path / "art", "cpu"))
-    assert a.calibration_check is calibration_refusals and a.guard_budget == 10 and a.run_images == task.COHORT_IMAGES
+    assert a.calibration_check is calibration_refusals and a.guard_budget == 50 and a.run_images == task.COHORT_IMAGES
     assert (a.precision, a.input_size, a.device, a.out) == ("bf16", TINY_INPUT, "cpu", tmp_path / "art")
 
 

@@ -14,13 +14,20 @@ import threading
 from engine.decoders.registry import DECODERS, FALLBACK, NEEDS
 from engine.spec import Spec
 
-__all__ = ["DECODERS", "FALLBACK", "NEEDS", "default_decoder", "make_decoder", "planned_decoder",
+__all__ = ["DECODERS", "FALLBACK", "NEEDS", "artifact_decoder", "default_decoder", "make_decoder", "planned_decoder",
            "runs_isolated", "slow_decoder_reason", "start_decoder", "start_problem"]
 
 
 def default_decoder(device: str) -> str:
     """The fast decoder for an artifact built for `device` (cpu | cuda)."""
     return "dali-gpu" if device == "cuda" else "dali-cpu"
+
+
+def artifact_decoder(meta: dict) -> str:
+    """The decoder an artifact's manifest names (the build measured it against PIL:
+    engine.build_decoder), else the fast one of its device."""
+    name = meta.get("decoder")
+    return name if name in DECODERS else default_decoder(meta.get("device", "cpu"))
 
 
 def runs_isolated(name: str, isolate: bool = True) -> bool:
@@ -56,15 +63,17 @@ def planned_decoder(name: str) -> tuple[str, list[str]]:
     return name, skipped
 
 
-def slow_decoder_reason(device: str, name: str | None = None) -> str | None:
-    """For an artifact built for `device`, decoding with `name` (default: the device's): why the run
-    would decode with something slower than the GPU decoder, or None. Every chroma-subsampled JPEG
-    then goes through PIL on the CPU (~5 ms an image; tens of seconds over a few thousand images)."""
+def slow_decoder_reason(device: str, name: str | None = None, recorded: str | None = None) -> str | None:
+    """For an artifact built for `device`, decoding with `name` (default: `recorded`, the one its
+    build chose, else the device's): why the run would fall back to something slower than the GPU
+    decoder, or None. Every chroma-subsampled JPEG then goes through PIL on the CPU (~5 ms an
+    image; tens of seconds over a few thousand images). The recorded decoder starting as recorded
+    is no fallback: the build measured the faster ones break the disagreement budget."""
     if device != "cuda":
         return None
-    want = name or default_decoder(device)
+    want = name or recorded or default_decoder(device)
     got, skipped = planned_decoder(want)
-    if got == "dali-gpu":
+    if got == "dali-gpu" or got == want == recorded:
         return None
     why = f" ({'; '.join(skipped)})" if skipped else ""
     return f"this CUDA artifact would decode with {got}, not dali-gpu{why}"

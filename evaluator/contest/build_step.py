@@ -9,8 +9,10 @@ records its spec in its safetensors metadata (the kit's tiny ones do) gives ever
 unset; otherwise the model is evaluator.contest.task's. Precision, batch size and backend default
 to the device's preset (engine/presets.py); the device is cuda when torch sees a GPU, and a GPU
 nvidia-smi lists but torch cannot use is refused (a CPU artifact on the GPU machine would pass
-every check and then be scored at CPU speed). The contest's guard budget and its check that no
-ImageNet-validation-like folder calibrates the guard go to engine.build as flags. An artifact
+every check and then be scored at CPU speed). The contest's disagreement budget (its gate's 100
+of 10,000 images over a margin of 2: `--guard-budget=50` basis points, the decoder's flips and
+precision's together; evaluator/contest/task.py) and its check that no ImageNet-validation-like
+folder calibrates the guard go to engine.build as flags. An artifact
 whose files are intact and whose manifest records the same checkpoint sha256, spec, backend and
 device is reused (FORCE=1 rebuilds); then one generated image runs through scripts/run.
 """

@@ -168,7 +168,7 @@ def slow_decoder(artifact: Path) -> str | None:
         meta = json.loads((artifact / "manifest.json").read_text())
     except (OSError, ValueError):
         return None                      # the run below says what is wrong with the artifact
-    return slow_decoder_reason(meta.get("device", "cpu"), settings.decoder())
+    return slow_decoder_reason(meta.get("device", "cpu"), settings.decoder(), meta.get("decoder"))
 
 
 def run_check(artifact: Path, timeout: float = RUN_TIMEOUT_S) -> int:
