@@ -158,28 +158,31 @@ def _read_meta_checked(d: Path) -> dict:
     return meta
 
 
-def _read_files(d: Path, meta: dict, verify: bool) -> dict[str, bytes]:
-    """{name: bytes} of every file meta.json names, each read once and (verify) hashed against its
-    sha256. FileNotFoundError passes through (the caller re-resolves meta.json); IndexLoadError else."""
+def _read_files(d: Path, meta: dict) -> dict[str, bytes]:
+    """{name: bytes} of every file meta.json names, each read once. FileNotFoundError passes
+    through (the caller re-resolves meta.json); IndexLoadError for anything else."""
     from engine.io import read_regular
 
-    digests = meta.get("sha256")
-    if verify and not isinstance(digests, dict):
-        raise IndexLoadError(f"{d / 'meta.json'}: records no sha256 of its files; {REBUILD}")
     out = {}
     for name, fname in meta["files"].items():
-        path = d / fname
         try:
-            data = read_regular(path, MAX_FILE, follow=True)
+            out[name] = read_regular(d / fname, MAX_FILE, follow=True)
         except FileNotFoundError:
             raise
         except (OSError, ValueError) as e:
             raise IndexLoadError(f"{d}: index files named by meta.json are unreadable ({e}); {REBUILD}") from e
-        if verify and hashlib.sha256(data).hexdigest() != digests.get(name):
-            raise IndexLoadError(f"{path}: sha256 differs from meta.json's (the file is damaged or from another "
-                                 f"build); {REBUILD}")
-        out[name] = data
     return out
+
+
+def _check_digests(d: Path, meta: dict, blobs: dict[str, bytes]) -> None:
+    """Each file's bytes (as read, once) against meta.json's sha256; IndexLoadError naming the first that differs."""
+    digests = meta.get("sha256")
+    if not isinstance(digests, dict):
+        raise IndexLoadError(f"{d / 'meta.json'}: records no sha256 of its files; {REBUILD}")
+    for name, data in blobs.items():
+        if hashlib.sha256(data).hexdigest() != digests.get(name):
+            raise IndexLoadError(f"{d / meta['files'][name]}: sha256 differs from meta.json's (the file is damaged "
+                                 f"or from another build); {REBUILD}")
 
 
 def load_index(index_dir: str | os.PathLike, verify: bool = True) -> Index:
@@ -189,7 +192,7 @@ def load_index(index_dir: str | os.PathLike, verify: bool = True) -> Index:
     for attempt in range(READ_TRIES):
         meta = _read_meta_checked(d)
         try:
-            blobs = _read_files(d, meta, verify)
+            blobs = _read_files(d, meta)
             break
         except FileNotFoundError as e:
             again = _read_meta_checked(d)
@@ -213,6 +216,7 @@ def _parse(d: Path, meta: dict, blobs: dict[str, bytes], verify: bool) -> Index:
         raise IndexLoadError(f"{d}: embeddings {emb.shape} {emb.dtype} / {len(ids)} ids do not match "
                              f"meta.json count {n} dim {dim}")
     if verify:
+        _check_digests(d, meta, blobs)
         row = bad_row(emb)
         if row is not None:
             norm = float(np.linalg.norm(np.asarray(emb[row], np.float32)))
