@@ -9,8 +9,17 @@ import sys
 import time
 
 import numpy as np
-from cir_helpers import REPO, build_args, built_index, check_abi, clip_dirs, corpus, read_rows, requests_of, \
-    run_args
+from cir_helpers import (
+    REPO,
+    build_args,
+    built_index,
+    check_abi,
+    clip_dirs,
+    corpus,
+    read_rows,
+    requests_of,
+    run_args,
+)
 
 from engine.retrieval.index import BUILD_DIR, load_index
 from evaluator.cir import build as cir_build

@@ -85,9 +85,10 @@ def npy_from_bytes(data: bytes) -> np.ndarray:
     return np.frombuffer(data, dtype, count=count, offset=f.tell()).reshape(shape)
 
 
-def bad_row(emb: np.ndarray, block: int = 16384) -> int | None:
+def bad_row(emb: np.ndarray, block: int = 1024) -> int | None:
     """First row of emb [N, D] that is not finite with |norm - 1| < NORM_TOL, or None.
-    Blocks of FP32 keep the temporary small; NaN and inf fail the comparison too."""
+    FP32 blocks of 1024 rows stay in cache (measured faster than 16384 at [125000, 768]);
+    NaN and inf fail the comparison too."""
     for lo in range(0, len(emb), block):
         x = np.asarray(emb[lo:lo + block], np.float32)
         norms = np.sqrt(np.einsum("ij,ij->i", x, x))          # [b]
@@ -174,13 +175,18 @@ def _read_files(d: Path, meta: dict) -> dict[str, bytes]:
     return out
 
 
-def _check_digests(d: Path, meta: dict, blobs: dict[str, bytes]) -> None:
-    """Each file's bytes (as read, once) against meta.json's sha256; IndexLoadError naming the first that differs."""
+def _digests(blobs: dict[str, bytes]) -> dict[str, str]:
+    return {name: hashlib.sha256(data).hexdigest() for name, data in blobs.items()}
+
+
+def _check_digests(d: Path, meta: dict, got: dict[str, str]) -> None:
+    """Each file's sha256 (of its bytes as read, once) against meta.json's; IndexLoadError naming
+    the first that differs."""
     digests = meta.get("sha256")
     if not isinstance(digests, dict):
         raise IndexLoadError(f"{d / 'meta.json'}: records no sha256 of its files; {REBUILD}")
-    for name, data in blobs.items():
-        if hashlib.sha256(data).hexdigest() != digests.get(name):
+    for name, digest in got.items():
+        if digest != digests.get(name):
             raise IndexLoadError(f"{d / meta['files'][name]}: sha256 differs from meta.json's (the file is damaged "
                                  f"or from another build); {REBUILD}")
 
@@ -216,13 +222,12 @@ def _parse(d: Path, meta: dict, blobs: dict[str, bytes], verify: bool) -> Index:
         raise IndexLoadError(f"{d}: embeddings {emb.shape} {emb.dtype} / {len(ids)} ids do not match "
                              f"meta.json count {n} dim {dim}")
     if verify:
-        _check_digests(d, meta, blobs)
-        row = bad_row(emb)
+        _check_digests(d, meta, _digests(blobs))
+        row, dup = bad_row(emb), duplicate_id(ids)
         if row is not None:
             norm = float(np.linalg.norm(np.asarray(emb[row], np.float32)))
             raise IndexLoadError(f"{d / files['embeddings']}: row {row} has norm {norm:.4g}, not a finite unit "
                                  f"row (|norm - 1| < {NORM_TOL}); {REBUILD}")
-        dup = duplicate_id(ids)
         if dup is not None:
             raise IndexLoadError(f"{d / files['ids']}: image id {dup!r} occurs twice; {REBUILD}")
     return Index(d, meta, ids, emb)
