@@ -10,6 +10,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 from cir_helpers import REPO, build_args, clip_dirs, script, workspace
 
 from engine.retrieval.index import BUILD_DIR, BuildLock, IndexLoadError, load_index
@@ -149,3 +150,21 @@ def test_a_decoder_that_gives_way_mid_build_leaves_no_mixed_index(tmp_path, monk
     err = capsys.readouterr().err
     assert "rebuilding 2 of 6 chunks decoded with dali-cpu, dali-cpu+pil: this build decodes with pil" in err, err
     _check_all_pil(d)
+
+
+def test_temp_files_are_created_exclusively(tmp_path, monkeypatch):
+    """A temp name another writer holds is never written through (O_EXCL); names are random."""
+    import secrets
+
+    from engine.retrieval.index import write_new
+
+    target = tmp_path / "chunk-000001.npz"
+    monkeypatch.setattr(secrets, "token_hex", lambda n: "f" * 2 * n)
+    theirs = tmp_path / f".tmp-{target.name}-{'f' * 12}"
+    theirs.write_bytes(b"another writer's bytes")
+    with pytest.raises(FileExistsError):
+        write_new(target, b"mine")
+    assert theirs.read_bytes() == b"another writer's bytes" and not target.exists()
+    monkeypatch.undo()
+    write_new(target, b"mine")
+    assert target.read_bytes() == b"mine" and sorted(p.name for p in tmp_path.iterdir()) == [theirs.name, target.name]

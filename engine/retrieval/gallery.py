@@ -94,6 +94,8 @@ class _Run:
     def build(self, force: bool) -> bool:
         from engine.retrieval.index import IndexLoadError, load_index, read_meta
 
+        for tmp in self.index_dir.glob(".tmp-*"):     # left by a killed commit (the lock: no writer runs)
+            tmp.unlink(missing_ok=True)
         old = read_meta(self.index_dir)
         if old is not None and old.get("build_key") == {**self.key, "decoder": self.dec.name} and not force:
             try:
