@@ -83,7 +83,7 @@ def fake_inputs(tmp_path_factory) -> dict[str, Path]:
     tree whose scripts/run.sh is the fake runner."""
     root = tmp_path_factory.mktemp("cir-fake")
     (root / "index").mkdir()
-    emb = np.eye(len(GALLERY), 8, dtype=np.float16)  # [N, D]; the fake runner never reads it
+    emb = np.eye(8, dtype=np.float16)[np.arange(len(GALLERY)) % 8]  # [N, D] unit rows; the fake runner never reads them
     commit(root / "index", emb, GALLERY, {"model": {"arch": "fake-clip", "layout": "open_clip",
                                                     "digest": "ab" * 32}, "device": "cpu"})
     reqs, labels = [], []

@@ -1,7 +1,11 @@
 """Embed a gallery into an index folder: records -> decode -> CLIP image tower -> unit FP16 rows.
 
-Chunked and resumable (engine.retrieval.index.ChunkStore): a stopped build restarts at its
-first unfinished chunk. Images no decoder can read are listed in meta.json and left out.
+One build per index (engine.retrieval.index.BuildLock, held for the build's life). Chunked
+and resumable (engine.retrieval.index.ChunkStore): a stopped build restarts at its first
+unfinished chunk, each kept chunk checked against its sha256. Each chunk records the
+decoder that decoded it (an isolated decoder may give way to PIL); chunks of another
+decoder than the one decoding now are rebuilt, so meta.json `decoder` and its `build_key`
+name the decoder of every row. Images no decoder can read are listed in meta.json and left out.
 Then the build-time extras (engine.retrieval.extras), the top-k kernel compiled for this
 GPU (kernels.topk.store_compiled), and one commit (engine.retrieval.index.commit). An index
 whose embeddings are up to date but whose extras or recorded method differ keeps its
@@ -36,102 +40,177 @@ def build(records, records_sha: str, towers, info: dict, method: dict, *, corpus
     recorded for the query runs (Method.to_dict()); `extras`: an ExtrasConfig. True when the index
     is committed or already up to date; False when stopped early as asked (`stop_after_chunks`, or
     the extras' training hook): resumable. IndexLoadError when stored chunks or the index in place
-    cannot be read."""
-    import numpy as np
-
+    cannot be read; IndexBusyError when another build holds the index (one build per index)."""
     from engine import settings as engine_settings
     from engine.decoders import default_decoder, make_decoder
-    from engine.progress import Progress
-    from engine.retrieval.embed import embed_images
-    from engine.retrieval.extras import extras_key
-    from engine.retrieval.index import ChunkStore, read_meta
-    from engine.retrieval.jsonl import record_reader
+    from engine.retrieval.index import BuildLock
 
     t_start = time.perf_counter() if t_start is None else t_start
     t_loaded = t_start if t_loaded is None else t_loaded
     decoder_name = decoder if decoder != "auto" else (
         engine_settings.decoder() or default_decoder(towers.device.type))
+    with BuildLock(index_dir):
+        dec = make_decoder(decoder_name, towers.spec.image, batch_size, isolate=engine_settings.decoder_isolate())
+        dec.decode([None])   # an isolated decoder that cannot start gives way now: dec.name is what decodes
+        run = _Run(records, records_sha, towers, info, method, corpus, index_dir, extras, dec, batch_size,
+                   chunk_size, readers, confine_to_corpus, stop_after_chunks, t_start, t_loaded)
+        return run.build(force)
+
+
+def build_key(records, records_sha: str, towers, info: dict, chunk_size: int, confine_to_corpus: bool) -> dict:
+    """What decides the rows of every chunk, the decoder aside (each chunk records its own)."""
     spec = towers.spec
-    dec = make_decoder(decoder_name, spec.image, batch_size, isolate=engine_settings.decoder_isolate())
-    key = {"records_sha256": records_sha, "records": len(records), "model_digest": info["digest"],
-           "clip_spec": spec.to_dict(), "decoder": dec.name,
-           "precision": towers.precision, "device": towers.device.type, "chunk_size": chunk_size,
-           "embed_dim": spec.embed_dim}
-    # which files the records reach: confinement makes a different build
-    key["records_paths"] = "confined" if confine_to_corpus else "followed"
-    ekey = extras_key(extras, method)
-    old = read_meta(index_dir)
-    if old is not None and old.get("build_key") == key and not force:
-        if old.get("extras_key") == ekey:
-            _log(f"index in {index_dir} is up to date ({old.get('count')} images); --force rebuilds it")
-            return True
-        return reuse_embeddings(index_dir, corpus, old, towers, info, extras, ekey, method)
-    store = ChunkStore(index_dir, key)
-    done = store.open()
-    n_chunks = (len(records) + chunk_size - 1) // chunk_size
-    if done:
-        _log(f"resuming: {len(done)} of {n_chunks} chunks already built")
-    pending = [i for i in range(len(records)) if i // chunk_size not in done]
-    read = record_reader(corpus, [r.path for r in records], confine_to_corpus)
+    return {"records_sha256": records_sha, "records": len(records), "model_digest": info["digest"],
+            "clip_spec": spec.to_dict(), "precision": towers.precision, "device": towers.device.type,
+            "chunk_size": chunk_size, "embed_dim": spec.embed_dim,
+            # which files the records reach: confinement makes a different build
+            "records_paths": "confined" if confine_to_corpus else "followed"}
 
-    bar = Progress(len(records), "[cir_build] embedding", unit="images", initial=len(records) - len(pending))
-    acc: dict[int, dict] = {}      # chunk -> {"rows": [...], "emb": [...], "failed": [...], "seen": n}
-    saved = embedded = 0
-    t0 = time.perf_counter()
-    for b in embed_images(read, pending, dec, towers.encode_images, batch_size, readers):
-        k = 0
-        for j, item in enumerate(b.items):
-            c = acc.setdefault(item // chunk_size, {"rows": [], "emb": [], "failed": [], "seen": 0})
-            c["seen"] += 1
-            if b.ok[j]:
-                c["rows"].append(item)
-                c["emb"].append(b.emb[k])
-                k += 1
-            else:
-                r = records[item]
-                c["failed"].append({"image_id": r.image_id, "path": r.path, "line": r.line,
-                                    "reason": b.failed[item]})
-                _log(f"unreadable image {r.image_id!r} ({r.path}, records line {r.line}): {b.failed[item]}")
-        embedded += k
-        bar.update(len(b.items))
-        for chunk in sorted(acc):
-            size = min(chunk_size, len(records) - chunk * chunk_size)
-            if acc[chunk]["seen"] < size:
+
+class _Run:
+    """One build under the index's lock: the up-to-date check, the chunks, the commit."""
+
+    MAX_PASSES = 3   # passes over chunks whose decoder differs from the one decoding now
+
+    def __init__(self, records, records_sha, towers, info, method, corpus, index_dir, extras, dec, batch_size,
+                 chunk_size, readers, confine_to_corpus, stop_after_chunks, t_start, t_loaded):
+        from engine.retrieval.extras import extras_key
+        from engine.retrieval.index import ChunkStore
+        from engine.retrieval.jsonl import record_reader
+
+        self.records, self.records_sha, self.towers, self.info = records, records_sha, towers, info
+        self.method, self.corpus, self.index_dir, self.extras, self.dec = method, corpus, index_dir, extras, dec
+        self.batch_size, self.chunk_size, self.readers = batch_size, chunk_size, readers
+        self.confine, self.stop_after, self.t_start, self.t_loaded = confine_to_corpus, stop_after_chunks, \
+            t_start, t_loaded
+        self.key = build_key(records, records_sha, towers, info, chunk_size, confine_to_corpus)
+        self.ekey = extras_key(extras, method)
+        self.store = ChunkStore(index_dir, self.key)
+        self.n_chunks = (len(records) + chunk_size - 1) // chunk_size
+        self.read = record_reader(corpus, [r.path for r in records], confine_to_corpus)
+        self.saved = self.embedded = 0
+        self.t_embed = 0.0
+
+    def build(self, force: bool) -> bool:
+        from engine.retrieval.index import IndexLoadError, load_index, read_meta
+
+        for tmp in self.index_dir.glob(".tmp-*"):     # left by a killed commit (the lock: no writer runs)
+            tmp.unlink(missing_ok=True)
+        old = read_meta(self.index_dir)
+        if old is not None and old.get("build_key") == {**self.key, "decoder": self.dec.name} and not force:
+            try:
+                idx = load_index(self.index_dir)          # up to date only if it is whole
+            except IndexLoadError as e:
+                raise IndexLoadError(f"{e}; pass --force to rebuild") from e
+            if old.get("extras_key") == self.ekey:
+                _log(f"index in {self.index_dir} is up to date ({old.get('count')} images); --force rebuilds it")
+                return True
+            return reuse_embeddings(self.index_dir, self.corpus, old, self.towers, self.info, self.extras,
+                                    self.ekey, self.method, idx)
+        done = self.store.open(self.n_chunks, _log)
+        if done:
+            _log(f"resuming: {len(done)} of {self.n_chunks} chunks already built")
+        resumed = len(done)
+        for _ in range(self.MAX_PASSES):
+            self._drop_other_decoders()
+            pending = [c for c in range(self.n_chunks) if c not in self.store.decoders]
+            if not pending:
                 break
-            c = acc.pop(chunk)
-            emb = np.stack(c["emb"]) if c["emb"] else np.zeros((0, spec.embed_dim), np.float16)
-            store.save(chunk, np.asarray(c["rows"], np.int64), emb, c["failed"])
-            saved += 1
-            if bar.mode != "bar":
-                _log(f"chunk {chunk + 1}/{n_chunks} done")
-            if stop_after_chunks and saved >= stop_after_chunks:
-                bar.close()
-                _log(f"stopping after {saved} chunks, as asked (resumable)")
+            if not self._embed(pending):
                 return False
-    bar.close()
-    if towers.device.type == "cuda":
-        import torch
+        else:
+            if any(d != self.dec.name for d in self.store.decoders.values()):
+                raise IndexLoadError(f"the decoder kept changing while building ({self.dec.name} now); "
+                                     "run the build again")
+        return self._commit(resumed)
 
-        torch.cuda.synchronize()
-    t_embed = time.perf_counter() - t0
-    rows, emb, failed = store.load(range(n_chunks))
-    ids = [records[i].image_id for i in rows.tolist()]
-    rate = embedded / t_embed if t_embed > 0 else 0.0
-    meta = {"build_key": key, "model": model_record(info), "clip_spec": spec.to_dict(), "method": method,
-            "decoder": dec.name, "device": towers.device.type, "precision": towers.precision,
-            "records": {"path": str(corpus / "records.jsonl"), "sha256": records_sha, "usable": len(records)},
-            "corpus": str(corpus.resolve()), "confine_to_corpus": confine_to_corpus,
-            "unreadable": failed, "counts": {"records": len(records), "indexed": len(ids), "unreadable": len(failed)},
-            "timing": {"load_s": round(t_loaded - t_start, 3), "embed_s": round(t_embed, 3),
-                       "images_embedded_this_run": embedded, "images_per_s": round(rate, 2),
-                       "resumed_chunks": len(done)}}
-    if not commit_with_extras(index_dir, emb, ids, meta, towers, info, extras, ekey):
-        return False
-    store.clear()
-    _log(f"index: {len(ids)} images, {len(failed)} unreadable, dim {spec.embed_dim} -> {index_dir}")
-    _log(f"embedded {embedded} images in {t_embed:.2f} s: {rate:.1f} images/s "
-         f"(decoder {dec.name}, {towers.device.type} {towers.precision}; model load {t_loaded - t_start:.2f} s)")
-    return True
+    def _drop_other_decoders(self) -> None:
+        """Chunks decoded by another decoder than the one decoding now are rebuilt (one line):
+        an index's rows all come from the decoder its meta.json and build key name."""
+        other = sorted(c for c, d in self.store.decoders.items() if d != self.dec.name)
+        if other:
+            was = sorted({self.store.decoders[c] for c in other})
+            _log(f"rebuilding {len(other)} of {self.n_chunks} chunks decoded with {', '.join(was)}: "
+                 f"this build decodes with {self.dec.name}")
+            for c in other:
+                self.store.drop(c)
+
+    def _embed(self, chunks: list[int]) -> bool:
+        """Embed and save `chunks`; False when stopped as asked (stop_after_chunks)."""
+        import numpy as np
+
+        from engine.progress import Progress
+        from engine.retrieval.embed import embed_images
+
+        records, size = self.records, self.chunk_size
+        pending = [i for c in chunks for i in range(c * size, min((c + 1) * size, len(records)))]
+        bar = Progress(len(records), "[cir_build] embedding", unit="images", initial=len(records) - len(pending))
+        acc: dict[int, dict] = {}      # chunk -> {"rows", "emb", "failed", "decoders", "seen"}
+        t0 = time.perf_counter()
+        for b in embed_images(self.read, pending, self.dec, self.towers.encode_images, self.batch_size,
+                              self.readers):
+            k = 0
+            for j, item in enumerate(b.items):
+                c = acc.setdefault(item // size, {"rows": [], "emb": [], "failed": [], "decoders": set(), "seen": 0})
+                c["seen"] += 1
+                c["decoders"].add(b.decoders[j])
+                if b.ok[j]:
+                    c["rows"].append(item)
+                    c["emb"].append(b.emb[k])
+                    k += 1
+                else:
+                    r = records[item]
+                    c["failed"].append({"image_id": r.image_id, "path": r.path, "line": r.line,
+                                        "reason": b.failed[item]})
+                    _log(f"unreadable image {r.image_id!r} ({r.path}, records line {r.line}): {b.failed[item]}")
+            self.embedded += k
+            bar.update(len(b.items))
+            for chunk in sorted(acc):
+                if acc[chunk]["seen"] < min(size, len(records) - chunk * size):
+                    break
+                c = acc.pop(chunk)
+                emb = np.stack(c["emb"]) if c["emb"] else np.zeros((0, self.towers.spec.embed_dim), np.float16)
+                self.store.save(chunk, np.asarray(c["rows"], np.int64), emb, c["failed"],
+                                "+".join(sorted(c["decoders"])))
+                self.saved += 1
+                if bar.mode != "bar":
+                    _log(f"chunk {chunk + 1}/{self.n_chunks} done")
+                if self.stop_after and self.saved >= self.stop_after:
+                    bar.close()
+                    _log(f"stopping after {self.saved} chunks, as asked (resumable)")
+                    return False
+        bar.close()
+        if self.towers.device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize()
+        self.t_embed += time.perf_counter() - t0
+        return True
+
+    def _commit(self, resumed: int) -> bool:
+        towers, spec, dec = self.towers, self.towers.spec, self.dec
+        rows, emb, failed = self.store.load(range(self.n_chunks))
+        ids = [self.records[i].image_id for i in rows.tolist()]
+        rate = self.embedded / self.t_embed if self.t_embed > 0 else 0.0
+        key = {**self.key, "decoder": dec.name}   # every chunk's decoder (_drop_other_decoders saw to it)
+        meta = {"build_key": key, "model": model_record(self.info), "clip_spec": spec.to_dict(),
+                "method": self.method, "decoder": key["decoder"], "device": towers.device.type,
+                "precision": towers.precision,
+                "records": {"path": str(self.corpus / "records.jsonl"), "sha256": self.records_sha,
+                            "usable": len(self.records)},
+                "corpus": str(self.corpus.resolve()), "confine_to_corpus": self.confine, "unreadable": failed,
+                "counts": {"records": len(self.records), "indexed": len(ids), "unreadable": len(failed)},
+                "timing": {"load_s": round(self.t_loaded - self.t_start, 3), "embed_s": round(self.t_embed, 3),
+                           "images_embedded_this_run": self.embedded, "images_per_s": round(rate, 2),
+                           "resumed_chunks": resumed}}
+        if not commit_with_extras(self.index_dir, emb, ids, meta, towers, self.info, self.extras, self.ekey):
+            return False
+        self.store.clear()
+        _log(f"index: {len(ids)} images, {len(failed)} unreadable, dim {spec.embed_dim} -> {self.index_dir}")
+        _log(f"embedded {self.embedded} images in {self.t_embed:.2f} s: {rate:.1f} images/s "
+             f"(decoder {dec.name}, {towers.device.type} {towers.precision}; "
+             f"model load {self.t_loaded - self.t_start:.2f} s)")
+        return True
 
 
 def commit_with_extras(index_dir: Path, emb, ids: list, meta: dict, towers, info: dict, extras, ekey: dict) -> bool:
@@ -165,17 +244,19 @@ def store_kernels(index_dir: Path) -> dict:
 
 
 def reuse_embeddings(index_dir: Path, corpus: Path, old: dict, towers, info: dict, extras, ekey: dict,
-                     method: dict) -> bool:
+                     method: dict, idx=None) -> bool:
     """The embeddings are up to date but the extras or the recorded method differ: redo only those.
-    IndexLoadError (naming --force) when the index in place cannot be read."""
+    `idx`: the index in place, verified (default: loaded here). IndexLoadError (naming --force)
+    when it cannot be read."""
     import numpy as np
 
     from engine.retrieval.index import BUILD_DIR, IndexLoadError, load_index
 
-    try:
-        idx = load_index(index_dir)
-    except IndexLoadError as e:
-        raise IndexLoadError(f"{e}; pass --force to rebuild") from e
+    if idx is None:
+        try:
+            idx = load_index(index_dir)
+        except IndexLoadError as e:
+            raise IndexLoadError(f"{e}; pass --force to rebuild") from e
     _log(f"embeddings in {index_dir} are up to date; recomputing the extras only")
     keep = ("build_key", "model", "clip_spec", "decoder", "device", "precision", "records", "corpus",
             "confine_to_corpus", "unreadable", "counts", "timing")

@@ -1,6 +1,6 @@
-"""The retrieval gallery index on disk: chunked while building, committed by one rename.
+"""The retrieval gallery index on disk: chunked while building, verified when opened, committed by one rename.
 
-    INDEX_DIR/meta.json                     the commit record (written last, by rename)
+    INDEX_DIR/meta.json                     the commit record: the one pointer a reader resolves
     INDEX_DIR/embeddings-<build>.f16.npy    [N, D] float16, L2-normalised rows
     INDEX_DIR/ids-<build>.json              [N] image ids (as given: str or int), row order
     INDEX_DIR/<extra>-<build>.<ext>         optional build-time extras named in meta.json `files`
@@ -8,37 +8,61 @@
     INDEX_DIR/kernels/topk.json, topk-sm<arch>.cubin   the top-k kernel compiled at build time
                                             (CUDA + CuPy builds; kernels.topk.store_compiled,
                                             recorded in meta.json `kernels`)
+    INDEX_DIR/.lock                         flock'ed by the one build writing this index (its pid inside)
     INDEX_DIR/.build/progress.json          resume key of an unfinished build
-    INDEX_DIR/.build/chunk-000012.npz       finished chunks (each written to a temp name, renamed)
+    INDEX_DIR/.build/chunk-000012.npz       finished chunks (each written to a temp name, renamed) ...
+    INDEX_DIR/.build/chunk-000012.json      ... and each one's record: sha256 of its bytes, its decoder
 
-Everything temporary lives inside INDEX_DIR (its parent may be read-only). meta.json
-names the data files of its build, so a rebuild writes new files beside the old ones
-and a reader sees either the old index or the new one, never a mix; the old files are
-deleted only after the new meta.json is in place.
+Commit: the data files of a build get new names (never rewritten in place); then meta.json,
+naming them with their sha256, replaces the old one by one os.replace: that rename is the
+switch, and the previous build's files are deleted after it. A reader reads meta.json once
+and then the files it names; a file that vanished meanwhile (a commit switched and deleted
+it) sends the reader back to the new meta.json (at most READ_TRIES times), so a reader sees
+the old index or the new one, never a mix and never a gap. Everything temporary lives
+inside INDEX_DIR (its parent may be read-only); temp files are created with O_EXCL under a
+random name.
+
+Integrity: opening an index reads each file once, hashes the bytes it read against
+meta.json's sha256 and parses those same bytes; the embedding rows must be finite with
+|norm - 1| < NORM_TOL and the ids distinct (as strings). Anything else is one
+IndexLoadError naming the file. Chunks of an unfinished build are hashed the same way on
+resume and at the end; a bad one is rebuilt.
 """
 from __future__ import annotations
 
+import errno
+import fcntl
+import hashlib
 import io
 import json
 import os
+import secrets
 import shutil
-import sys
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from engine.io import write_atomic
-
 FORMAT = "cir-index/1"
 BUILD_DIR = ".build"
+LOCK_FILE = ".lock"
 EXTRA_FILES = ("pic2word", "text_bank", "dba")   # optional data files (engine.retrieval.extras)
 KERNEL_DIR = "kernels"   # compiled kernels the query run loads instead of compiling (kernels.topk)
+# A unit FP32 row rounded to FP16 moves its norm by at most 2**-11 (~4.9e-4, round to nearest):
+# 1e-2 is 20 times that, and far below what a damaged row shows (0 for a zeroed row, NaN, 1e4).
+NORM_TOL = 1e-2
+READ_TRIES = 8           # a reader racing commits re-resolves meta.json at most this often
+MAX_FILE = 1 << 40       # index files are read whole; this only keeps read_regular's bound sane
+REBUILD = "rebuild it with scripts/build.sh --force"
 
 
 class IndexLoadError(RuntimeError):
     """The index directory holds no usable index; the message says what is wrong."""
+
+
+class IndexBusyError(IndexLoadError):
+    """Another build holds the index directory's lock."""
 
 
 def _npy_bytes(arr: np.ndarray) -> bytes:
@@ -47,12 +71,49 @@ def _npy_bytes(arr: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
+def npy_from_bytes(data: bytes) -> np.ndarray:
+    """The array of an .npy file's bytes, without copying them (read-only); ValueError when malformed."""
+    f = io.BytesIO(data)
+    version = np.lib.format.read_magic(f)
+    header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    shape, fortran, dtype = header(f)
+    if dtype.hasobject or fortran:
+        raise ValueError("not a plain C-order array")
+    count = int(np.prod(shape, dtype=np.int64))
+    if len(data) - f.tell() != count * dtype.itemsize:
+        raise ValueError(f"{len(data) - f.tell()} data bytes for shape {shape} {dtype}")
+    return np.frombuffer(data, dtype, count=count, offset=f.tell()).reshape(shape)
+
+
+def bad_row(emb: np.ndarray, block: int = 1024) -> int | None:
+    """First row of emb [N, D] that is not finite with |norm - 1| < NORM_TOL, or None.
+    FP32 blocks of 1024 rows stay in cache (measured faster than 16384 at [125000, 768]);
+    NaN and inf fail the comparison too."""
+    for lo in range(0, len(emb), block):
+        x = np.asarray(emb[lo:lo + block], np.float32)
+        norms = np.sqrt(np.einsum("ij,ij->i", x, x))          # [b]
+        bad = np.flatnonzero(~(np.abs(norms - 1.0) < NORM_TOL))
+        if len(bad):
+            return lo + int(bad[0])
+    return None
+
+
+def duplicate_id(ids: list):
+    """An id that occurs twice (compared as strings, as Index.rows does), or None."""
+    seen: set[str] = set()
+    for i in ids:
+        if str(i) in seen:
+            return i
+        seen.add(str(i))
+    return None
+
+
 @dataclass
 class Index:
     dir: Path
     meta: dict
     ids: list                 # [N] image ids as the records gave them
-    emb: np.ndarray           # [N, D] float16, memory-mapped
+    emb: np.ndarray           # [N, D] float16, read-only, verified against meta.json
 
     def extra(self, name: str) -> Path | None:
         """Path of an optional build-time data file (EXTRA_FILES), or None when this build has none."""
@@ -75,9 +136,8 @@ def _read_json_file(path: Path):
     return parse_line(read_input(path).decode("utf-8"))
 
 
-def load_index(index_dir: str | os.PathLike) -> Index:
-    """The committed index of `index_dir`; IndexLoadError names what is missing or inconsistent."""
-    d = Path(index_dir)
+def _read_meta_checked(d: Path) -> dict:
+    """meta.json of `d`, its shape checked (files, count, dim); IndexLoadError otherwise."""
     meta_path = d / "meta.json"
     if not meta_path.is_file():
         extra = " (an unfinished build is there: run scripts/build.sh again to finish it)" \
@@ -96,21 +156,80 @@ def load_index(index_dir: str | os.PathLike) -> Index:
             or not all(_plain_name(v) for v in files.values()) or not isinstance(n, int) or not isinstance(dim, int):
         raise IndexLoadError(f"{meta_path}: malformed: needs files.embeddings / files.ids (plain file names), "
                              "count and dim")
-    try:
-        for k in ("embeddings", "ids"):
-            if not (d / files[k]).is_file():   # never open a FIFO or a device
-                raise OSError(f"{d / files[k]} is missing or not a regular file")
-        emb = np.load(d / files["embeddings"], mmap_mode="r", allow_pickle=False)
-        ids = _read_json_file(d / files["ids"])
-    except (OSError, ValueError, EOFError) as e:
-        raise IndexLoadError(f"{d}: index files named by meta.json are unreadable ({e})") from e
-    from engine.retrieval.jsonl import is_id
+    return meta
 
-    if not isinstance(emb, np.ndarray) or not isinstance(ids, list) or not all(is_id(i) for i in ids):
-        raise IndexLoadError(f"{d}: the embeddings are not an array or the ids not a list of ids")
+
+def _read_files(d: Path, meta: dict) -> dict[str, bytes]:
+    """{name: bytes} of every file meta.json names, each read once. FileNotFoundError passes
+    through (the caller re-resolves meta.json); IndexLoadError for anything else."""
+    from engine.io import read_regular
+
+    out = {}
+    for name, fname in meta["files"].items():
+        try:
+            out[name] = read_regular(d / fname, MAX_FILE, follow=True)
+        except FileNotFoundError:
+            raise
+        except (OSError, ValueError) as e:
+            raise IndexLoadError(f"{d}: index files named by meta.json are unreadable ({e}); {REBUILD}") from e
+    return out
+
+
+def _digests(blobs: dict[str, bytes]) -> dict[str, str]:
+    return {name: hashlib.sha256(data).hexdigest() for name, data in blobs.items()}
+
+
+def _check_digests(d: Path, meta: dict, got: dict[str, str]) -> None:
+    """Each file's sha256 (of its bytes as read, once) against meta.json's; IndexLoadError naming
+    the first that differs."""
+    digests = meta.get("sha256")
+    if not isinstance(digests, dict):
+        raise IndexLoadError(f"{d / 'meta.json'}: records no sha256 of its files; {REBUILD}")
+    for name, digest in got.items():
+        if digest != digests.get(name):
+            raise IndexLoadError(f"{d / meta['files'][name]}: sha256 differs from meta.json's (the file is damaged "
+                                 f"or from another build); {REBUILD}")
+
+
+def load_index(index_dir: str | os.PathLike, verify: bool = True) -> Index:
+    """The committed index of `index_dir`, every file verified (verify=False skips the digests and
+    row checks: for measuring their cost); IndexLoadError names what is missing or inconsistent."""
+    d = Path(index_dir)
+    for attempt in range(READ_TRIES):
+        meta = _read_meta_checked(d)
+        try:
+            blobs = _read_files(d, meta)
+            break
+        except FileNotFoundError as e:
+            again = _read_meta_checked(d)
+            if again.get("build_id") == meta.get("build_id") or attempt == READ_TRIES - 1:
+                raise IndexLoadError(f"{d}: index files named by meta.json are unreadable ({e}); {REBUILD}") from e
+    return _parse(d, meta, blobs, verify)
+
+
+def _parse(d: Path, meta: dict, blobs: dict[str, bytes], verify: bool) -> Index:
+    from engine.retrieval.jsonl import is_id, parse_line
+
+    files, n, dim = meta["files"], meta["count"], meta["dim"]
+    try:
+        emb = npy_from_bytes(blobs["embeddings"])
+        ids = parse_line(blobs["ids"].decode("utf-8"))
+    except (ValueError, EOFError) as e:
+        raise IndexLoadError(f"{d}: index files named by meta.json are unreadable ({e}); {REBUILD}") from e
+    if not isinstance(ids, list) or not all(is_id(i) for i in ids):
+        raise IndexLoadError(f"{d / files['ids']}: not a list of ids; {REBUILD}")
     if emb.shape != (n, dim) or emb.dtype != np.float16 or len(ids) != n:
         raise IndexLoadError(f"{d}: embeddings {emb.shape} {emb.dtype} / {len(ids)} ids do not match "
                              f"meta.json count {n} dim {dim}")
+    if verify:
+        _check_digests(d, meta, _digests(blobs))
+        row, dup = bad_row(emb), duplicate_id(ids)
+        if row is not None:
+            norm = float(np.linalg.norm(np.asarray(emb[row], np.float32)))
+            raise IndexLoadError(f"{d / files['embeddings']}: row {row} has norm {norm:.4g}, not a finite unit "
+                                 f"row (|norm - 1| < {NORM_TOL}); {REBUILD}")
+        if dup is not None:
+            raise IndexLoadError(f"{d / files['ids']}: image id {dup!r} occurs twice; {REBUILD}")
     return Index(d, meta, ids, emb)
 
 
@@ -123,18 +242,77 @@ def read_meta(index_dir: Path) -> dict | None:
     return meta if isinstance(meta, dict) else None
 
 
+def write_new(path: Path, data: bytes) -> None:
+    """Write `data` to `path` through a temp file of a random name created with O_EXCL (never
+    another writer's), fsync, rename: a crash never leaves a file at `path` that looks complete."""
+    tmp = path.with_name(f".tmp-{path.name}-{secrets.token_hex(6)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+class BuildLock:
+    """`with BuildLock(index_dir):` holds INDEX_DIR/.lock (flock, exclusive) for a build's life;
+    IndexBusyError naming the holder's pid when another build has it. The kernel drops the lock
+    when the holder exits, however it exits; the file stays (removing it would race a waiter)."""
+
+    def __init__(self, index_dir: Path):
+        self.path = Path(index_dir) / LOCK_FILE
+        self.fd: int | None = None
+
+    def __enter__(self) -> BuildLock:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise IndexBusyError(f"another build holds this index {self.path.parent} (pid {holder})") from None
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.fd = fd
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.fd is not None:
+            os.close(self.fd)         # closing the descriptor releases the flock
+            self.fd = None
+
+
+def _chunk_bytes(rows: np.ndarray, emb: np.ndarray, failed: list[dict]) -> bytes:
+    buf = io.BytesIO()
+    np.savez(buf, rows=rows.astype(np.int64), emb=emb.astype(np.float16),
+             failed=np.frombuffer(json.dumps(failed).encode(), np.uint8))
+    return buf.getvalue()
+
+
 class ChunkStore:
-    """Finished chunks of one build key under INDEX_DIR/.build/."""
+    """Finished chunks of one build key under INDEX_DIR/.build/; each chunk's record names the
+    decoder that decoded it (the build key holds everything else that decides its rows)."""
 
     def __init__(self, index_dir: Path, key: dict):
         self.dir = index_dir / BUILD_DIR
         self.key = key
+        self.decoders: dict[int, str] = {}        # chunk -> decoder, of the chunks on disk
 
     def path(self, chunk: int) -> Path:
         return self.dir / f"chunk-{chunk:06d}.npz"
 
-    def open(self) -> set[int]:
-        """Chunks already done for this key; chunks of another key are discarded (said on stderr)."""
+    def record_path(self, chunk: int) -> Path:
+        return self.dir / f"chunk-{chunk:06d}.json"
+
+    def open(self, n_chunks: int, log) -> dict[int, str]:
+        """{chunk: decoder} of the chunks already done for this key, each verified against its
+        record; chunks of another key are discarded, a bad chunk is dropped (each said via `log`)."""
         prog = self.dir / "progress.json"
         old = None
         if prog.is_file():
@@ -143,36 +321,74 @@ class ChunkStore:
                 old = old.get("key") if isinstance(old, dict) else None
                 old = old if isinstance(old, dict) else None
             except (OSError, ValueError) as e:
-                print(f"[cir_build] {prog} unreadable ({e}); starting the build over", file=sys.stderr)
+                log(f"{prog} unreadable ({e}); starting the build over")
         if old is not None and old != self.key:
             changed = sorted(k for k in set(old) | set(self.key) if old.get(k) != self.key.get(k))
-            print(f"[cir_build] discarding the unfinished build in {self.dir}: {', '.join(changed)} changed",
-                  file=sys.stderr)
+            log(f"discarding the unfinished build in {self.dir}: {', '.join(changed)} changed")
         if old != self.key:
             shutil.rmtree(self.dir, ignore_errors=True)
             self.dir.mkdir(parents=True)
-            write_atomic(prog, json.dumps({"key": self.key}, indent=1).encode())
-            return set()
-        return {int(p.stem.split("-")[1]) for p in self.dir.glob("chunk-*.npz")}
+            write_new(prog, json.dumps({"key": self.key}, indent=1).encode())
+            return {}
+        for tmp in self.dir.glob(".tmp-*"):       # left by a killed writer (the lock says none is running)
+            tmp.unlink(missing_ok=True)
+        for c in range(n_chunks):
+            if self.path(c).exists() or self.record_path(c).exists():
+                why = self._check(c)
+                if why is None:
+                    continue
+                log(f"chunk {c + 1}/{n_chunks} ({self.path(c).name}): {why}; rebuilding it")
+                self.drop(c)
+        return dict(self.decoders)
 
-    def save(self, chunk: int, rows: np.ndarray, emb: np.ndarray, failed: list[dict]) -> None:
-        """rows: [m] int64 record numbers; emb: [m, D] float16; failed: unreadable records of the chunk."""
-        buf = io.BytesIO()
-        np.savez(buf, rows=rows.astype(np.int64), emb=emb.astype(np.float16),
-                 failed=np.frombuffer(json.dumps(failed).encode(), np.uint8))
-        write_atomic(self.path(chunk), buf.getvalue())
+    def _check(self, c: int) -> str | None:
+        """Why chunk `c` cannot be kept (None: it can; its decoder is then in self.decoders)."""
+        try:
+            rec = _read_json_file(self.record_path(c))
+            data = self.path(c).read_bytes()
+        except (OSError, ValueError) as e:
+            return f"unreadable ({type(e).__name__}: {e})"
+        if not isinstance(rec, dict) or not isinstance(rec.get("decoder"), str):
+            return "its record is malformed"
+        if hashlib.sha256(data).hexdigest() != rec.get("sha256"):
+            return f"sha256 differs from its record ({len(data)} bytes; the record says {rec.get('bytes')})"
+        self.decoders[c] = rec["decoder"]
+        return None
+
+    def drop(self, chunk: int) -> None:
+        self.record_path(chunk).unlink(missing_ok=True)
+        self.path(chunk).unlink(missing_ok=True)
+        self.decoders.pop(chunk, None)
+
+    def save(self, chunk: int, rows: np.ndarray, emb: np.ndarray, failed: list[dict], decoder: str) -> None:
+        """rows: [m] int64 record numbers; emb: [m, D] float16; failed: unreadable records of the chunk;
+        decoder: the one that decoded its images. The chunk, then its record (with its sha256)."""
+        data = _chunk_bytes(rows, emb, failed)
+        self.record_path(chunk).unlink(missing_ok=True)   # no record names the bytes until they are whole
+        write_new(self.path(chunk), data)
+        rec = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data), "decoder": decoder,
+               "rows": int(len(rows))}
+        write_new(self.record_path(chunk), json.dumps(rec).encode())
+        self.decoders[chunk] = decoder
 
     def load(self, chunks: range) -> tuple[np.ndarray, np.ndarray, list[dict]]:
-        """Concatenated (rows [N], emb [N, D], failed) of `chunks`, in chunk order."""
+        """Concatenated (rows [N], emb [N, D], failed) of `chunks`, in chunk order, each chunk's bytes
+        hashed against its record as they are read."""
+        import zipfile
+
         rows, embs, failed = [], [], []
         for c in chunks:
             try:
-                with np.load(self.path(c), allow_pickle=False) as z:
+                rec = _read_json_file(self.record_path(c))
+                data = self.path(c).read_bytes()
+                if not isinstance(rec, dict) or hashlib.sha256(data).hexdigest() != rec.get("sha256"):
+                    raise ValueError("sha256 differs from its record")
+                with np.load(io.BytesIO(data), allow_pickle=False) as z:
                     rows.append(z["rows"])
                     if len(z["rows"]):
                         embs.append(z["emb"])
                     failed += json.loads(z["failed"].tobytes().decode())
-            except (OSError, ValueError, KeyError, EOFError) as e:
+            except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
                 raise IndexLoadError(f"{self.path(c)}: unreadable chunk ({type(e).__name__}: {e}); "
                                      "pass --force to rebuild") from e
         dim = self.key.get("embed_dim", 0)
@@ -185,23 +401,29 @@ class ChunkStore:
 
 def commit(index_dir: Path, emb: np.ndarray, ids: list, meta: dict,
            extras: dict[str, tuple[str, bytes]] | None = None) -> dict:
-    """Write the data files under fresh names, then meta.json (the commit), then drop old files.
-    `extras`: {name in EXTRA_FILES: (suffix, bytes)}, written as NAME-<build>SUFFIX."""
-    import hashlib
-
+    """Write the data files under fresh names, then meta.json (the commit, one rename), then drop
+    the previous build's files. `extras`: {name in EXTRA_FILES: (suffix, bytes)}, written as
+    NAME-<build>SUFFIX. ValueError (nothing written) for rows that are not finite unit rows or an
+    id given twice: an index is checked as it is written, as it is when read."""
+    emb = np.ascontiguousarray(emb, np.float16)
+    row = bad_row(emb)
+    if row is not None:
+        raise ValueError(f"row {row} of the embeddings is not a finite unit row (|norm - 1| < {NORM_TOL})")
+    if duplicate_id(ids) is not None:
+        raise ValueError(f"image id {duplicate_id(ids)!r} occurs twice")
     build = uuid.uuid4().hex[:12]
     files = {"embeddings": f"embeddings-{build}.f16.npy", "ids": f"ids-{build}.json"}
-    blobs = {"embeddings": _npy_bytes(np.ascontiguousarray(emb, np.float16)), "ids": json.dumps(ids).encode()}
+    blobs = {"embeddings": _npy_bytes(emb), "ids": json.dumps(ids).encode()}
     for name, (suffix, data) in (extras or {}).items():
         if name not in EXTRA_FILES:
             raise ValueError(f"unknown index extra {name!r} (one of {EXTRA_FILES})")
         files[name], blobs[name] = f"{name}-{build}{suffix}", data
     for name, data in blobs.items():
-        write_atomic(index_dir / files[name], data)
+        write_new(index_dir / files[name], data)
     meta = {"format": FORMAT, "build_id": build, "files": files, "count": int(emb.shape[0]),
             "dim": int(emb.shape[1]),
             "sha256": {name: hashlib.sha256(data).hexdigest() for name, data in blobs.items()}, **meta}
-    write_atomic(index_dir / "meta.json", (json.dumps(meta, indent=1) + "\n").encode())
+    write_new(index_dir / "meta.json", (json.dumps(meta, indent=1) + "\n").encode())   # the switch
     keep = set(files.values())
     old = [index_dir.glob(f"{name}-*") for name in ("embeddings", "ids", *EXTRA_FILES)]
     for p in (q for g in old for q in g):

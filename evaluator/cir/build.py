@@ -145,9 +145,11 @@ def parse_args(argv: list[str] | None) -> BuildConfig:
 def main(argv: list[str] | None = None, stop_after_chunks: int = 0, p2w_stop_after: int = 0) -> int:
     """scripts/build.sh. The stop_* arguments end the build early, as an interruption would (resumable)."""
     from engine.cli import guard
+    from evaluator.cir.run import interrupt_ends
 
-    return guard(PROG, lambda: _main(argv, stop_after_chunks, p2w_stop_after),
-                 debug=bool(argv and "--debug" in argv))
+    with interrupt_ends(PROG, "finished chunks are kept; the same command resumes the build"):
+        return guard(PROG, lambda: _main(argv, stop_after_chunks, p2w_stop_after),
+                     debug=bool(argv and "--debug" in argv))
 
 
 def _main(argv: list[str] | None, stop_after_chunks: int, p2w_stop_after: int) -> int:

@@ -20,6 +20,7 @@ the corpus, absolute as is, symlinks too) unless --confine-to-corpus or a confin
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -120,7 +121,38 @@ def main(argv: list[str] | None = None, on_row=None) -> int:
     """scripts/run.sh. `on_row(n)` is called after the n-th row is written and flushed."""
     from engine.cli import guard
 
-    return guard(PROG, lambda: _main(argv, on_row), debug=bool(argv and "--debug" in argv))
+    with interrupt_ends(PROG, "every row written so far is kept; the same command resumes"):
+        return guard(PROG, lambda: _main(argv, on_row), debug=bool(argv and "--debug" in argv))
+
+
+INTERRUPTED = 130   # exit status after SIGINT, as a shell reports a process it ended
+
+
+@contextlib.contextmanager
+def interrupt_ends(prog: str, kept: str):
+    """SIGINT ends the command as SIGTERM does (its default action: at once, no teardown): one
+    line on stderr, then os._exit(INTERRUPTED). What is finished is already on disk (each row is
+    flushed as it is written; each chunk renamed into place), and a KeyboardInterrupt unwinding
+    through the decode threads and the decoder process would take seconds and print a traceback.
+    The previous handler comes back on leaving (in-process callers, tests)."""
+    import signal
+    import threading
+
+    def leave(signum, frame):
+        try:
+            sys.stderr.write(f"{prog}: interrupted (SIGINT): {kept}\n")
+            sys.stderr.flush()
+        finally:
+            os._exit(INTERRUPTED)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, leave)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _main(argv: list[str] | None, on_row) -> int:

@@ -4,7 +4,7 @@
         [--device cpu|cuda] [--methods slerp,slerp+qbnorm,...] [--repeat 3] [--json OUT.json]
 
 One call = what scripts/run.sh does after the CLIP is loaded: load the committed index
-(memory-mapped FP16 rows), read the requests file, build engine.retrieval.query.QueryPipeline,
+(FP16 rows, read once and verified), read the requests file, build engine.retrieval.query.QueryPipeline,
 `prepare` (bank statistics), and `evaluator.cir.run.answer` (compose, score, top 50, one
 flushed JSONL row per request). Only the CLIP towers are left out: the text side is
 generated unit rows looked up by prompt (`GeneratedTowers`), so the figures are the
