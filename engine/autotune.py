@@ -33,10 +33,12 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-TIE = 0.03          # rates within 3 % of the fastest are a tie (timing noise): the simpler one wins
+from engine.autotune_retime import RETIME, ROUNDS, TIE, faster  # noqa: F401 - TIE, RETIME: the search's rules
+
 PRUNE = 0.6         # a (precision, batch) screened under 60 % of the best is not compiled (unless it is
                     # its precision's best)
 SIMPLER = {"fp32": 0, "bf16": 1, "fp16": 2, "fp8": 3}
+KEEP = 2            # candidates that hold and keep their compiled files for the build's verification
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +78,7 @@ class Trial:
     estimated_per_10k: float | None = None
     seconds: float = 0.0
     guard: dict | None = None                    # choose_tau's record (low precision), for the artifact
+    timings: list[float] = dataclasses.field(default_factory=list)   # every images/s timing of the graph
 
     def row(self) -> dict:
         c = self.candidate
@@ -86,6 +89,8 @@ class Trial:
             v = getattr(self, k)
             if v not in (None, ""):
                 out[k] = round(v, 6) if isinstance(v, float) else v
+        if self.timings:
+            out["timings"] = [round(x, 3) for x in self.timings]
         out["seconds"] = round(self.seconds, 2)
         return out
 
@@ -117,6 +122,8 @@ class Measurer(Protocol):
     def agree(self, handle, cand: Candidate) -> Agreement:
         """The candidate on the calibration images against the FP32 graph, with its guard."""
 
+    # optional: `discard(handle)` removes a losing candidate's files (the search calls it when it has one)
+
 
 @dataclasses.dataclass
 class SearchConfig:
@@ -129,6 +136,7 @@ class SearchConfig:
     options_backends: tuple[str, ...] = ()    # the backends that take those options
     cuda_graphs: tuple[bool, ...] = (False,)  # on CUDA: (True, False)
     compiled: tuple[str, ...] = ()  # backends whose build compiles (budgeted by their compile time)
+    compile_estimate_s: float = 0.0  # one compile's seconds before one is measured (0: the first always starts)
 
 
 @dataclasses.dataclass
@@ -138,6 +146,7 @@ class SearchResult:
     skipped: dict[str, str]         # precisions (or backends) not measured, and why
     seconds: float
     handles: dict                   # candidate name -> compiled handle (the build reuses the chosen one's files)
+    dropped: dict[str, str] = dataclasses.field(default_factory=dict)   # backends dropped, and why
 
     def table(self) -> list[dict]:
         return [t.row() for t in self.trials]
@@ -148,15 +157,36 @@ def _say(msg: str) -> None:
 
 
 def search(m: Measurer, cfg: SearchConfig, skipped: dict[str, str] | None = None,
-           clock: Callable[[], float] = time.perf_counter) -> SearchResult:
-    """Screen, compile what could win within the budget, time, check agreement, rank."""
-    from engine.backends import REFERENCE
+           clock: Callable[[], float] = time.perf_counter, deadline=None, disk=None) -> SearchResult:
+    """Screen, compile what could win within the time left, time (retiming what is within reach of the
+    leader), check agreement, confirm the leaders, rank. `deadline`: an engine.build_clock.SearchDeadline
+    (default: cfg.budget_s on `clock`); `disk`: an engine.build_disk.WorkDisk, checked before each compile."""
+    from engine.autotune_search import Run
+    from engine.build_clock import SearchDeadline
 
     t0 = clock()
-    left = lambda: cfg.budget_s - (clock() - t0)  # noqa: E731
+    deadline = deadline or SearchDeadline(cfg.budget_s, clock)
     trials: list[Trial] = []
-    handles: dict = {}
-    # 1. screen every (precision, batch) on the eager policy network
+    screened = _screen(m, cfg, trials, clock)
+    if not screened:
+        return SearchResult(trials, [], dict(skipped or {}), clock() - t0, {})
+    cands, compile_anyway = _candidates(cfg, screened)
+    run = Run(m, cfg, clock, deadline, disk, trials, cands)
+    best_screen = max(screened.values())
+    for c in cands:
+        rate = screened[(c.precision, c.batch_size)]
+        pruned = (c.precision, c.batch_size) not in compile_anyway and rate < PRUNE * best_screen
+        run.candidate(c, rate, f"screened at {rate:.1f} images/s, under {PRUNE:.0%} of the best" if pruned else "")
+    ranked = run.finish()
+    if ranked:
+        mark(trials, ranked[0])
+    return SearchResult(trials, ranked, dict(skipped or {}), clock() - t0, run.handles, dict(run.dropped))
+
+
+def _screen(m: Measurer, cfg: SearchConfig, trials: list[Trial], clock) -> dict[tuple[str, int], float]:
+    """Every (precision, batch) once on the eager policy network: {(precision, batch): images/s}."""
+    from engine.backends import REFERENCE
+
     screened: dict[tuple[str, int], float] = {}
     for p in cfg.precisions:
         for b in cfg.batch_sizes:
@@ -167,10 +197,13 @@ def search(m: Measurer, cfg: SearchConfig, skipped: dict[str, str] | None = None
                 why = _why(e)
                 _say(f"autotune: {p} batch {b}: screen failed ({why}); not a candidate")
                 trials.append(Trial(Candidate(p, b, REFERENCE), "failed", f"screen: {why}", seconds=clock() - t))
-    if not screened:
-        return SearchResult(trials, [], dict(skipped or {}), clock() - t0, handles)
-    best_screen = max(screened.values())
-    # 2. the candidates, most promising first: per backend, (precision, batch) by screened rate
+    return screened
+
+
+def _candidates(cfg: SearchConfig, screened: dict) -> tuple[list[Candidate], set]:
+    """The candidates, most promising first (per backend, (precision, batch) by screened rate), and the
+    (precision, batch) pairs compiled whatever their eager rate: each precision's best-screened batch
+    (a compiled graph can rank precisions differently from eager)."""
     order = sorted(screened, key=lambda k: -screened[k])
     cands: list[Candidate] = []
     for be in cfg.backends:
@@ -178,70 +211,13 @@ def search(m: Measurer, cfg: SearchConfig, skipped: dict[str, str] | None = None
             for g in (cfg.cuda_graphs if cfg.device == "cuda" else (False,)):
                 cands.append(Candidate(p, b, be, g))
     best_fp32 = next((k for k in order if k[0] == "fp32"), None)
-    # each precision's best-screened batch is compiled whatever its eager rate (a compiled graph can
-    # rank precisions differently from eager); the others only when they screen near the best
     leaders = {next(k for k in order if k[0] == p) for p in {k[0] for k in order}}
     for opt in cfg.options:
         if opt != "default" and best_fp32 is not None:
             for be in cfg.backends:
                 if be in cfg.options_backends:
                     cands.append(Candidate(best_fp32[0], best_fp32[1], be, False, opt))
-    compile_cost = 0.0       # the longest compile so far: a compile is started only when one fits
-    built: dict[tuple, object] = {}
-    for c in cands:
-        trial = Trial(c, screened_images_per_s=screened[(c.precision, c.batch_size)])
-        trials.append(trial)
-        rate = screened[(c.precision, c.batch_size)]
-        if (c.precision, c.batch_size) not in leaders and rate < PRUNE * best_screen:
-            trial.status, trial.why = "not compiled", f"screened at {rate:.1f} images/s, under {PRUNE:.0%} of the best"
-            continue
-        key = (c.precision, c.batch_size, c.backend, c.options)
-        t = clock()
-        if left() <= 0:
-            trial.status, trial.why = "not compiled", f"the search budget of {cfg.budget_s:.0f} s is spent"
-            continue
-        if key not in built:
-            if c.backend in cfg.compiled and left() < 1.5 * compile_cost:
-                trial.status, trial.why = "not compiled", f"{left():.0f} s of the search budget left"
-                continue
-            try:
-                built[key] = m.compile(c)
-            except Exception as e:  # noqa: BLE001 - a candidate that cannot build is skipped with its reason
-                built[key] = e
-            if c.backend in cfg.compiled:
-                compile_cost = max(compile_cost, clock() - t)
-        handle = built[key]
-        if isinstance(handle, Exception):
-            trial.status, trial.why = "failed", f"build: {_why(handle)}"
-            trial.seconds = clock() - t
-            _say(f"autotune: {c.name}: {trial.why}; skipped")
-            continue
-        try:
-            trial.images_per_s = m.time(handle, c)
-            # the fastest that holds with an exact rate (nothing re-checked): a candidate slower than it
-            # cannot win whatever its agreement, so the calibration set is not classified for it
-            lead = max((t for t in trials if t.status == "holds" and t.images_per_s and not t.rechecked_fraction),
-                       default=None, key=lambda t: t.images_per_s)
-            if lead is not None and trial.images_per_s < lead.images_per_s * (1 - TIE):
-                trial.status = "slower"
-                trial.why = (f"{trial.images_per_s:.1f} images/s on the graph, under {lead.images_per_s:.1f} of "
-                             f"{lead.candidate.name}: agreement not measured")
-                trial.seconds = clock() - t
-                continue
-        except Exception as e:  # noqa: BLE001 - capture or run failure: the next candidate
-            trial.status, trial.why = "failed", f"run: {_why(e)}"
-            trial.seconds = clock() - t
-            _say(f"autotune: {c.name}: {trial.why}; skipped")
-            continue
-        _judge(m, trial, handle, handles)
-        trial.seconds = clock() - t
-    _confirm(m, trials, built, cfg)
-    _readmit(m, trials, built, handles, cfg)
-    _effective_rates(trials)
-    ranked = rank(trials)
-    if ranked:
-        mark(trials, ranked[0])
-    return SearchResult(trials, ranked, dict(skipped or {}), clock() - t0, handles)
+    return cands, leaders
 
 
 def _judge(m: Measurer, trial: Trial, handle, handles: dict) -> None:
@@ -263,31 +239,6 @@ def _judge(m: Measurer, trial: Trial, handle, handles: dict) -> None:
     handles[c.name] = handle
 
 
-def _readmit(m: Measurer, trials: list[Trial], built: dict, handles: dict, cfg: SearchConfig) -> None:
-    """A candidate called slower than a lead whose first timing the confirmation lowered is judged
-    after all, and the leaders confirmed again: one disturbed timing of the lead prunes nothing."""
-    def leader() -> Trial | None:
-        return max((t for t in trials if t.status == "holds" and t.images_per_s and not t.rechecked_fraction),
-                   default=None, key=lambda t: t.images_per_s)
-
-    lead = leader()
-    if lead is None:
-        return
-    again = [t for t in trials if t.status == "slower" and t.images_per_s
-             and t.images_per_s >= lead.images_per_s * (1 - TIE)]
-    for t in again:
-        c = t.candidate
-        t.why = ""
-        _judge(m, t, built[(c.precision, c.batch_size, c.backend, c.options)], handles)
-    if again:
-        _confirm(m, trials, built, cfg)
-        lead = leader() or lead
-    for t in trials:   # the ones left slower name the leader as confirmed
-        if t.status == "slower" and t.images_per_s:
-            t.why = (f"{t.images_per_s:.1f} images/s on the graph, under {lead.images_per_s:.1f} of "
-                     f"{lead.candidate.name}: agreement not measured")
-
-
 def mark(trials: list[Trial], best: Trial, chosen: bool = False) -> None:
     """Say against what each other candidate that holds lost; `chosen`: `best` is the final choice."""
     rate = best.effective_images_per_s or 0.0
@@ -300,28 +251,21 @@ def mark(trials: list[Trial], best: Trial, chosen: bool = False) -> None:
             t.why = f"{t.effective_images_per_s:.1f} images/s against {rate:.1f} of {best.candidate.name}"
 
 
-CONFIRM_TOP, CONFIRM_ROUNDS = 3, 2
+CONFIRM_TOP = 3     # the leaders (by effective rate, within RETIME of the best) timed again at the end
 
 
-def _confirm(m: Measurer, trials: list[Trial], built: dict, cfg: SearchConfig) -> None:
-    """The leading candidates timed again, alternated, CONFIRM_ROUNDS more times: each rate is the
-    median of its timings, so one disturbed measurement does not decide the choice."""
-    import statistics
-
-    lead = sorted((t for t in trials if t.status == "holds" and t.images_per_s), key=lambda t: -t.images_per_s)
-    lead = lead[:CONFIRM_TOP]
-    if len(lead) < 2:
-        return
-    samples = {id(t): [t.images_per_s] for t in lead}
-    for _ in range(CONFIRM_ROUNDS):
-        for t in lead:
-            c = t.candidate
-            try:
-                samples[id(t)].append(m.time(built[(c.precision, c.batch_size, c.backend, c.options)], c))
-            except Exception as e:  # noqa: BLE001 - it ran before: say so and keep the earlier timings
-                _say(f"autotune: {c.name}: timing again failed ({_why(e)})")
-    for t in lead:
-        t.images_per_s = statistics.median(samples[id(t)])
+def _confirm(timer, trials: list[Trial], handles: dict) -> None:
+    """The leading candidates that still have their files, timed again interleaved (A B C A B C ...)
+    for ROUNDS rounds: each rate is the median of all its timings, so one disturbed measurement does
+    not decide the choice between candidates within reach of each other."""
+    _effective_rates(trials)
+    lead = sorted((t for t in trials if t.status == "holds" and t.effective_images_per_s
+                   and t.candidate.name in handles), key=lambda t: -t.effective_images_per_s)
+    lead = [t for t in lead if t.effective_images_per_s >= lead[0].effective_images_per_s * (1 - RETIME)][:CONFIRM_TOP] \
+        if lead else []
+    if len(lead) >= 2:
+        timer.interleave(lead, ROUNDS)
+        _effective_rates(trials)
 
 
 def _effective_rates(trials: list[Trial]) -> None:
@@ -343,14 +287,14 @@ def _effective_rates(trials: list[Trial]) -> None:
 
 
 def rank(trials: list[Trial]) -> list[Trial]:
-    """The trials that hold, best first: the fastest, except that anything within TIE of a faster
-    one and simpler goes before it."""
+    """The trials that hold, best first: the fastest by effective rate, except that a simpler one
+    goes first unless the faster is faster by more than the margin (TIE plus the timings' spread)."""
     ok = [t for t in trials if t.status == "holds" and t.effective_images_per_s]
     ok.sort(key=lambda t: -t.effective_images_per_s)
     out: list[Trial] = []
     while ok:
-        top = ok[0].effective_images_per_s
-        tied = [t for t in ok if t.effective_images_per_s >= top * (1 - TIE)]
+        top = ok[0]
+        tied = [t for t in ok if not faster(top, t, rate=lambda x: x.effective_images_per_s)]
         pick = min(tied, key=lambda t: t.candidate.complexity())
         out.append(pick)
         ok.remove(pick)
@@ -361,16 +305,25 @@ def _why(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}".replace("\n", " ")[:200]
 
 
+LEGEND = ("screen = eager images/s; graph = compiled images/s, the median of the timings listed; eff. = graph "
+          "with the guard's re-check cost; agree = guarded top-1 agreement with the FP32 graph on the calibration "
+          f"images; tau = the guard's margin threshold; medians within {TIE:.0%} plus their spread are a tie (the "
+          f"simpler wins); within {RETIME:.0%} of the leader a candidate is retimed interleaved with it")
+
+
 def format_table(result: SearchResult, chosen: str | None) -> str:
-    """The short table the build prints: one line per candidate, the choice marked."""
-    lines = [f"{'candidate':34} {'screen':>8} {'graph':>8} {'eff.':>8} {'agree':>7} {'tau':>7}  status"]
+    """The short table the build prints: a legend, one line per candidate (every timing), the choice marked."""
+    lines = [LEGEND, f"{'candidate':34} {'screen':>8} {'graph':>8} {'eff.':>8} {'agree':>7} {'tau':>7}  status"]
     for t in result.trials:
         def f(v, fmt):
             return format(v, fmt) if v is not None else "-"
         mark = "chosen" if t.candidate.name == chosen else t.status
+        timings = f"  timings: [{', '.join(f'{x:.1f}' for x in t.timings)}]" if t.timings else ""
         lines.append(f"{t.candidate.name:34} {f(t.screened_images_per_s, '8.1f')} {f(t.images_per_s, '8.1f')} "
                      f"{f(t.effective_images_per_s, '8.1f')} {f(t.agreement, '7.4f')} {f(t.tau, '7.4f')}  "
-                     f"{mark}{(': ' + t.why) if t.why and mark != 'chosen' else ''}")
+                     f"{mark}{(': ' + t.why) if t.why and mark != 'chosen' else ''}{timings}")
     for k, why in result.skipped.items():
         lines.append(f"{k:34} {'':>8} {'':>8} {'':>8} {'':>7} {'':>7}  skipped: {why}")
+    for be, why in result.dropped.items():
+        lines.append(f"{'backend ' + be:34} {'':>8} {'':>8} {'':>8} {'':>7} {'':>7}  dropped: {why}")
     return "\n".join(lines)
