@@ -251,21 +251,13 @@ def mark(trials: list[Trial], best: Trial, chosen: bool = False) -> None:
             t.why = f"{t.effective_images_per_s:.1f} images/s against {rate:.1f} of {best.candidate.name}"
 
 
-CONFIRM_TOP = 3     # the leaders (by effective rate, within RETIME of the best) timed again at the end
-
-
 def _confirm(timer, trials: list[Trial], handles: dict) -> None:
-    """The leading candidates that still have their files, timed again interleaved (A B C A B C ...)
-    for ROUNDS rounds: each rate is the median of all its timings, so one disturbed measurement does
-    not decide the choice between candidates within reach of each other."""
-    _effective_rates(trials)
-    lead = sorted((t for t in trials if t.status == "holds" and t.effective_images_per_s
-                   and t.candidate.name in handles), key=lambda t: -t.effective_images_per_s)
-    lead = [t for t in lead if t.effective_images_per_s >= lead[0].effective_images_per_s * (1 - RETIME)][:CONFIRM_TOP] \
-        if lead else []
+    """The candidates that hold and keep their files (the KEEP best) timed again interleaved (A B A B ...)
+    for ROUNDS rounds: each rate is the median of all its timings, so a disturbed timing, even one that
+    settled a leader, does not decide the order the build verifies them in."""
+    lead = [t for t in trials if t.status == "holds" and t.images_per_s and t.candidate.name in handles]
     if len(lead) >= 2:
         timer.interleave(lead, ROUNDS)
-        _effective_rates(trials)
 
 
 def _effective_rates(trials: list[Trial]) -> None:

@@ -3,8 +3,8 @@
 One timing of a compiled graph can be disturbed (another build on the machine, a clock boost,
 a page fault storm). So the search never decides on one timing between candidates within
 reach of each other (RETIME, 15 %): a candidate that close to the leader is timed again
-interleaved with it, A B A B ..., at least ROUNDS rounds, and each rate is the median of all
-its timings. A candidate replaces a simpler one only when its median is faster by more than
+interleaved with it, A B A B ..., at least ROUNDS rounds (more, up to MAX_ROUNDS, while the
+timings of either spread over more than STEADY), and each rate is the median of all its timings. A candidate replaces a simpler one only when its median is faster by more than
 TIE plus the spread of their timings (the larger relative median absolute deviation of the
 two); within that, the simpler one stays. A candidate more than RETIME under the leader may
 still be pruned on its first timing (the leader's own rate is a median of at least SETTLED
@@ -19,6 +19,8 @@ from collections.abc import Callable
 TIE = 0.05          # medians within 5 % (plus the timings' spread) are a tie: the simpler candidate wins
 RETIME = 0.15       # candidates within 15 % of the leader are timed again, interleaved with it
 ROUNDS = 3          # interleaved rounds (A B) of such a retiming, at least
+MAX_ROUNDS = 8      # ... and more, up to this many, while a trial's timings spread over more than STEADY
+STEADY = 0.02       # relative median absolute deviation of a trial's timings that counts as steady
 SETTLED = 3         # timings of the leader before a candidate is pruned against it
 
 
@@ -76,9 +78,10 @@ class Timer:
             pass
 
     def interleave(self, trials: list, rounds: int = ROUNDS) -> int:
-        """`rounds` rounds of one timing each, in turn (A B A B ...); returns the rounds run."""
+        """At least `rounds` rounds of one timing each, in turn (A B A B ...), more (up to MAX_ROUNDS)
+        while one of the trials' timings is not steady; returns the rounds run."""
         done = 0
-        for _ in range(rounds):
+        while done < rounds or (done < MAX_ROUNDS and any(spread(t.timings) > STEADY for t in trials)):
             if not self.room(len(trials)):
                 break
             for t in trials:

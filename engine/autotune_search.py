@@ -7,8 +7,8 @@ Rules, in the order a candidate meets them:
   dropped after that one failure: its other candidates are rows saying so, never compiled;
 - a compile starts only when FIT x its estimate (the longest compile so far, or the first
   estimate) is left of the search's time, and the disk has what one compile needs;
-- the first timing: more than RETIME under the leader (a median of SETTLED timings), the
-  candidate is slower and its agreement is not measured; within RETIME of the leader, both
+- the first timing: when it and one more are both more than RETIME under the leader (a median
+  of SETTLED timings), the candidate is slower and its agreement is not measured; within RETIME of the leader, both
   are timed again interleaved, and it is slower only when the leader's median beats its own by
   more than the margin (engine.autotune_retime);
 - files go as soon as a candidate loses: slower, rejected, failed, or ranked beyond the KEEP
@@ -140,7 +140,10 @@ class Run:
         if lead is None:
             return False
         self.timer.settle(lead)
-        r, best = trial.images_per_s, lead.images_per_s
+        best = lead.images_per_s
+        if trial.images_per_s < best * (1 - RETIME):
+            self.timer.again(trial)     # a disturbance only slows a timing: the better of two decides
+        r = max(trial.timings)
         if r < best * (1 - RETIME):
             trial.status = "slower"
             trial.why = (f"{r:.1f} images/s on the graph, under {best:.1f} of {lead.candidate.name} (more than "

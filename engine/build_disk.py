@@ -28,9 +28,11 @@ class WorkDisk:
     """The work folder's size before and after each compile, and whether one more fits.
     `free` and `size` are injectable (tests simulate a quota)."""
 
-    def __init__(self, folder: Path, first_need: int, free: Callable[[Path], int] = free_bytes,
-                 size: Callable[[Path], int] = tree_bytes):
-        self.folder, self.first_need, self._free, self._size = Path(folder), int(first_need), free, size
+    def __init__(self, folder: Path, first_need: int, free: Callable[[Path], int] | None = None,
+                 size: Callable[[Path], int] | None = None):
+        self.folder, self.first_need = Path(folder), int(first_need)
+        self._free = free if free is not None else free_bytes
+        self._size = size if size is not None else tree_bytes
         self.largest = 0          # the largest growth of the folder over one compile
         self.peak = 0             # the largest size of the folder, sampled after each compile
         self.skipped = 0
