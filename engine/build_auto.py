@@ -69,6 +69,7 @@ def search_config(spec: Spec, backend: str, device: str, auto) -> tuple[autotune
     cfg = autotune.SearchConfig(precisions, tuple(batches), tuple(names), device,
                                 budget_s=auto.budget_s if auto.budget_s is not None else pre.search_budget_s,
                                 options=pre.options, options_backends=with_options, cuda_graphs=pre.cuda_graphs,
+                                compile_estimate_s=pre.compile_estimate_s,
                                 compiled=tuple(n for n, m in mods.items() if getattr(m, "COMPILES", False)))
     return cfg, skipped
 
@@ -127,7 +128,10 @@ def _search_and_assemble(net, spec, checkpoint, backend, device, guard, auto, tm
         return done
     # nothing held, built and verified in time: the plain path that is known to work
     _clear(tmp)
-    why = ("the deadline left no time to verify a measured candidate" if any(v.get("deadline") for v in verify)
+    cut = any(v.get("deadline") for v in verify) or any(
+        "deadline" in t.why for t in result.trials if t.status == "not compiled")
+    why = ("the build's deadline left no time to measure and verify a candidate" if cut and not result.ranked
+           else "the build's deadline left no time to verify another candidate" if cut
            else "no measured candidate held, built and verified")
     _say("autotune:\n" + autotune.format_table(result, None))
     _say(f"autotune: WARNING: {why}; building the plain eager FP32 path without CUDA graphs (not verified end "

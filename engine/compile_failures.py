@@ -20,7 +20,7 @@ COMPILERS = ("cc", "c++", "gcc", "g++", "clang", "clang++", "nvcc", "ld", "ld.go
 # (pattern in the error's text, what it means): each one a fault of the machine, not of the graph
 MARKERS = (
     (re.compile(r"fatal error: ([^\s:]+): No such file or directory"), "missing header {0}"),
-    (re.compile(r"cannot find -l(\S+)"), "the linker cannot find library {0}"),
+    (re.compile(r"cannot find -l([\w.+-]+)"), "the linker cannot find library {0}"),
     (re.compile(r"error while loading shared libraries: (\S+?):"), "a compiler tool cannot load {0}"),
     (re.compile(r"(?:^|\W)(?:collect2|ld(?:\.\w+)?): (?:error|fatal error): (.{0,80})"), "the linker failed: {0}"),
     (re.compile(r"Failed to find C compiler"), "no C compiler found (CC unset and none on PATH)"),
