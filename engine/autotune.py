@@ -11,19 +11,22 @@ max-autotune, one level up:
    and off, compile options that change kernels (Inductor's max-autotune on the CPU);
 2. screen: every (precision, batch) once through the eager policy network, cheap, to
    order the compiles (time the graph first, compile only what could win);
-3. trial: compile a candidate with its backend, time the compiled graph at steady state
-   (warm-up excluded, synchronised clocks, median of several calls), then classify the
-   calibration images: FP32 candidates must agree with the FP32 graph, low-precision ones
-   get their guard's tau (engine.calibrate.choose_tau) and must hold the disagreement
-   budget; a low-precision rate counts its expected re-check cost;
-4. confirm: the leading candidates are timed again, alternated, and keep the median;
-5. choice: the fastest that holds; within TIE of it, the simplest (FP32 over guarded low
-   precision, no extra compile options, fewer moving parts).
+3. trial: compile a candidate with its backend when its estimate fits the time and the disk
+   left (engine.autotune_search), time the compiled graph at steady state (warm-up excluded,
+   synchronised clocks, median of several calls), then classify the calibration images: FP32
+   candidates must agree with the FP32 graph, low-precision ones get their guard's tau
+   (engine.calibrate.choose_tau) and must hold the disagreement budget; a low-precision rate
+   counts its expected re-check cost;
+4. retime: a candidate within RETIME of the leader is timed again interleaved with it, and
+   every rate is the median of its timings (engine.autotune_retime); at the end the KEEP best
+   that hold are timed again interleaved;
+5. choice: the fastest that holds; a faster one replaces a simpler one (FP32 over guarded low
+   precision, no extra compile options, fewer moving parts) only beyond TIE plus the spread.
 
 The measurements go through a `Measurer` (real: `engine.autotune_measure.Measurer`), so
 the search's logic is tested with fake timings. Everything measured lands in the table
 the manifest records; a candidate that fails to compile, capture or agree is one line on
-stderr and a row saying why.
+stderr and a row saying why, and a loser's files are removed as it loses.
 """
 from __future__ import annotations
 

@@ -66,7 +66,6 @@ def build(spec: Spec, checkpoint: Path | None, out: Path, backend: str = backend
     import torch
 
     from engine.build_clock import BuildClock, say
-
     from engine.checkpoint import load_model
     from engine.fp32 import set_fp32_math
 
