@@ -12,7 +12,7 @@ max-autotune, one level up:
 2. screen: every (precision, batch) once through the eager policy network, cheap, to
    order the compiles (time the graph first, compile only what could win);
 3. trial: compile a candidate with its backend when its estimate fits the time and the disk
-   left (engine.autotune_search), time the compiled graph at steady state (warm-up excluded,
+   left (`Run`), time the compiled graph at steady state (warm-up excluded,
    synchronised clocks, median of several calls), then classify the calibration images: FP32
    candidates must agree with the FP32 graph, low-precision ones get their guard's tau
    (engine.calibrate.choose_tau) and must hold the disagreement budget; a low-precision rate
@@ -30,13 +30,17 @@ stderr and a row saying why, and a loser's files are removed as it loses.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import sys
 import time
 from collections.abc import Callable
 from typing import Protocol
 
-from engine.autotune_retime import RETIME, ROUNDS, TIE, faster  # noqa: F401 - TIE, RETIME: the search's rules
+from engine.autotune_retime import RETIME, ROUNDS, TIE, Timer, faster, margin  # noqa: F401 - TIE: a search rule
+from engine.autotune_table import LEGEND, format_table  # noqa: F401 - the table the build prints
+from engine.build_clock import SearchDeadline
+from engine.compile_failures import environmental
 
 PRUNE = 0.6         # a (precision, batch) screened under 60 % of the best is not compiled (unless it is
                     # its precision's best)
@@ -164,9 +168,6 @@ def search(m: Measurer, cfg: SearchConfig, skipped: dict[str, str] | None = None
     """Screen, compile what could win within the time left, time (retiming what is within reach of the
     leader), check agreement, confirm the leaders, rank. `deadline`: an engine.build_clock.SearchDeadline
     (default: cfg.budget_s on `clock`); `disk`: an engine.build_disk.WorkDisk, checked before each compile."""
-    from engine.autotune_search import Run
-    from engine.build_clock import SearchDeadline
-
     t0 = clock()
     deadline = deadline or SearchDeadline(cfg.budget_s, clock)
     trials: list[Trial] = []
@@ -221,6 +222,166 @@ def _candidates(cfg: SearchConfig, screened: dict) -> tuple[list[Candidate], set
                 if be in cfg.options_backends:
                     cands.append(Candidate(best_fp32[0], best_fp32[1], be, False, opt))
     return cands, leaders
+
+
+FIT = 1.5           # a compile starts when 1.5 x its estimate is left: the compile, its timings and agreement
+REMOVED = "removed"  # built[key] once a compile's files are gone
+
+
+def _key(c: Candidate) -> tuple:
+    """The compile a candidate uses: CUDA graphs on and off share one."""
+    return (c.precision, c.batch_size, c.backend, c.options)
+
+
+class Run:
+    """One search's candidate loop. In the order a candidate meets them: a backend dropped after a
+    failure of the machine (engine.compile_failures) is not compiled again; a compile starts when FIT
+    x its estimate is left and the disk holds one more; after its first timing a candidate more than
+    RETIME under the leader (the better of two timings, against a leader settled on SETTLED timings)
+    is slower, one within RETIME is retimed interleaved with the leader and slower only beyond the
+    margin; files go as soon as a candidate loses (slower, rejected, failed, ranked beyond KEEP)."""
+
+    def __init__(self, m, cfg, clock, deadline, disk, trials: list, cands: list):
+        self.m, self.cfg, self.clock, self.deadline, self.disk = m, cfg, clock, deadline, disk
+        self.trials = trials
+        self.handles: dict = {}                  # candidate name -> handle, for the ones that hold and keep files
+        self.built: dict = {}                    # compile key -> handle | exception | REMOVED
+        self.users = collections.Counter(_key(c) for c in cands)   # candidates of each compile still to decide
+        self.dropped: dict[str, str] = {}        # backend -> why it was dropped
+        self.compiles: list[float] = []          # seconds of each compile (its estimate: the longest)
+        self.timer = Timer(m, lambda t: self.built[_key(t.candidate)], clock, deadline.left)
+
+    def candidate(self, c: Candidate, screened: float, pruned: str) -> None:
+        trial = Trial(c, screened_images_per_s=screened)
+        self.trials.append(trial)
+        t = self.clock()
+        try:
+            self._decide(trial, pruned)
+        finally:
+            trial.seconds = self.clock() - t if trial.status != "not compiled" else 0.0
+            self.users[_key(c)] -= 1
+            self._tidy(_key(c))
+
+    def _decide(self, trial: Trial, pruned: str) -> None:
+        c = trial.candidate
+        why = (pruned or (f"backend {c.backend} dropped: {self.dropped[c.backend]}" if c.backend in self.dropped
+                          else f"{self.deadline.why_spent()} is spent" if self.deadline.left() <= 0 else ""))
+        if why:
+            trial.status, trial.why = "not compiled", why
+            return
+        key = _key(c)
+        if key not in self.built and not self._compile(trial):
+            return
+        handle = self.built[key]
+        if isinstance(handle, Exception):
+            trial.status, trial.why = "failed", f"build: {_why(handle)}"
+            _say(f"autotune: {c.name}: {trial.why}; skipped")
+            return
+        try:
+            self.timer.once(trial)
+        except Exception as e:  # noqa: BLE001 - capture or run failure: the next candidate
+            trial.status, trial.why = "failed", f"run: {_why(e)}"
+            _say(f"autotune: {c.name}: {trial.why}; skipped")
+            return
+        if self._slower(trial):
+            return
+        _judge(self.m, trial, handle, self.handles)
+        if trial.status == "holds":
+            self._keep_best()
+
+    def _compile(self, trial: Trial) -> bool:
+        """Compile the trial's candidate when its estimate fits the time and the disk: False (and the
+        trial's row says why) when it does not; a failure is kept in `built` as the exception."""
+        c = trial.candidate
+        compiles, left = c.backend in self.cfg.compiled, self.deadline.left()
+        cost = max(self.compiles) if self.compiles else self.cfg.compile_estimate_s
+        if compiles and left < FIT * cost:
+            trial.status = "not compiled"
+            trial.why = f"{left:.0f} s {self.deadline.what_left()} left, a compile takes about {cost:.0f} s"
+            return False
+        why = self.disk.fits() if self.disk is not None else None
+        if why:
+            trial.status, trial.why = "not compiled", f"disk: {why}"
+            _say(f"autotune: {c.name}: not compiled: {why}")
+            return False
+        t = self.clock()
+        if self.disk is not None:
+            self.disk.before()
+        try:
+            self.built[_key(c)] = self.m.compile(c)
+        except Exception as e:  # noqa: BLE001 - a candidate that cannot build is skipped with its reason
+            self.built[_key(c)] = e
+            reason = environmental(e)
+            if reason:
+                self.dropped[c.backend] = reason
+                _say(f"autotune: backend {c.backend} dropped: {reason}; its other candidates are not compiled")
+        finally:
+            if self.disk is not None:
+                self.disk.after()
+        if compiles:
+            self.compiles.append(self.clock() - t)
+            self.deadline.compiled(self.compiles[-1])
+        return True
+
+    def _lead(self) -> Trial | None:
+        """The fastest that holds with an exact rate (nothing re-checked) and still has its files."""
+        return max((t for t in self.trials if t.status == "holds" and t.images_per_s and not t.rechecked_fraction
+                    and t.candidate.name in self.handles), default=None, key=lambda t: t.images_per_s)
+
+    def _slower(self, trial: Trial) -> bool:
+        """Whether the trial is slower than the leader (it then cannot win whatever its agreement)."""
+        lead = self._lead()
+        if lead is None:
+            return False
+        self.timer.settle(lead)
+        best = lead.images_per_s
+        if trial.images_per_s < best * (1 - RETIME):
+            self.timer.again(trial)     # a disturbance only slows a timing: the better of two decides
+        r = max(trial.timings)
+        if r < best * (1 - RETIME):
+            trial.status = "slower"
+            trial.why = (f"{r:.1f} images/s on the graph, under {best:.1f} of {lead.candidate.name} (more than "
+                         f"{RETIME:.0%} under: not retimed): agreement not measured")
+            return True
+        if r > best * (1 + RETIME):
+            return False
+        self.timer.interleave([lead, trial])
+        if not faster(lead, trial):
+            return False
+        trial.status = "slower"
+        trial.why = (f"{trial.images_per_s:.1f} images/s on the graph (median of {len(trial.timings)}), under "
+                     f"{lead.images_per_s:.1f} of {lead.candidate.name} (median of {len(lead.timings)}) by more "
+                     f"than the {margin(lead, trial):.1%} margin: agreement not measured")
+        return True
+
+    def _keep_best(self) -> None:
+        """Only the KEEP best that hold keep their files (the build verifies no more)."""
+        _effective_rates(self.trials)
+        for t in [t for t in rank(self.trials) if t.candidate.name in self.handles][KEEP:]:
+            self.handles.pop(t.candidate.name)
+            self._tidy(_key(t.candidate))
+
+    def _tidy(self, key: tuple) -> None:
+        """Remove a compile's files once no candidate still to decide or kept uses them."""
+        h = self.built.get(key)
+        if h is None or h is REMOVED or isinstance(h, Exception) or self.users[key] > 0:
+            return
+        if any(_key(t.candidate) == key and t.candidate.name in self.handles for t in self.trials):
+            return
+        discard = getattr(self.m, "discard", None)
+        if discard is not None:
+            discard(h)
+        self.built[key] = REMOVED
+
+    def finish(self) -> list[Trial]:
+        """Confirm the leaders, rank, and keep the files of the KEEP best only: the build's order."""
+        _confirm(self.timer, self.trials, self.handles)
+        _effective_rates(self.trials)
+        ranked = [t for t in rank(self.trials) if t.candidate.name in self.handles]
+        for t in ranked[KEEP:]:
+            self.handles.pop(t.candidate.name)
+            self._tidy(_key(t.candidate))
+        return ranked[:KEEP]
 
 
 def _judge(m: Measurer, trial: Trial, handle, handles: dict) -> None:
@@ -298,27 +459,3 @@ def rank(trials: list[Trial]) -> list[Trial]:
 
 def _why(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}".replace("\n", " ")[:200]
-
-
-LEGEND = ("screen = eager images/s; graph = compiled images/s, the median of the timings listed; eff. = graph "
-          "with the guard's re-check cost; agree = guarded top-1 agreement with the FP32 graph on the calibration "
-          f"images; tau = the guard's margin threshold; medians within {TIE:.0%} plus their spread are a tie (the "
-          f"simpler wins); within {RETIME:.0%} of the leader a candidate is retimed interleaved with it")
-
-
-def format_table(result: SearchResult, chosen: str | None) -> str:
-    """The short table the build prints: a legend, one line per candidate (every timing), the choice marked."""
-    lines = [LEGEND, f"{'candidate':34} {'screen':>8} {'graph':>8} {'eff.':>8} {'agree':>7} {'tau':>7}  status"]
-    for t in result.trials:
-        def f(v, fmt):
-            return format(v, fmt) if v is not None else "-"
-        mark = "chosen" if t.candidate.name == chosen else t.status
-        timings = f"  timings: [{', '.join(f'{x:.1f}' for x in t.timings)}]" if t.timings else ""
-        lines.append(f"{t.candidate.name:34} {f(t.screened_images_per_s, '8.1f')} {f(t.images_per_s, '8.1f')} "
-                     f"{f(t.effective_images_per_s, '8.1f')} {f(t.agreement, '7.4f')} {f(t.tau, '7.4f')}  "
-                     f"{mark}{(': ' + t.why) if t.why and mark != 'chosen' else ''}{timings}")
-    for k, why in result.skipped.items():
-        lines.append(f"{k:34} {'':>8} {'':>8} {'':>8} {'':>7} {'':>7}  skipped: {why}")
-    for be, why in result.dropped.items():
-        lines.append(f"{'backend ' + be:34} {'':>8} {'':>8} {'':>8} {'':>7} {'':>7}  dropped: {why}")
-    return "\n".join(lines)
