@@ -161,11 +161,17 @@ class Measurer:
         folder.mkdir(parents=True)
         kwargs = {"options": c.options} if c.options != "default" else {}
         cache = self.workdir / ".inductor" / name if getattr(be, "COMPILES", False) else None
-        with own_inductor_cache(cache):
-            extras = be.save(self.net, spec, self.device, folder, margin=margin, **kwargs)
-        view = Artifact(folder, spec, c.backend, self.device, c.precision, c.batch_size, {},
-                        {"guard": True} if margin else {})
-        return Handle(be.load(view, torch.device(self.device)), folder, extras, cache)
+        h = Handle(None, folder, {}, cache)
+        try:
+            with own_inductor_cache(cache):
+                h.extras = be.save(self.net, spec, self.device, folder, margin=margin, **kwargs)
+            view = Artifact(folder, spec, c.backend, self.device, c.precision, c.batch_size, {},
+                            {"guard": True} if margin else {})
+            h.fn = be.load(view, torch.device(self.device))
+        except BaseException:
+            self.discard(h)          # what a failed compile wrote goes with it
+            raise
+        return h
 
     def discard(self, h: Handle) -> None:
         """A losing candidate's files and its Inductor cache, removed."""

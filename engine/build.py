@@ -177,7 +177,7 @@ def argument_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
                    help="the search's cap: it spends at most this, and at most what the deadline leaves "
                         f"(default: the device preset's: {per_device('search_budget_s')})")
     s.add_argument("--deadline-s", type=float, default=None,
-                   help="seconds for the whole build: checkpoint load, calibration reference, search, re-check "
+                   help="seconds for the whole measured (auto) build: checkpoint load, calibration reference, search, re-check "
                         "graph, verification each spend from it; past it the best verified candidate, else eager "
                         f"FP32 (default: the device preset's: {per_device('build_deadline_s')})")
     s.add_argument("--search-precisions", default=None,
