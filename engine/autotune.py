@@ -11,32 +11,41 @@ max-autotune, one level up:
    and off, compile options that change kernels (Inductor's max-autotune on the CPU);
 2. screen: every (precision, batch) once through the eager policy network, cheap, to
    order the compiles (time the graph first, compile only what could win);
-3. trial: compile a candidate with its backend, time the compiled graph at steady state
-   (warm-up excluded, synchronised clocks, median of several calls), then classify the
-   calibration images: FP32 candidates must agree with the FP32 graph, low-precision ones
-   get their guard's tau (engine.calibrate.choose_tau) and must hold the disagreement
-   budget; a low-precision rate counts its expected re-check cost;
-4. confirm: the leading candidates are timed again, alternated, and keep the median;
-5. choice: the fastest that holds; within TIE of it, the simplest (FP32 over guarded low
-   precision, no extra compile options, fewer moving parts).
+3. trial: compile a candidate with its backend when its estimate fits the time and the disk
+   left (`Run`), time the compiled graph at steady state (warm-up excluded,
+   synchronised clocks, median of several calls), then classify the calibration images: FP32
+   candidates must agree with the FP32 graph, low-precision ones get their guard's tau
+   (engine.calibrate.choose_tau) and must hold the disagreement budget; a low-precision rate
+   counts its expected re-check cost;
+4. retime: a candidate within RETIME of the leader is timed again interleaved with it, and
+   every rate is the median of its timings (engine.autotune_retime); at the end the KEEP best
+   that hold are timed again interleaved;
+5. choice: the fastest that holds; a faster one replaces a simpler one (FP32 over guarded low
+   precision, no extra compile options, fewer moving parts) only beyond TIE plus the spread.
 
 The measurements go through a `Measurer` (real: `engine.autotune_measure.Measurer`), so
 the search's logic is tested with fake timings. Everything measured lands in the table
 the manifest records; a candidate that fails to compile, capture or agree is one line on
-stderr and a row saying why.
+stderr and a row saying why, and a loser's files are removed as it loses.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import sys
 import time
 from collections.abc import Callable
 from typing import Protocol
 
-TIE = 0.03          # rates within 3 % of the fastest are a tie (timing noise): the simpler one wins
+from engine.autotune_retime import RETIME, ROUNDS, TIE, Timer, faster, margin  # noqa: F401 - TIE: a search rule
+from engine.autotune_table import LEGEND, format_table  # noqa: F401 - the table the build prints
+from engine.build_clock import SearchDeadline
+from engine.compile_failures import environmental
+
 PRUNE = 0.6         # a (precision, batch) screened under 60 % of the best is not compiled (unless it is
                     # its precision's best)
 SIMPLER = {"fp32": 0, "bf16": 1, "fp16": 2, "fp8": 3}
+KEEP = 2            # candidates that hold and keep their compiled files for the build's verification
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +85,7 @@ class Trial:
     estimated_per_10k: float | None = None
     seconds: float = 0.0
     guard: dict | None = None                    # choose_tau's record (low precision), for the artifact
+    timings: list[float] = dataclasses.field(default_factory=list)   # every images/s timing of the graph
     recheck_images_per_s: float | None = None    # the re-check graph's rate its effective rate was priced at
 
     def row(self) -> dict:
@@ -87,6 +97,8 @@ class Trial:
             v = getattr(self, k)
             if v not in (None, ""):
                 out[k] = round(v, 6) if isinstance(v, float) else v
+        if self.timings:
+            out["timings"] = [round(x, 3) for x in self.timings]
         out["seconds"] = round(self.seconds, 2)
         return out
 
@@ -121,6 +133,8 @@ class Measurer(Protocol):
     def recheck_rate(self) -> float:
         """images/s of the guard's FP32 re-check graph at its batch on this device (measured once)."""
 
+    # optional: `discard(handle)` removes a losing candidate's files (the search calls it when it has one)
+
 
 @dataclasses.dataclass
 class SearchConfig:
@@ -133,6 +147,7 @@ class SearchConfig:
     options_backends: tuple[str, ...] = ()    # the backends that take those options
     cuda_graphs: tuple[bool, ...] = (False,)  # on CUDA: (True, False)
     compiled: tuple[str, ...] = ()  # backends whose build compiles (budgeted by their compile time)
+    compile_estimate_s: float = 0.0  # one compile's seconds before one is measured (0: the first always starts)
 
 
 @dataclasses.dataclass
@@ -142,6 +157,7 @@ class SearchResult:
     skipped: dict[str, str]         # precisions (or backends) not measured, and why
     seconds: float
     handles: dict                   # candidate name -> compiled handle (the build reuses the chosen one's files)
+    dropped: dict[str, str] = dataclasses.field(default_factory=dict)   # backends dropped, and why
 
     def table(self) -> list[dict]:
         return [t.row() for t in self.trials]
@@ -152,15 +168,33 @@ def _say(msg: str) -> None:
 
 
 def search(m: Measurer, cfg: SearchConfig, skipped: dict[str, str] | None = None,
-           clock: Callable[[], float] = time.perf_counter) -> SearchResult:
-    """Screen, compile what could win within the budget, time, check agreement, rank."""
+           clock: Callable[[], float] = time.perf_counter, deadline=None, disk=None) -> SearchResult:
+    """Screen, compile what could win within the time left, time (retiming what is within reach of the
+    leader), check agreement, confirm the leaders, rank. `deadline`: an engine.build_clock.SearchDeadline
+    (default: cfg.budget_s on `clock`); `disk`: an engine.build_disk.WorkDisk, checked before each compile."""
+    t0 = clock()
+    deadline = deadline or SearchDeadline(cfg.budget_s, clock)
+    trials: list[Trial] = []
+    screened = _screen(m, cfg, trials, clock)
+    if not screened:
+        return SearchResult(trials, [], dict(skipped or {}), clock() - t0, {})
+    cands, compile_anyway = _candidates(cfg, screened)
+    run = Run(m, cfg, clock, deadline, disk, trials, cands)
+    best_screen = max(screened.values())
+    for c in cands:
+        rate = screened[(c.precision, c.batch_size)]
+        pruned = (c.precision, c.batch_size) not in compile_anyway and rate < PRUNE * best_screen
+        run.candidate(c, rate, f"screened at {rate:.1f} images/s, under {PRUNE:.0%} of the best" if pruned else "")
+    ranked = run.finish()
+    if ranked:
+        mark(trials, ranked[0])
+    return SearchResult(trials, ranked, dict(skipped or {}), clock() - t0, run.handles, dict(run.dropped))
+
+
+def _screen(m: Measurer, cfg: SearchConfig, trials: list[Trial], clock) -> dict[tuple[str, int], float]:
+    """Every (precision, batch) once on the eager policy network: {(precision, batch): images/s}."""
     from engine.backends import REFERENCE
 
-    t0 = clock()
-    left = lambda: cfg.budget_s - (clock() - t0)  # noqa: E731
-    trials: list[Trial] = []
-    handles: dict = {}
-    # 1. screen every (precision, batch) on the eager policy network
     screened: dict[tuple[str, int], float] = {}
     for p in cfg.precisions:
         for b in cfg.batch_sizes:
@@ -171,10 +205,13 @@ def search(m: Measurer, cfg: SearchConfig, skipped: dict[str, str] | None = None
                 why = _why(e)
                 _say(f"autotune: {p} batch {b}: screen failed ({why}); not a candidate")
                 trials.append(Trial(Candidate(p, b, REFERENCE), "failed", f"screen: {why}", seconds=clock() - t))
-    if not screened:
-        return SearchResult(trials, [], dict(skipped or {}), clock() - t0, handles)
-    best_screen = max(screened.values())
-    # 2. the candidates, most promising first: per backend, (precision, batch) by screened rate
+    return screened
+
+
+def _candidates(cfg: SearchConfig, screened: dict) -> tuple[list[Candidate], set]:
+    """The candidates, most promising first (per backend, (precision, batch) by screened rate), and the
+    (precision, batch) pairs compiled whatever their eager rate: each precision's best-screened batch
+    (a compiled graph can rank precisions differently from eager)."""
     order = sorted(screened, key=lambda k: -screened[k])
     cands: list[Candidate] = []
     for be in cfg.backends:
@@ -182,70 +219,173 @@ def search(m: Measurer, cfg: SearchConfig, skipped: dict[str, str] | None = None
             for g in (cfg.cuda_graphs if cfg.device == "cuda" else (False,)):
                 cands.append(Candidate(p, b, be, g))
     best_fp32 = next((k for k in order if k[0] == "fp32"), None)
-    # each precision's best-screened batch is compiled whatever its eager rate (a compiled graph can
-    # rank precisions differently from eager); the others only when they screen near the best
     leaders = {next(k for k in order if k[0] == p) for p in {k[0] for k in order}}
     for opt in cfg.options:
         if opt != "default" and best_fp32 is not None:
             for be in cfg.backends:
                 if be in cfg.options_backends:
                     cands.append(Candidate(best_fp32[0], best_fp32[1], be, False, opt))
-    compile_cost = 0.0       # the longest compile so far: a compile is started only when one fits
-    built: dict[tuple, object] = {}
-    for c in cands:
-        trial = Trial(c, screened_images_per_s=screened[(c.precision, c.batch_size)])
-        trials.append(trial)
-        rate = screened[(c.precision, c.batch_size)]
-        if (c.precision, c.batch_size) not in leaders and rate < PRUNE * best_screen:
-            trial.status, trial.why = "not compiled", f"screened at {rate:.1f} images/s, under {PRUNE:.0%} of the best"
-            continue
-        key = (c.precision, c.batch_size, c.backend, c.options)
-        t = clock()
-        if left() <= 0:
-            trial.status, trial.why = "not compiled", f"the search budget of {cfg.budget_s:.0f} s is spent"
-            continue
-        if key not in built:
-            if c.backend in cfg.compiled and left() < 1.5 * compile_cost:
-                trial.status, trial.why = "not compiled", f"{left():.0f} s of the search budget left"
-                continue
-            try:
-                built[key] = m.compile(c)
-            except Exception as e:  # noqa: BLE001 - a candidate that cannot build is skipped with its reason
-                built[key] = e
-            if c.backend in cfg.compiled:
-                compile_cost = max(compile_cost, clock() - t)
-        handle = built[key]
+    return cands, leaders
+
+
+FIT = 1.5           # a compile starts when 1.5 x its estimate is left: the compile, its timings and agreement
+REMOVED = "removed"  # built[key] once a compile's files are gone
+
+
+def _key(c: Candidate) -> tuple:
+    """The compile a candidate uses: CUDA graphs on and off share one."""
+    return (c.precision, c.batch_size, c.backend, c.options)
+
+
+class Run:
+    """One search's candidate loop. In the order a candidate meets them: a backend dropped after a
+    failure of the machine (engine.compile_failures) is not compiled again; a compile starts when FIT
+    x its estimate is left and the disk holds one more; after its first timing a candidate more than
+    RETIME under the leader (the better of two timings, against a leader settled on SETTLED timings)
+    is slower, one within RETIME is retimed interleaved with the leader and slower only beyond the
+    margin; files go as soon as a candidate loses (slower, rejected, failed, ranked beyond KEEP)."""
+
+    def __init__(self, m, cfg, clock, deadline, disk, trials: list, cands: list):
+        self.m, self.cfg, self.clock, self.deadline, self.disk = m, cfg, clock, deadline, disk
+        self.trials = trials
+        self.handles: dict = {}                  # candidate name -> handle, for the ones that hold and keep files
+        self.built: dict = {}                    # compile key -> handle | exception | REMOVED
+        self.users = collections.Counter(_key(c) for c in cands)   # candidates of each compile still to decide
+        self.dropped: dict[str, str] = {}        # backend -> why it was dropped
+        self.compiles: list[float] = []          # seconds of each compile (its estimate: the longest)
+        self.timer = Timer(m, lambda t: self.built[_key(t.candidate)], clock, deadline.left)
+
+    def candidate(self, c: Candidate, screened: float, pruned: str) -> None:
+        trial = Trial(c, screened_images_per_s=screened)
+        self.trials.append(trial)
+        t = self.clock()
+        try:
+            self._decide(trial, pruned)
+        finally:
+            trial.seconds = self.clock() - t if trial.status != "not compiled" else 0.0
+            self.users[_key(c)] -= 1
+            self._tidy(_key(c))
+
+    def _decide(self, trial: Trial, pruned: str) -> None:
+        c = trial.candidate
+        why = (pruned or (f"backend {c.backend} dropped: {self.dropped[c.backend]}" if c.backend in self.dropped
+                          else f"{self.deadline.why_spent()} is spent" if self.deadline.left() <= 0 else ""))
+        if why:
+            trial.status, trial.why = "not compiled", why
+            return
+        key = _key(c)
+        if key not in self.built and not self._compile(trial):
+            return
+        handle = self.built[key]
         if isinstance(handle, Exception):
             trial.status, trial.why = "failed", f"build: {_why(handle)}"
-            trial.seconds = clock() - t
             _say(f"autotune: {c.name}: {trial.why}; skipped")
-            continue
+            return
         try:
-            trial.images_per_s = m.time(handle, c)
-            # the fastest that holds with an exact rate (nothing re-checked): a candidate slower than it
-            # cannot win whatever its agreement, so the calibration set is not classified for it
-            lead = max((t for t in trials if t.status == "holds" and t.images_per_s and not t.rechecked_fraction),
-                       default=None, key=lambda t: t.images_per_s)
-            if lead is not None and trial.images_per_s < lead.images_per_s * (1 - TIE):
-                trial.status = "slower"
-                trial.why = (f"{trial.images_per_s:.1f} images/s on the graph, under {lead.images_per_s:.1f} of "
-                             f"{lead.candidate.name}: agreement not measured")
-                trial.seconds = clock() - t
-                continue
+            self.timer.once(trial)
         except Exception as e:  # noqa: BLE001 - capture or run failure: the next candidate
             trial.status, trial.why = "failed", f"run: {_why(e)}"
-            trial.seconds = clock() - t
             _say(f"autotune: {c.name}: {trial.why}; skipped")
-            continue
-        _judge(m, trial, handle, handles)
-        trial.seconds = clock() - t
-    _confirm(m, trials, built, cfg)
-    _readmit(m, trials, built, handles, cfg)
-    _effective_rates(trials, m)
-    ranked = rank(trials)
-    if ranked:
-        mark(trials, ranked[0])
-    return SearchResult(trials, ranked, dict(skipped or {}), clock() - t0, handles)
+            return
+        if self._slower(trial):
+            return
+        _judge(self.m, trial, handle, self.handles)
+        if trial.status == "holds":
+            self._keep_best()
+
+    def _compile(self, trial: Trial) -> bool:
+        """Compile the trial's candidate when its estimate fits the time and the disk: False (and the
+        trial's row says why) when it does not; a failure is kept in `built` as the exception."""
+        c = trial.candidate
+        compiles, left = c.backend in self.cfg.compiled, self.deadline.left()
+        cost = max(self.compiles) if self.compiles else self.cfg.compile_estimate_s
+        if compiles and left < FIT * cost:
+            trial.status = "not compiled"
+            trial.why = f"{left:.0f} s {self.deadline.what_left()} left, a compile takes about {cost:.0f} s"
+            return False
+        why = self.disk.fits() if self.disk is not None else None
+        if why:
+            trial.status, trial.why = "not compiled", f"disk: {why}"
+            _say(f"autotune: {c.name}: not compiled: {why}")
+            return False
+        t = self.clock()
+        if self.disk is not None:
+            self.disk.before()
+        try:
+            self.built[_key(c)] = self.m.compile(c)
+        except Exception as e:  # noqa: BLE001 - a candidate that cannot build is skipped with its reason
+            self.built[_key(c)] = e
+            reason = environmental(e)
+            if reason:
+                self.dropped[c.backend] = reason
+                _say(f"autotune: backend {c.backend} dropped: {reason}; its other candidates are not compiled")
+        finally:
+            if self.disk is not None:
+                self.disk.after()
+        if compiles:
+            self.compiles.append(self.clock() - t)
+            self.deadline.compiled(self.compiles[-1])
+        return True
+
+    def _lead(self) -> Trial | None:
+        """The fastest that holds with an exact rate (nothing re-checked) and still has its files."""
+        return max((t for t in self.trials if t.status == "holds" and t.images_per_s and not t.rechecked_fraction
+                    and t.candidate.name in self.handles), default=None, key=lambda t: t.images_per_s)
+
+    def _slower(self, trial: Trial) -> bool:
+        """Whether the trial is slower than the leader (it then cannot win whatever its agreement)."""
+        lead = self._lead()
+        if lead is None:
+            return False
+        self.timer.settle(lead)
+        best = lead.images_per_s
+        if trial.images_per_s < best * (1 - RETIME):
+            self.timer.again(trial)     # a disturbance only slows a timing: the better of two decides
+        r = max(trial.timings)
+        if r < best * (1 - RETIME):
+            trial.status = "slower"
+            trial.why = (f"{r:.1f} images/s on the graph, under {best:.1f} of {lead.candidate.name} (more than "
+                         f"{RETIME:.0%} under: not retimed): agreement not measured")
+            return True
+        if r > best * (1 + RETIME):
+            return False
+        self.timer.interleave([lead, trial])
+        if not faster(lead, trial):
+            return False
+        trial.status = "slower"
+        trial.why = (f"{trial.images_per_s:.1f} images/s on the graph (median of {len(trial.timings)}), under "
+                     f"{lead.images_per_s:.1f} of {lead.candidate.name} (median of {len(lead.timings)}) by more "
+                     f"than the {margin(lead, trial):.1%} margin: agreement not measured")
+        return True
+
+    def _keep_best(self) -> None:
+        """Only the KEEP best that hold keep their files (the build verifies no more)."""
+        _effective_rates(self.trials, self.m)
+        for t in [t for t in rank(self.trials) if t.candidate.name in self.handles][KEEP:]:
+            self.handles.pop(t.candidate.name)
+            self._tidy(_key(t.candidate))
+
+    def _tidy(self, key: tuple) -> None:
+        """Remove a compile's files once no candidate still to decide or kept uses them."""
+        h = self.built.get(key)
+        if h is None or h is REMOVED or isinstance(h, Exception) or self.users[key] > 0:
+            return
+        if any(_key(t.candidate) == key and t.candidate.name in self.handles for t in self.trials):
+            return
+        discard = getattr(self.m, "discard", None)
+        if discard is not None:
+            discard(h)
+        self.built[key] = REMOVED
+
+    def finish(self) -> list[Trial]:
+        """Confirm the leaders, rank, and keep the files of the KEEP best only: the build's order."""
+        _confirm(self.timer, self.trials, self.handles)
+        _effective_rates(self.trials, self.m)
+        ranked = [t for t in rank(self.trials) if t.candidate.name in self.handles]
+        for t in ranked[KEEP:]:
+            self.handles.pop(t.candidate.name)
+            self._tidy(_key(t.candidate))
+        return ranked[:KEEP]
 
 
 def _judge(m: Measurer, trial: Trial, handle, handles: dict) -> None:
@@ -267,31 +407,6 @@ def _judge(m: Measurer, trial: Trial, handle, handles: dict) -> None:
     handles[c.name] = handle
 
 
-def _readmit(m: Measurer, trials: list[Trial], built: dict, handles: dict, cfg: SearchConfig) -> None:
-    """A candidate called slower than a lead whose first timing the confirmation lowered is judged
-    after all, and the leaders confirmed again: one disturbed timing of the lead prunes nothing."""
-    def leader() -> Trial | None:
-        return max((t for t in trials if t.status == "holds" and t.images_per_s and not t.rechecked_fraction),
-                   default=None, key=lambda t: t.images_per_s)
-
-    lead = leader()
-    if lead is None:
-        return
-    again = [t for t in trials if t.status == "slower" and t.images_per_s
-             and t.images_per_s >= lead.images_per_s * (1 - TIE)]
-    for t in again:
-        c = t.candidate
-        t.why = ""
-        _judge(m, t, built[(c.precision, c.batch_size, c.backend, c.options)], handles)
-    if again:
-        _confirm(m, trials, built, cfg)
-        lead = leader() or lead
-    for t in trials:   # the ones left slower name the leader as confirmed
-        if t.status == "slower" and t.images_per_s:
-            t.why = (f"{t.images_per_s:.1f} images/s on the graph, under {lead.images_per_s:.1f} of "
-                     f"{lead.candidate.name}: agreement not measured")
-
-
 def mark(trials: list[Trial], best: Trial, chosen: bool = False) -> None:
     """Say against what each other candidate that holds lost; `chosen`: `best` is the final choice."""
     rate = best.effective_images_per_s or 0.0
@@ -304,28 +419,13 @@ def mark(trials: list[Trial], best: Trial, chosen: bool = False) -> None:
             t.why = f"{t.effective_images_per_s:.1f} images/s against {rate:.1f} of {best.candidate.name}"
 
 
-CONFIRM_TOP, CONFIRM_ROUNDS = 3, 2
-
-
-def _confirm(m: Measurer, trials: list[Trial], built: dict, cfg: SearchConfig) -> None:
-    """The leading candidates timed again, alternated, CONFIRM_ROUNDS more times: each rate is the
-    median of its timings, so one disturbed measurement does not decide the choice."""
-    import statistics
-
-    lead = sorted((t for t in trials if t.status == "holds" and t.images_per_s), key=lambda t: -t.images_per_s)
-    lead = lead[:CONFIRM_TOP]
-    if len(lead) < 2:
-        return
-    samples = {id(t): [t.images_per_s] for t in lead}
-    for _ in range(CONFIRM_ROUNDS):
-        for t in lead:
-            c = t.candidate
-            try:
-                samples[id(t)].append(m.time(built[(c.precision, c.batch_size, c.backend, c.options)], c))
-            except Exception as e:  # noqa: BLE001 - it ran before: say so and keep the earlier timings
-                _say(f"autotune: {c.name}: timing again failed ({_why(e)})")
-    for t in lead:
-        t.images_per_s = statistics.median(samples[id(t)])
+def _confirm(timer, trials: list[Trial], handles: dict) -> None:
+    """The candidates that hold and keep their files (the KEEP best) timed again interleaved (A B A B ...)
+    for ROUNDS rounds: each rate is the median of all its timings, so a disturbed timing, even one that
+    settled a leader, does not decide the order the build verifies them in."""
+    lead = [t for t in trials if t.status == "holds" and t.images_per_s and t.candidate.name in handles]
+    if len(lead) >= 2:
+        timer.interleave(lead, ROUNDS)
 
 
 def _effective_rates(trials: list[Trial], m: Measurer | None = None) -> None:
@@ -361,14 +461,14 @@ def _effective_rates(trials: list[Trial], m: Measurer | None = None) -> None:
 
 
 def rank(trials: list[Trial]) -> list[Trial]:
-    """The trials that hold, best first: the fastest, except that anything within TIE of a faster
-    one and simpler goes before it."""
+    """The trials that hold, best first: the fastest by effective rate, except that a simpler one
+    goes first unless the faster is faster by more than the margin (TIE plus the timings' spread)."""
     ok = [t for t in trials if t.status == "holds" and t.effective_images_per_s]
     ok.sort(key=lambda t: -t.effective_images_per_s)
     out: list[Trial] = []
     while ok:
-        top = ok[0].effective_images_per_s
-        tied = [t for t in ok if t.effective_images_per_s >= top * (1 - TIE)]
+        top = ok[0]
+        tied = [t for t in ok if not faster(top, t, rate=lambda x: x.effective_images_per_s)]
         pick = min(tied, key=lambda t: t.candidate.complexity())
         out.append(pick)
         ok.remove(pick)
@@ -377,18 +477,3 @@ def rank(trials: list[Trial]) -> list[Trial]:
 
 def _why(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}".replace("\n", " ")[:200]
-
-
-def format_table(result: SearchResult, chosen: str | None) -> str:
-    """The short table the build prints: one line per candidate, the choice marked."""
-    lines = [f"{'candidate':34} {'screen':>8} {'graph':>8} {'eff.':>8} {'agree':>7} {'tau':>7}  status"]
-    for t in result.trials:
-        def f(v, fmt):
-            return format(v, fmt) if v is not None else "-"
-        mark = "chosen" if t.candidate.name == chosen else t.status
-        lines.append(f"{t.candidate.name:34} {f(t.screened_images_per_s, '8.1f')} {f(t.images_per_s, '8.1f')} "
-                     f"{f(t.effective_images_per_s, '8.1f')} {f(t.agreement, '7.4f')} {f(t.tau, '7.4f')}  "
-                     f"{mark}{(': ' + t.why) if t.why and mark != 'chosen' else ''}")
-    for k, why in result.skipped.items():
-        lines.append(f"{k:34} {'':>8} {'':>8} {'':>8} {'':>7} {'':>7}  skipped: {why}")
-    return "\n".join(lines)

@@ -7,6 +7,7 @@ the rate is the batch over the median of several timed calls.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
 import time
@@ -72,6 +73,21 @@ def importable_backends(device: str) -> tuple[list[str], dict[str, str]]:
     return out, skipped
 
 
+@contextlib.contextmanager
+def own_inductor_cache(folder: Path | None):
+    """Inductor's cache in `folder` for the block (None: left where it is): what a compile grows there
+    lies inside the search's work folder and goes with it. The Triton kernel cache stays where the
+    build's environment points (kernels, small beside the weights a compiled object holds)."""
+    if folder is None:
+        yield
+        return
+    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+
+    folder.mkdir(parents=True, exist_ok=True)
+    with temporary_cache_dir(str(folder)):
+        yield
+
+
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -102,6 +118,7 @@ class Handle:
     fn: object                      # fn(uint8 [B, S, S, 3]) -> top-1 (, margin)
     folder: Path | None             # the backend's files (None: eager, nothing written)
     extras: dict                    # the backend's manifest extras
+    cache: Path | None = None       # the compile's own Inductor cache (removed with a losing candidate)
 
 
 class Measurer:
@@ -139,16 +156,36 @@ class Measurer:
         return rate(m, self._batch(batch_size), self.device, warmup=1, calls=2, seconds=0.0)
 
     def compile(self, c: Candidate) -> Handle:
+        """The candidate's graph in `workdir/<name>`; a compiling backend's Inductor cache in
+        `workdir/.inductor/<name>` (this build's own, removed with the candidate when it loses)."""
         spec = self._spec(c.precision, c.batch_size)
         margin = c.precision != "fp32"
         be = backends.get(c.backend)
-        folder = self.workdir / c.name.replace("/", "_").replace("+", "_")
+        name = c.name.replace("/", "_").replace("+", "_")
+        folder = self.workdir / name
         folder.mkdir(parents=True)
         kwargs = {"options": c.options} if c.options != "default" else {}
-        extras = be.save(self.net, spec, self.device, folder, margin=margin, **kwargs)
-        view = Artifact(folder, spec, c.backend, self.device, c.precision, c.batch_size, {},
-                        {"guard": True} if margin else {})
-        return Handle(be.load(view, torch.device(self.device)), folder, extras)
+        cache = self.workdir / ".inductor" / name if getattr(be, "COMPILES", False) else None
+        h = Handle(None, folder, {}, cache)
+        try:
+            with own_inductor_cache(cache):
+                h.extras = be.save(self.net, spec, self.device, folder, margin=margin, **kwargs)
+            view = Artifact(folder, spec, c.backend, self.device, c.precision, c.batch_size, {},
+                            {"guard": True} if margin else {})
+            h.fn = be.load(view, torch.device(self.device))
+        except BaseException:
+            self.discard(h)          # what a failed compile wrote goes with it
+            raise
+        return h
+
+    def discard(self, h: Handle) -> None:
+        """A losing candidate's files and its Inductor cache, removed."""
+        import shutil
+
+        for p in (h.folder, h.cache):
+            if p is not None and p.is_relative_to(self.workdir):
+                shutil.rmtree(p, ignore_errors=True)
+        h.fn = None   # the loaded graph's memory goes with the last reference
 
     def time(self, h: Handle, c: Candidate) -> float:
         fn = h.fn

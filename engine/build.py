@@ -5,7 +5,7 @@
         [--input-size N] [--crop-mode center|squash] [--crop-pct F] [--model-kwargs JSON]
         [--no-guard] [--calibration-source photos|renders] [--calibration-images DIR]
         [--calibration-check MODULE:FUNCTION] [--guard-budget BP] [--guard-safety F]
-        [--recheck-batch N|auto] [--run-images N]
+        [--recheck-batch N|auto] [--run-images N] [--search-budget-s S] [--deadline-s S]
 
 Precision, backend and batch size default to the device's preset (engine/presets.py):
 `auto` there, measured on this machine (engine.build_auto). Below FP32 the network follows
@@ -19,12 +19,17 @@ the images: 1 is 0.01 %). The build prints the budget, tau and the expected re-c
 fraction; renders only check that the low-precision graph is not broken. `--no-guard`
 builds the raw low-precision form.
 
+A measured build keeps one deadline (`--deadline-s`, the preset's `build_deadline_s`): it
+prints its plan (estimated seconds per phase) first and what each phase took last, and the
+manifest records both (engine.build_clock).
+
 The artifact is written into a temporary sibling directory and renamed into place, so
 an interrupted build never leaves a directory that looks complete.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -49,15 +54,18 @@ class AutoConfig:
     precisions: tuple[str, ...] | None = None   # candidates to measure; None: the device's native ones
     budget_s: float | None = None         # the search's time budget; None: the device preset's
     verify: bool = True                   # run the chosen artifact end to end against FP32
+    deadline_s: float | None = None       # the whole build's seconds; None: the device preset's
 
 
 def build(spec: Spec, checkpoint: Path | None, out: Path, backend: str = backends.DEFAULT,
           device: str = "cpu", guard: GuardConfig | None = None,
-          auto: AutoConfig | None = None) -> dict:
+          auto: AutoConfig | None = None, clock=time.monotonic) -> dict:
     """Build the artifact for `spec` with `backend` (a name in engine.backends) and return its manifest.
-    `auto`: measure the candidates on this machine and build the fastest that holds (engine.autotune)."""
+    `auto`: measure the candidates on this machine and build the fastest that holds (engine.autotune),
+    every phase inside one deadline kept on `clock` (engine.build_clock)."""
     import torch
 
+    from engine.build_clock import BuildClock, say
     from engine.checkpoint import load_model
     from engine.fp32 import set_fp32_math
 
@@ -68,8 +76,16 @@ def build(spec: Spec, checkpoint: Path | None, out: Path, backend: str = backend
     if checkpoint is None and (be is None or be.NEEDS_WEIGHTS):
         raise ValueError(f"backend {backend} needs --checkpoint")
     t0 = time.perf_counter()
+    bclock = None
+    if auto is not None:
+        pre = preset(device)
+        bclock = BuildClock(auto.deadline_s if auto.deadline_s is not None else pre.build_deadline_s,
+                            {"checkpoint": pre.checkpoint_estimate_s, "calibration": pre.calibration_estimate_s,
+                             "recheck": pre.compile_estimate_s, "verify": pre.verify_estimate_s}, clock)
+        say(bclock.plan_line())
     math = set_fp32_math()   # the calibration reference and the re-check graph: IEEE FP32 (ENGINE_TF32)
-    net = load_model(spec, checkpoint) if be is None or be.NEEDS_WEIGHTS else None
+    with bclock.phase("checkpoint") if bclock else contextlib.nullcontext():
+        net = load_model(spec, checkpoint) if be is None or be.NEEDS_WEIGHTS else None
     out = out.resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
@@ -81,7 +97,7 @@ def build(spec: Spec, checkpoint: Path | None, out: Path, backend: str = backend
             from engine import build_auto
 
             spec, backend, meta = build_auto.build_measured(net, spec, checkpoint, backend, device, guard, auto,
-                                                            tmp, extra, t0)
+                                                            tmp, extra, t0, bclock)
         else:
             meta = assemble(be, backend, net, spec, checkpoint, device, tmp, guard, extra, t0)
         if out.exists():
@@ -94,6 +110,8 @@ def build(spec: Spec, checkpoint: Path | None, out: Path, backend: str = backend
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if bclock is not None:
+        say(bclock.actual_line())
     return meta
 
 
@@ -156,7 +174,12 @@ def argument_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
                         f"compiled graph (default: the device preset's: {per_device('batch_size')})")
     s = p.add_argument_group("measured build (any of precision, batch size, backend auto)")
     s.add_argument("--search-budget-s", type=float, default=None,
-                   help="time for the whole search (default: the device preset's: cpu 900, cuda 1500)")
+                   help="the search's cap: it spends at most this, and at most what the deadline leaves "
+                        f"(default: the device preset's: {per_device('search_budget_s')})")
+    s.add_argument("--deadline-s", type=float, default=None,
+                   help="seconds for the whole measured (auto) build: checkpoint load, calibration reference, search, re-check "
+                        "graph, verification each spend from it; past it the best verified candidate, else eager "
+                        f"FP32 (default: the device preset's: {per_device('build_deadline_s')})")
     s.add_argument("--search-precisions", default=None,
                    help="comma-separated precisions to measure for --precision auto, native or not "
                         "(default: the ones this device runs natively)")
@@ -217,6 +240,8 @@ def parse_args(argv: list[str] | None = None, exit_on_error: bool = True) -> arg
             p.error(f"--search-precisions takes {', '.join(PRECISIONS)}, got {', '.join(bad) or 'nothing'}")
     if a.search_budget_s is not None and a.search_budget_s <= 0:
         p.error("--search-budget-s must be > 0")
+    if a.deadline_s is not None and a.deadline_s <= 0:
+        p.error("--deadline-s must be > 0")
     return a
 
 
@@ -236,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         auto = None
         if a.auto:
             auto = AutoConfig(a.precision == "auto", a.batch_size == "auto", a.backend == "auto",
-                              a.search_precisions, a.search_budget_s, a.verify)
+                              a.search_precisions, a.search_budget_s, a.verify, a.deadline_s)
         meta = build(spec, a.checkpoint, a.out, backend=backends.DEFAULT if a.backend == "auto" else a.backend,
                      device=a.device, guard=guard, auto=auto)
     except (OSError, ValueError, RuntimeError) as e:

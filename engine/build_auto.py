@@ -13,6 +13,13 @@ verify_alpha). A candidate that fails that is one stderr line, and the next is t
 none is left, the build is the plain eager FP32 path without CUDA graphs (with the chosen
 decoder), said loudly. The manifest's `build.search` records every candidate measured, the
 verification and the choice; `build.decoder` the decoders measured.
+
+One deadline covers it all (engine.build_clock): the search spends what the calibration reference
+has left once the re-check graph and one verification are reserved at their estimates; a ranked
+candidate is assembled and verified only while its estimate fits, and when none was verified in
+time the build is the eager FP32 path (the manifest's `fallback` says why, `clock` what each phase
+planned and took). The search's work folder holds every candidate's files and Inductor cache, a
+loser's removed as it loses (engine.build_disk: its size, free space and peak).
 """
 from __future__ import annotations
 
@@ -65,25 +72,32 @@ def search_config(spec: Spec, backend: str, device: str, auto) -> tuple[autotune
     cfg = autotune.SearchConfig(precisions, tuple(batches), tuple(names), device,
                                 budget_s=auto.budget_s if auto.budget_s is not None else pre.search_budget_s,
                                 options=pre.options, options_backends=with_options, cuda_graphs=pre.cuda_graphs,
+                                compile_estimate_s=pre.compile_estimate_s,
                                 compiled=tuple(n for n, m in mods.items() if getattr(m, "COMPILES", False)))
     return cfg, skipped
 
 
 def build_measured(net, spec: Spec, checkpoint, backend: str, device: str, guard, auto, tmp: Path, extra: dict,
-                   t0: float):
-    """Search, assemble the best candidate in `tmp`, verify it; returns (spec, backend, manifest)."""
+                   t0: float, bclock=None):
+    """Search, assemble the best candidate in `tmp`, verify it, all inside `bclock`'s deadline (an
+    engine.build_clock.BuildClock; None: the device preset's, from now); returns (spec, backend, manifest)."""
     from engine import calibrate
+    from engine.build_clock import BuildClock
     from engine.model import wrap
 
+    pre = preset(device)
+    bclock = bclock or BuildClock(pre.build_deadline_s, {"recheck": pre.compile_estimate_s,
+                                                         "verify": pre.verify_estimate_s})
     cfg, skipped = search_config(spec, backend, device, auto)
-    pixels, origin = parts.calibration_pixels(spec, guard)
-    ref = wrap(net, dataclasses.replace(spec, precision="fp32"), device, margin=True)
-    ref_top1, ref_margins = calibrate.classify(ref, pixels, 16, margin=True, device=device)
-    guard, extra = _choose_decoder(net, spec, device, pixels, guard, extra)
+    with bclock.phase("calibration"):
+        pixels, origin = parts.calibration_pixels(spec, guard)
+        ref = wrap(net, dataclasses.replace(spec, precision="fp32"), device, margin=True)
+        ref_top1, ref_margins = calibrate.classify(ref, pixels, 16, margin=True, device=device)
+        guard, extra = _choose_decoder(net, spec, device, pixels, guard, extra)
     work = Path(tempfile.mkdtemp(prefix=".search.", dir=tmp.parent))   # the candidates' graphs, beside the artifact
     try:
         return _search_and_assemble(net, spec, checkpoint, backend, device, guard, auto, tmp, extra,
-                                    t0, cfg, skipped, pixels, origin, (ref_top1, ref_margins), work)
+                                    t0, cfg, skipped, pixels, origin, (ref_top1, ref_margins), work, bclock)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -102,45 +116,96 @@ def _choose_decoder(net, spec: Spec, device: str, pixels, guard, extra: dict) ->
 
 
 def _search_and_assemble(net, spec, checkpoint, backend, device, guard, auto, tmp, extra, t0, cfg,
-                         skipped, pixels, origin, ref, work):
+                         skipped, pixels, origin, ref, work, bclock):
     from engine.autotune_measure import Measurer
+    from engine.build_clock import SearchDeadline
+    from engine.build_disk import WorkDisk
 
+    low = guard.enabled and any(p != "fp32" for p in cfg.precisions)
+    after = (("recheck",) if low else ()) + (("verify",) if auto.verify else ())
+    deadline = SearchDeadline(cfg.budget_s, bclock.clock, bclock, after)
     _say(f"autotune: measuring {', '.join(cfg.precisions)} x batch {', '.join(map(str, cfg.batch_sizes))} x "
-         f"{', '.join(cfg.backends)} on {device_name(device)} (budget {cfg.budget_s:.0f} s)"
+         f"{', '.join(cfg.backends)} on {device_name(device)} (budget {cfg.budget_s:.0f} s"
+         + (f", cut to the {deadline.left():.0f} s the deadline leaves)" if deadline.left() < cfg.budget_s else ")")
          + (f"; skipped: {'; '.join(f'{k}: {v}' for k, v in skipped.items())}" if skipped else ""))
     m = Measurer(net, spec, device, pixels, ref, work, guard.budget, guard.safety, guard.recheck_batch)
-    result = autotune.search(m, cfg, skipped)
+    disk = WorkDisk(work, 3 * _weight_bytes(net))
+    with bclock.phase("search"):
+        result = autotune.search(m, cfg, skipped, clock=bclock.clock, deadline=deadline, disk=disk)
     import torch
 
-    record = {"device": device_name(device), "threads": torch.get_num_threads(), "budget_s": cfg.budget_s, "seconds": round(result.seconds, 1),
-              "calibration": origin, "skipped": result.skipped, "tie": autotune.TIE, "prune": autotune.PRUNE}
+    record = {"device": device_name(device), "threads": torch.get_num_threads(), "budget_s": cfg.budget_s,
+              "seconds": round(result.seconds, 1), "calibration": origin, "skipped": result.skipped,
+              "dropped": result.dropped, "tie": autotune.TIE, "retime": autotune.RETIME, "prune": autotune.PRUNE,
+              "keep": autotune.KEEP, "disk": disk.record()}
     verify: list[dict] = []
+    done = _verify_in_order(result, net, spec, checkpoint, device, guard, auto, tmp, extra, t0, pixels, origin,
+                            record, verify, bclock, work)
+    if done is not None:
+        return done
+    # nothing held, built and verified in time: the plain path that is known to work
+    _clear(tmp)
+    cut = any(v.get("deadline") for v in verify) or any(
+        "deadline" in t.why for t in result.trials if t.status == "not compiled")
+    why = ("the build's deadline left no time to measure and verify a candidate" if cut and not result.ranked
+           else "the build's deadline left no time to verify another candidate" if cut
+           else "no measured candidate held, built and verified")
+    _say("autotune:\n" + autotune.format_table(result, None))
+    _say(f"autotune: WARNING: {why}; building the plain eager FP32 path without CUDA graphs (not verified end "
+         "to end: it is the reference's own network, with the run's decoder)")
+    c = autotune.Candidate("fp32", spec.batch_size, backends.REFERENCE)
+    fspec = dataclasses.replace(spec, precision="fp32")
+    record["clock"] = bclock.record()
+    meta = _assemble(c, net, fspec, checkpoint, device, tmp, guard, extra, t0, None, None, result,
+                     record, verify, chosen=None, fallback=f"eager FP32 without CUDA graphs: {why}; not verified")
+    return fspec, backends.REFERENCE, meta
+
+
+def _verify_in_order(result, net, spec, checkpoint, device, guard, auto, tmp, extra, t0, pixels, origin, record,
+                     verify, bclock, work):
+    """Assemble and verify the ranked candidates in order while the deadline allows one more; the first
+    that passes is the artifact: (spec, backend, manifest), or None when none did in time."""
+    from engine.autotune_measure import own_inductor_cache
+
+    pre = preset(device)
     for trial in result.ranked:
         c = trial.candidate
+        guarded = guard.enabled and c.precision != "fp32"
+        need = (bclock.estimate["recheck"] if guarded else 0.0) + (bclock.estimate["verify"] if auto.verify else 0.0)
+        if bclock.left() < need:
+            bclock.note(f"{c.name} not assembled or verified: {bclock.left():.0f} s left, it needs about {need:.0f} s")
+            verify.append({"candidate": c.name, "ok": False, "deadline": True,
+                           "why": f"not attempted: {bclock.left():.0f} s left of the deadline, about {need:.0f} s needed"})
+            break
         cspec = dataclasses.replace(spec, precision=c.precision, batch_size=c.batch_size)
-        handle = result.handles[c.name]
+        # the re-check graph's compile: its Inductor cache in the work folder, removed with it
+        compiles = guarded and getattr(backends.get(guard.recheck_backend or c.backend), "COMPILES", False)
+        cache = work / ".inductor" / "recheck" if compiles else None
         _clear(tmp)
         try:
-            saved = _adopt(handle, tmp)
-            gargs = (trial.guard, origin) if c.precision != "fp32" else None
-            meta = _assemble(c, net, cspec, checkpoint, device, tmp, guard, extra, t0, saved, gargs,
-                             result, record, verify, chosen=c.name)
+            with bclock.phase("recheck" if guarded else "verify"), own_inductor_cache(cache):
+                saved = _adopt(result.handles[c.name], tmp)
+                gargs = (trial.guard, origin) if c.precision != "fp32" else None
+                record["clock"] = bclock.record()
+                meta = _assemble(c, net, cspec, checkpoint, device, tmp, guard, extra, t0, saved, gargs,
+                                 result, record, verify, chosen=c.name)
         except Exception as e:  # noqa: BLE001 - a candidate that cannot be assembled: the next one
             trial.status, trial.why = "failed", f"assembly: {autotune._why(e)}"
             _say(f"autotune: {c.name}: cannot assemble the artifact ({autotune._why(e)}); trying the next")
             verify.append({"candidate": c.name, "ok": False, "why": f"assembly: {autotune._why(e)}"})
             continue
-        pre = preset(device)
         try:
-            v = (verify_artifact(tmp, net, cspec, device, pixels, pre.verify_images, pre.verify_alpha,
-                                 extra["build"]["decoder"]) if auto.verify
-                 else {"ok": True, "skipped": "verification off"})
+            with bclock.phase("verify"):
+                v = (verify_artifact(tmp, net, cspec, device, pixels, pre.verify_images, pre.verify_alpha,
+                                     extra["build"]["decoder"], timeout=max(bclock.left(), 60.0)) if auto.verify
+                     else {"ok": True, "skipped": "verification off"})
         except (OSError, ValueError, RuntimeError, subprocess.SubprocessError) as e:
             v = {"ok": False, "why": autotune._why(e)}
         verify.append({"candidate": c.name, **v})
         if v["ok"]:
             autotune.mark(result.trials, trial, chosen=True)
-            meta = _rewrite(tmp, meta, result, verify)    # the record with its verification
+            record["clock"] = bclock.record()
+            meta = _rewrite(tmp, meta, result, verify, record["clock"])    # the record with its verification
             _say("autotune:\n" + autotune.format_table(result, c.name))
             _say(f"autotune: chose {c.name}: {trial.effective_images_per_s:.1f} images/s on the compiled graph"
                  + (f", verified end to end: {v['agreement']:.2%} of {v['images']} images agree with FP32 eager"
@@ -148,30 +213,25 @@ def _search_and_assemble(net, spec, checkpoint, backend, device, guard, auto, tm
             return cspec, c.backend, meta
         trial.status, trial.why = "failed", f"end-to-end check: {v['why']}"
         _say(f"autotune: {c.name} failed its end-to-end check ({v['why']}); trying the next")
-    # nothing held, built or verified: the plain path that is known to work
-    _clear(tmp)
-    _say("autotune:\n" + autotune.format_table(result, None))
-    _say("autotune: WARNING: no measured candidate held, built and verified; building the plain eager FP32 "
-         "path without CUDA graphs")
-    c = autotune.Candidate("fp32", spec.batch_size, backends.REFERENCE)
-    fspec = dataclasses.replace(spec, precision="fp32")
-    meta = _assemble(c, net, fspec, checkpoint, device, tmp, guard, extra, t0, None, None, result,
-                     record, verify, chosen=None, fallback=True)
-    return fspec, backends.REFERENCE, meta
+    return None
+
+
+def _weight_bytes(net) -> int:
+    return sum(t.numel() * t.element_size() for t in list(net.parameters()) + list(net.buffers()))
 
 
 def _assemble(c, net, cspec, checkpoint, device, tmp, guard, extra, t0, saved, gargs, result,
-              record, verify, chosen, fallback: bool = False) -> dict:
-    """The artifact in `tmp` (the guard below fp32, the manifest with the search's record)."""
-    search = {**record, "candidates": result.table(), "chosen": chosen, "verify": verify,
-              "fallback": "eager FP32 without CUDA graphs: nothing measured held" if fallback else None}
+              record, verify, chosen, fallback: str | None = None) -> dict:
+    """The artifact in `tmp` (the guard below fp32, the manifest with the search's record; `fallback`:
+    why the build is the eager FP32 path)."""
+    search = {**record, "candidates": result.table(), "chosen": chosen, "verify": verify, "fallback": fallback}
     ex = {**extra, "build": {**extra["build"], "search": search}, "cuda_graphs": bool(c.cuda_graphs)}
     return parts.assemble(backends.get(c.backend), c.backend, net, cspec, checkpoint, device, tmp, guard,
                                   ex, t0, saved, gargs)
 
 
-def _rewrite(tmp: Path, meta: dict, result, verify: list) -> dict:
-    """manifest.json again, its search record now with the final table and the verification."""
+def _rewrite(tmp: Path, meta: dict, result, verify: list, clock: dict) -> dict:
+    """manifest.json again, its search record now with the final table, the verification and the clock."""
     from engine.artifact import DIGEST_KEY, write_manifest
     from engine.spec import Spec as SpecType
 
@@ -179,7 +239,7 @@ def _rewrite(tmp: Path, meta: dict, result, verify: list) -> dict:
            "graph", DIGEST_KEY)
     extra = {k: v for k, v in meta.items() if k not in own}
     extra["build"] = {**extra["build"], "search": {**extra["build"]["search"], "candidates": result.table(),
-                                                   "verify": verify}}
+                                                   "verify": verify, "clock": clock}}
     ck = meta["checkpoint"]
     (tmp / "manifest.json").unlink()
     return write_manifest(tmp, SpecType.from_dict(meta["spec"]), meta["backend"], meta["device"],
@@ -213,7 +273,7 @@ def device_name(device: str) -> str:
 
 
 def verify_artifact(artifact: Path, net, spec: Spec, device: str, pixels: np.ndarray, count: int, alpha: float,
-                    decoder: dict) -> dict:
+                    decoder: dict, timeout: float = 1800.0) -> dict:
     """The artifact end to end through scripts/run on `count` calibration images written as JPEG files,
     with the decoder the build chose (`decoder`: build_decoder.Choice.record()), against FP32 on
     PIL's pixels (the reference). Two counts: the decoder's own flips (FP32 on its pixels against
@@ -239,7 +299,7 @@ def verify_artifact(artifact: Path, net, spec: Spec, device: str, pixels: np.nda
             return {"ok": False, "images": n, "decoder": name, "why": f"decoder {name} cannot start: {why}"}
         own = build_decoder.flips(dec, blobs, classify, want)
         getattr(dec, "close", lambda: None)()
-    got, run = _run_script(artifact, blobs, name)
+    got, run = _run_script(artifact, blobs, name, timeout)
     if "why" in run:
         return {"ok": False, "images": n, "decoder": name, **run}
     total = int((got != want).sum()) if len(got) == n else n
@@ -254,7 +314,7 @@ def verify_artifact(artifact: Path, net, spec: Spec, device: str, pixels: np.nda
     return res
 
 
-def _run_script(artifact: Path, blobs: list[bytes], decoder: str) -> tuple[np.ndarray, dict]:
+def _run_script(artifact: Path, blobs: list[bytes], decoder: str, timeout: float) -> tuple[np.ndarray, dict]:
     """(top-1 [n] int32, {wall_s, images_per_s, cuda_graph} or {why}) of scripts/run over `blobs`
     written as files, with `decoder` (the one the artifact records, named explicitly)."""
     with tempfile.TemporaryDirectory(prefix="engine-verify-") as d:
@@ -269,7 +329,7 @@ def _run_script(artifact: Path, blobs: list[bytes], decoder: str) -> tuple[np.nd
         env = {**os.environ, "ENGINE_ARTIFACT": str(artifact), "ENGINE_DECODER": decoder}
         t = time.perf_counter()
         r = subprocess.run([str(REPO / "scripts" / "run"), str(root / "manifest.tsv"), str(root / "images"), str(out),
-                            "--report", str(report)], env=env, capture_output=True, text=True, timeout=1800)
+                            "--report", str(report)], env=env, capture_output=True, text=True, timeout=timeout)
         wall = time.perf_counter() - t
         if r.returncode != 0:
             last = (r.stderr.strip().splitlines() or ["no output"])[-1][:300]

@@ -35,6 +35,16 @@ class Preset:
     verify_alpha: float = _field("the chance an artifact exactly at the disagreement budget fails that check: "
                                  "it allows the (1 - alpha) quantile of Binomial(images, budget) disagreements "
                                  "with FP32 on PIL's pixels (the decoder's included)", default=0.05)
+    build_deadline_s: float = _field("seconds for the whole measured build (checkpoint, calibration reference, "
+                                     "search, re-check graph, verification): every phase spends from it, the search "
+                                     "what the others leave (`search_budget_s` its cap)", default=1500.0)
+    checkpoint_estimate_s: float = _field("the deadline's plan: seconds to load the checkpoint", default=10.0)
+    calibration_estimate_s: float = _field("the deadline's plan: seconds for the FP32 reference on the calibration "
+                                           "images", default=20.0)
+    compile_estimate_s: float = _field("the deadline's plan: seconds of one compile before one is measured (the "
+                                       "search's first, the guard's re-check graph)", default=120.0)
+    verify_estimate_s: float = _field("the deadline's plan: seconds to assemble and verify one candidate end to end",
+                                      default=60.0)
 
 
 PRESETS = {
@@ -42,9 +52,10 @@ PRESETS = {
     # (max-autotune) are timed against oneDNN/MKL. Budget: ~3 compiles of a ViT-Ti/336 on 2 cores.
     "cpu": Preset("cpu", (8, 16, 32), 16, 900.0, ("default", "max-autotune"), (False,)),
     # One Hopper GPU, EVA-02-L/448 (by estimate, not yet measured on a GPU): a checkpoint load of
-    # ~1 min, ~4 min per AOTInductor compile, 4 compiles and their timings in 1,500 s, then the
-    # guard's re-check graph and the end-to-end check: inside a 30-minute build step.
-    "cuda": Preset("cuda", (32, 64, 100, 128), 64, 1500.0, ("default",), (True, False)),
+    # ~1 min, ~4 min per AOTInductor compile. The deadline (1,500 s: 25 min, a margin under a
+    # 30-minute build step) less the other phases' estimates leaves the search ~1,050 s, under its cap.
+    "cuda": Preset("cuda", (32, 64, 100, 128), 64, 1500.0, ("default",), (True, False), checkpoint_estimate_s=60.0,
+                   calibration_estimate_s=30.0, compile_estimate_s=240.0, verify_estimate_s=120.0),
 }
 
 

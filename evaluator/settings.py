@@ -22,6 +22,7 @@
 | ENGINE_CROP_MODE | the checkpoint's record, else the model's | ./build.sh spec override: center or squash |
 | ENGINE_CROP_PCT | the checkpoint's record, else the model's | ./build.sh spec override: crop fraction |
 | ENGINE_MODEL_KWARGS | the checkpoint's record, else none | ./build.sh spec override: timm kwargs as JSON |
+| ENGINE_BUILD_DEADLINE_S | the device's preset (engine/presets.py `build_deadline_s`) | ./build.sh: seconds for the whole step (the build's phases, then the one-image check); past it the build keeps its best verified candidate, else eager FP32 |
 | FORCE | 0 | ./build.sh: 1 rebuilds even when the artifact is current |
 | PYTHON | python3 | ./build.sh: the interpreter (read by the shell script) |
 """
@@ -80,6 +81,13 @@ def build_device() -> str:
     return read("ENGINE_DEVICE", choice("auto", "cuda", "cpu"), "auto")
 
 
+def build_deadline_s() -> float | None:
+    """ENGINE_BUILD_DEADLINE_S: seconds for ./build.sh's whole step (None: the device preset's)."""
+    from engine.settings import number_in
+
+    return read("ENGINE_BUILD_DEADLINE_S", number_in(0.0, 86400.0, open_low=True), None)
+
+
 def build_force() -> bool:
     return read("FORCE", choice("0", "1"), "0") == "1"
 
@@ -98,7 +106,7 @@ BUILD_FLAG_KNOBS = ("ENGINE_MODEL", "ENGINE_PRECISION", "ENGINE_BATCH_SIZE", "EN
 # every variable ./build.sh reads, in the order its --help lists them
 BUILD_ENV = ("ENGINE_CHECKPOINT", "ENGINE_MODEL", "ENGINE_PRECISION", "ENGINE_BATCH_SIZE", "ENGINE_BACKEND",
              "ENGINE_DEVICE", "ENGINE_ARTIFACT", "ENGINE_INPUT_SIZE", "ENGINE_CROP_MODE", "ENGINE_CROP_PCT",
-             "ENGINE_MODEL_KWARGS", "FORCE", "PYTHON")
+             "ENGINE_MODEL_KWARGS", "ENGINE_BUILD_DEADLINE_S", "FORCE", "PYTHON")
 
 
 # every variable scripts/run reads, in the order its --help lists them

@@ -1,8 +1,10 @@
 """The measured build's search, on fake timings (no timed tests): what it compiles, what it rejects
-and why, what it chooses, and how the build falls back when nothing holds."""
+and why, what it chooses (also on noisy timings), what it drops, what disk it uses, and how the
+build falls back when nothing holds."""
 from __future__ import annotations
 
 import json
+import random
 
 import numpy as np
 import pytest
@@ -238,6 +240,9 @@ class _BuildFake(FakeMeasurer):
         super().compile(c)
         return self._real.compile(c)
 
+    def discard(self, h):
+        self._real.discard(h)
+
 
 def _auto_build(tmp_path, tiny_checkpoint, monkeypatch, verify_ok=lambda name: True, **plant):
     from engine import autotune_measure, build_auto
@@ -316,3 +321,142 @@ def test_the_re_check_rate_is_the_fp32_network_at_the_re_check_batch_measured_on
     assert timed == [(4, {torch.float32}, torch.int32)]     # once, FP32 weights, top-1 only, at the re-check batch
     assert autotune_measure.Measurer(net, spec, "cpu", pixels, ref, tmp_path, 10.0, 2.0, "auto").recheck_batch \
         == preset("cpu").recheck_batch
+
+
+class NoisyMeasurer(FakeMeasurer):
+    """Planted rates, each timing jittered by up to +-`jitter` and, with probability `p`, disturbed
+    (10-40 % slower: another process on the machine), from a seeded generator."""
+
+    def __init__(self, clock, screen, graph, seed, jitter=0.02, p=0.1):
+        super().__init__(clock, screen, graph)
+        self.rng, self.jitter, self.p = random.Random(seed), jitter, p
+
+    def time(self, h, c):
+        r = super().time(h, c) * (1 + self.rng.uniform(-self.jitter, self.jitter))
+        return r * self.rng.uniform(0.6, 0.9) if self.rng.random() < self.p else r
+
+
+def _noisy_choice(seed: int, gain: float) -> str:
+    """The search's choice between aot/fp32/b16 (100 images/s) and b32 (100 x (1 + gain)), noisy timings."""
+    clock = Clock()
+    graph = {("fp32", 16, "aot", "default"): 100.0, ("fp32", 32, "aot", "default"): 100.0 * (1 + gain)}
+    m = NoisyMeasurer(clock, {("fp32", 16): 30.0, ("fp32", 32): 30.0}, graph, seed)
+    res = search(m, _cfg(precisions=("fp32",), batch_sizes=(16, 32)), clock=clock)
+    return res.ranked[0].candidate.name
+
+
+@pytest.mark.parametrize("gain", [0.0, 0.02, 0.03, -0.03])
+def test_on_noisy_timings_rates_a_few_percent_apart_give_the_same_choice_for_every_seed(gain):
+    """Within TIE (5 %) the simpler (the smaller batch) stays, whatever the noise draws: jitter of
+    +-2 % and one timing in ten 10-40 % slower. (Near TIE itself, 4-6 %, either choice is right.)"""
+    assert {_noisy_choice(seed, gain) for seed in range(40)} == {"aot/fp32/b16"}
+
+
+@pytest.mark.parametrize("gain, best", [(0.16, "aot/fp32/b32"), (0.25, "aot/fp32/b32"), (-0.2, "aot/fp32/b16")])
+def test_on_noisy_timings_rates_more_than_15_percent_apart_pick_the_faster_for_every_seed(gain, best):
+    assert {_noisy_choice(seed, gain) for seed in range(40)} == {best}
+
+
+def test_a_candidate_within_reach_of_the_leader_is_retimed_interleaved_and_the_table_shows_every_timing():
+    clock = Clock()
+    order = []
+
+    class Recording(FakeMeasurer):
+        def time(self, h, c):
+            order.append(c.batch_size)
+            return super().time(h, c)
+
+    graph = {("fp32", 16, "aot", "default"): 43.0, ("fp32", 8, "aot", "default"): 40.0}
+    res = search(Recording(clock, AVX2_SCREEN, graph), _cfg(precisions=("fp32",)), clock=clock)
+    # b16 first; b8's first timing is within 15 % of it: the leader settled (3 timings), then A B A B A B
+    assert order == [16, 8, 16, 16, 16, 8, 16, 8, 16, 8]
+    by = {t.candidate.batch_size: t for t in res.trials}
+    assert by[8].status == "slower" and "median of 4" in by[8].why and len(by[16].timings) == 6
+    from engine.autotune import format_table
+
+    table = format_table(res, "aot/fp32/b16")
+    assert table.splitlines()[0].startswith("screen = eager images/s; graph = compiled images/s")
+    assert "timings: [40.0, 40.0, 40.0, 40.0]" in table
+    assert res.table()[1]["timings"] == [40.0] * 4
+
+
+def test_a_backend_failing_for_a_reason_of_the_machine_is_compiled_once(capsys):
+    clock = Clock()
+
+    class NoHeaders(FakeMeasurer):
+        def compile(self, c):
+            if c.backend == "aot":
+                self.compiled.append(c.name)
+                raise RuntimeError("CppCompileError: C++ compile error\n/tmp/x.cpp:1:10: fatal error: "
+                                   "Python.h: No such file or directory\ncompilation terminated.")
+            return super().compile(c)
+
+    screen = {("fp32", 8): 30.0, ("fp32", 16): 32.0, ("bf16", 8): 31.0, ("bf16", 16): 33.0}
+    graph = {(p, b, be, "default"): 40.0 + b for p in ("fp32", "bf16") for b in (8, 16) for be in ("aot", "eager")}
+    m = NoHeaders(clock, screen, graph)
+    res = search(m, _cfg(backends=("aot", "eager")), clock=clock)
+    assert [n for n in m.compiled if n.startswith("aot/")] == ["aot/bf16/b16"]
+    rows = {r["name"]: r for r in res.table()}
+    assert rows["aot/bf16/b16"]["status"] == "failed"
+    for name in ("aot/fp32/b16", "aot/bf16/b8", "aot/fp32/b8"):
+        assert rows[name]["status"] == "not compiled"
+        assert rows[name]["why"] == "backend aot dropped: missing header Python.h"
+    assert res.dropped == {"aot": "missing header Python.h"}
+    err = capsys.readouterr().err
+    assert err.count("backend aot dropped: missing header Python.h; its other candidates are not compiled") == 1
+    assert res.ranked and res.ranked[0].candidate.backend == "eager"
+
+
+class FilesMeasurer(FakeMeasurer):
+    """Each compile writes `size` bytes into its own folder under `work`; discard removes them."""
+
+    def __init__(self, clock, screen, graph, work, size):
+        super().__init__(clock, screen, graph)
+        self.work, self.size, self.discarded = work, size, []
+
+    def compile(self, c):
+        super().compile(c)
+        folder = self.work / c.name.replace("/", "_")
+        folder.mkdir(parents=True)
+        (folder / "model.so").write_bytes(b"\0" * self.size)
+        return folder
+
+    def discard(self, folder):
+        import shutil
+
+        self.discarded.append(folder.name)
+        shutil.rmtree(folder)
+
+
+def test_the_search_fits_a_disk_quota_of_three_compiles_by_removing_losers(tmp_path, capsys):
+    """Six candidates of 1 MiB each under a 3.2 MiB quota: every loser's files go as it loses, only
+    KEEP (2) that hold keep theirs, so every candidate is compiled and the best two are left."""
+    from engine.autotune import KEEP
+    from engine.build_disk import WorkDisk
+    from engine.io import tree_bytes
+
+    size, work = 1 << 20, tmp_path / "work"
+    work.mkdir()
+    quota = int(3.2 * size)
+    free = lambda p: quota - tree_bytes(work)   # noqa: E731 - the simulated quota
+    clock = Clock()
+    screen = {(p, b): 30.0 for p in ("fp32", "bf16") for b in (8, 16, 32)}
+    graph = {(p, b, "aot", "default"): 40.0 + b + (30 if p == "bf16" else 0) for p in ("fp32", "bf16")
+             for b in (8, 16, 32)}
+    m = FilesMeasurer(clock, screen, graph, work, size)
+    disk = WorkDisk(work, first_need=size, free=free)
+    res = search(m, _cfg(batch_sizes=(8, 16, 32)), clock=clock, disk=disk)
+    assert len(m.compiled) == 6 and disk.skipped == 0
+    assert disk.peak <= quota and disk.largest == size
+    left = sorted(p.name for p in work.iterdir())
+    assert len(left) == KEEP and left == sorted(t.candidate.name.replace("/", "_") for t in res.ranked)
+    assert res.ranked[0].candidate == Candidate("bf16", 32, "aot")
+    # a quota of one compile: the second does not fit while the first holds; one line says so
+    m2 = FilesMeasurer(Clock(), screen, graph, tmp_path / "w2", size)
+    (tmp_path / "w2").mkdir()
+    disk2 = WorkDisk(tmp_path / "w2", first_need=size, free=lambda p: int(1.5 * size) - tree_bytes(tmp_path / "w2"))
+    res2 = search(m2, _cfg(batch_sizes=(8, 16, 32)), clock=m2.clock, disk=disk2)
+    assert len(m2.compiled) < 6 and disk2.skipped >= 1
+    assert any(r.get("why", "").startswith("disk: needs about") for r in res2.table())
+    assert "not compiled: needs about" in capsys.readouterr().err
+    assert res2.ranked

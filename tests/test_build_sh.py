@@ -78,6 +78,20 @@ def test_builds_and_checks_the_artifact(first_build):
             f"timm {v['timm']} DALI {v['nvidia-dali-cuda130']}") in r.stderr
     check = [json.loads(ln) for ln in r.stderr.splitlines() if ln.startswith('{"ok"')]
     assert check and check[0]["ok"] and 0 <= check[0]["top1"] <= 999
+    # one deadline (the preset's 1,500 s): engine.build gets what is left after the check's reserve
+    plan = re.search(r"build\.sh: deadline 1500 s: (\d+) s spent preparing, engine\.build (\d+) s, 90 s kept", r.stderr)
+    assert plan and int(plan[1]) + int(plan[2]) == 1500 - 90
+    assert abs(search["clock"]["deadline_s"] - int(plan[2])) <= 1 and search["clock"]["left_s"] > 0
+    assert set(search["clock"]["actual_s"]) >= {"checkpoint", "calibration", "search", "verify"}
+    assert re.search(r"build\.sh: spent \d+ s of the 1500 s deadline", r.stderr)
+
+
+def test_a_deadline_that_leaves_no_time_for_the_build_is_a_usage_error(tmp_path, read_only_checkpoint):
+    r = _build(_env(read_only_checkpoint, tmp_path / "art", ENGINE_BUILD_DEADLINE_S="60", FORCE="1"))
+    assert r.returncode == 2, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("build.sh: error: ENGINE_BUILD_DEADLINE_S: 60 s leaves no time for the build")
+    assert not (tmp_path / "art").exists()
 
 
 def test_second_run_reuses_a_corrupt_artifact_or_force_rebuilds(first_build):
@@ -136,7 +150,8 @@ def test_bad_device_is_a_usage_error(tmp_path, read_only_checkpoint):
 @pytest.mark.parametrize("knob, value", [("ENGINE_PRECISION", "bf61"), ("ENGINE_BATCH_SIZE", "0"),
                                          ("ENGINE_BATCH_SIZE", "many"), ("ENGINE_INPUT_SIZE", "-3"),
                                          ("ENGINE_CROP_MODE", "zoom"), ("FORCE", "yes"), ("ENGINE_BACKEND", "foo"),
-                                         ("ENGINE_CROP_PCT", "half"), ("ENGINE_MODEL_KWARGS", "{depth")])
+                                         ("ENGINE_CROP_PCT", "half"), ("ENGINE_MODEL_KWARGS", "{depth"),
+                                         ("ENGINE_BUILD_DEADLINE_S", "soon"), ("ENGINE_BUILD_DEADLINE_S", "-5")])
 def test_a_bad_knob_is_one_line_naming_it(knob, value, tmp_path, read_only_checkpoint):
     r = _build(_env(read_only_checkpoint, tmp_path / "art", **{knob: value}))
     assert r.returncode == 2, r.stderr[-2000:]

@@ -14,7 +14,9 @@ of 10,000 images over a margin of 2: `--guard-budget=50` basis points, the decod
 precision's together; evaluator/contest/task.py) and its check that no ImageNet-validation-like
 folder calibrates the guard go to engine.build as flags. An artifact
 whose files are intact and whose manifest records the same checkpoint sha256, spec, backend and
-device is reused (FORCE=1 rebuilds); then one generated image runs through scripts/run.
+device is reused (FORCE=1 rebuilds); then one generated image runs through scripts/run. The
+whole step keeps one deadline (ENGINE_BUILD_DEADLINE_S, else the preset's `build_deadline_s`):
+engine.build gets what is left of it after SELFCHECK_RESERVE_S kept for that check.
 """
 from __future__ import annotations
 
@@ -35,6 +37,9 @@ FLAG = {"ENGINE_MODEL": "--model", "ENGINE_PRECISION": "--precision", "ENGINE_BA
         "ENGINE_CHECKPOINT": "--checkpoint", "ENGINE_ARTIFACT": "--out", "ENGINE_DEVICE": "--device"}
 KNOB = {flag: knob for knob, flag in FLAG.items()}
 CALIBRATION_CHECK = "evaluator.contest.dataset_flags:calibration_refusals"
+# seconds the deadline keeps after engine.build for the one-image check through scripts/run (a process
+# start, the artifact's load, one image) and engine.build's own process start
+SELFCHECK_RESERVE_S = 90.0
 ANOTHER_MODEL = "a checkpoint of another model needs ENGINE_MODEL, ENGINE_INPUT_SIZE and ENGINE_MODEL_KWARGS"
 DESCRIPTION = """\
 The submission's build step: builds the artifact from the read-only checkpoint with
@@ -158,6 +163,15 @@ def reusable(flags: list[str]) -> bool:
     return not reasons
 
 
+def engine_deadline(deadline_s: float, spent_s: float) -> float:
+    """engine.build's --deadline-s: the step's deadline less what is spent and the check's reserve."""
+    left = deadline_s - spent_s - SELFCHECK_RESERVE_S
+    if left <= 0:
+        raise Stop(EXIT_USAGE, f"ENGINE_BUILD_DEADLINE_S: {deadline_s:g} s leaves no time for the build ({spent_s:.0f} s "
+                               f"spent preparing, {SELFCHECK_RESERVE_S:.0f} s kept for the one-image check)")
+    return left
+
+
 def build(flags: list[str], artifact: Path) -> None:
     """python -m engine.build in its own process (a crash there is a failed build, and its memory
     is freed before the check), its output on stderr."""
@@ -183,12 +197,14 @@ def run_check(artifact: Path) -> None:
         raise Stop(EXIT_FAILED, f"the artifact at {artifact} does not run through scripts/run (see above)")
 
 
-def build_step() -> int:
+def build_step(clock=time.monotonic) -> int:
     from engine import settings as engine_settings
     from engine.presets import preset
     from evaluator import settings
     from evaluator.contest.task import DEFAULT_MODEL
 
+    t0 = clock()
+    deadline_s = settings.build_deadline_s()
     checkpoint = settings.build_checkpoint()
     if not checkpoint.exists():
         raise Stop(EXIT_USAGE, f"checkpoint not found: {checkpoint} (mount it there or set ENGINE_CHECKPOINT)")
@@ -208,12 +224,19 @@ def build_step() -> int:
     log(f"model {knobs['ENGINE_MODEL']}, checkpoint {checkpoint}, backend {knobs['ENGINE_BACKEND']} on {device}, "
         f"precision {knobs['ENGINE_PRECISION']}, batch {knobs['ENGINE_BATCH_SIZE']} -> {artifact}")
     log(f"stack: {stack()}")
+    deadline_s = deadline_s if deadline_s is not None else pre.build_deadline_s
     if not force and reusable(flags):
         log(f"reusing artifact {artifact} (files intact; checkpoint sha256, spec, backend and device match; "
             "FORCE=1 rebuilds)")
     else:
-        build(flags, artifact)
+        spent = clock() - t0
+        budget = engine_deadline(deadline_s, spent)
+        log(f"deadline {deadline_s:.0f} s: {spent:.0f} s spent preparing, engine.build {budget:.0f} s, "
+            f"{SELFCHECK_RESERVE_S:.0f} s kept for the one-image check (ENGINE_BUILD_DEADLINE_S)")
+        build([*flags, f"--deadline-s={budget:.1f}"], artifact)
+    t = clock()
     run_check(artifact)
+    log(f"spent {clock() - t0:.0f} s of the {deadline_s:.0f} s deadline (the one-image check {clock() - t:.0f} s)")
     log(f"OK: {artifact} is ready for scripts/run (ENGINE_ARTIFACT={artifact})")
     return 0
 

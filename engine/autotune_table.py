@@ -1,0 +1,33 @@
+"""The search's table as the build prints it: a legend once, then one line per candidate with every
+timing of its compiled graph, the choice marked, the skipped precisions and dropped backends last."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from engine.autotune_retime import RETIME, TIE
+
+if TYPE_CHECKING:
+    from engine.autotune import SearchResult
+
+LEGEND = ("screen = eager images/s; graph = compiled images/s, the median of the timings listed; eff. = graph "
+          "with the guard's re-check cost; agree = guarded top-1 agreement with the FP32 graph on the calibration "
+          f"images; tau = the guard's margin threshold; medians within {TIE:.0%} plus their spread are a tie (the "
+          f"simpler wins); within {RETIME:.0%} of the leader a candidate is retimed interleaved with it")
+
+
+def format_table(result: SearchResult, chosen: str | None) -> str:
+    """The short table the build prints: a legend, one line per candidate (every timing), the choice marked."""
+    lines = [LEGEND, f"{'candidate':34} {'screen':>8} {'graph':>8} {'eff.':>8} {'agree':>7} {'tau':>7}  status"]
+    for t in result.trials:
+        def f(v, fmt):
+            return format(v, fmt) if v is not None else "-"
+        mark = "chosen" if t.candidate.name == chosen else t.status
+        timings = f"  timings: [{', '.join(f'{x:.1f}' for x in t.timings)}]" if t.timings else ""
+        lines.append(f"{t.candidate.name:34} {f(t.screened_images_per_s, '8.1f')} {f(t.images_per_s, '8.1f')} "
+                     f"{f(t.effective_images_per_s, '8.1f')} {f(t.agreement, '7.4f')} {f(t.tau, '7.4f')}  "
+                     f"{mark}{(': ' + t.why) if t.why and mark != 'chosen' else ''}{timings}")
+    for k, why in result.skipped.items():
+        lines.append(f"{k:34} {'':>8} {'':>8} {'':>8} {'':>7} {'':>7}  skipped: {why}")
+    for be, why in result.dropped.items():
+        lines.append(f"{'backend ' + be:34} {'':>8} {'':>8} {'':>8} {'':>7} {'':>7}  dropped: {why}")
+    return "\n".join(lines)

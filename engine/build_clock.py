@@ -1,0 +1,121 @@
+"""One deadline for the whole measured build, spent phase by phase.
+
+The build's phases run one after the other: the checkpoint load, the calibration reference
+(the FP32 graph on the calibration images), the search (engine.autotune), the guard's FP32
+re-check graph (a second compile, below FP32), the end-to-end verification. A `BuildClock`
+holds the deadline, the plan (estimated seconds per phase, printed first and recorded), what
+each phase measured (printed last and recorded), and `left()`. The search spends what is left
+once the phases after it are reserved at their estimates, and those estimates learn from what
+was measured (the longest compile so far stands for the re-check graph's compile, the longest
+verification for the next one). Every clock is injectable, so tests run on a fake one.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from collections.abc import Callable, Iterator
+
+PHASES = ("checkpoint", "calibration", "search", "recheck", "verify")
+
+
+class BuildClock:
+    """The deadline (seconds from construction), the plan and the actuals of the build's phases."""
+
+    def __init__(self, deadline_s: float, estimates: dict[str, float], clock: Callable[[], float] = time.monotonic):
+        self.deadline_s, self.clock = float(deadline_s), clock
+        self.t0 = clock()
+        self.plan = {p: float(estimates.get(p, 0.0)) for p in PHASES}   # as first planned: never changed
+        self.estimate = dict(self.plan)                                 # learns from what was measured
+        self.actual: dict[str, float] = {}
+        self.measured: set[str] = set()                                 # phases whose estimate was measured
+        self.notes: list[str] = []                                      # what the deadline cut, one line each
+
+    def elapsed(self) -> float:
+        return self.clock() - self.t0
+
+    def left(self) -> float:
+        """Seconds to the deadline (negative past it)."""
+        return self.deadline_s - self.elapsed()
+
+    def left_after(self, *phases: str) -> float:
+        """Seconds left once `phases` (still to come) are reserved at their estimates."""
+        return self.left() - sum(self.estimate[p] for p in phases)
+
+    def fits(self, phase: str) -> bool:
+        """Whether one more `phase` fits before the deadline at its estimate."""
+        return self.left() >= self.estimate[phase]
+
+    def learn(self, phase: str, seconds: float) -> None:
+        """A measured `phase` (or a stand-in for it): its estimate becomes the longest so far."""
+        self.estimate[phase] = max(self.estimate[phase], seconds) if phase in self.measured else seconds
+        self.measured.add(phase)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time the block as `name` (added up when a phase runs more than once)."""
+        t = self.clock()
+        try:
+            yield
+        finally:
+            spent = self.clock() - t
+            self.learn(name, spent)
+            self.actual[name] = self.actual.get(name, 0.0) + spent
+
+    def note(self, line: str) -> None:
+        self.notes.append(line)
+        say(f"deadline: {line}")
+
+    def plan_line(self) -> str:
+        return (f"deadline {self.deadline_s:.0f} s; plan: "
+                + ", ".join(f"{p} {s:.0f} s" for p, s in self.plan.items() if p != "search")
+                + f", search what they leave (about {self.deadline_s - sum(self.plan.values()):.0f} s)")
+
+    def actual_line(self) -> str:
+        spent = ", ".join(f"{p} {s:.0f} s" for p, s in self.actual.items())
+        return f"spent {self.elapsed():.0f} s of {self.deadline_s:.0f} s ({spent or 'nothing measured'}); " \
+               f"{self.left():.0f} s left"
+
+    def record(self) -> dict:
+        """What the manifest keeps: the deadline, the plan, the actuals, and what the deadline cut."""
+        return {"deadline_s": round(self.deadline_s, 1), "plan_s": {p: round(s, 1) for p, s in self.plan.items()},
+                "actual_s": {p: round(s, 2) for p, s in self.actual.items()}, "elapsed_s": round(self.elapsed(), 2),
+                "left_s": round(self.left(), 2), "cut": list(self.notes)}
+
+
+class SearchDeadline:
+    """The search's side of the clock: its own budget (the preset's cap) and the build's deadline,
+    less the phases that come after it; compiles measured in the search teach the re-check estimate."""
+
+    def __init__(self, budget_s: float, clock: Callable[[], float] = time.perf_counter,
+                 build: BuildClock | None = None, after: tuple[str, ...] = ()):
+        self.budget_s, self.clock, self.build, self.after = budget_s, clock, build, after
+        self.t0 = clock()
+
+    def left(self) -> float:
+        own = self.budget_s - (self.clock() - self.t0)
+        return own if self.build is None else min(own, self.build.left_after(*self.after))
+
+    def compiled(self, seconds: float) -> None:
+        """A compile took `seconds`: the re-check graph's compile is estimated at the longest one."""
+        if self.build is not None and "recheck" in self.after:
+            self.build.learn("recheck", seconds)
+
+    def _by_deadline(self) -> bool:
+        return self.build is not None and self.left() < self.budget_s - (self.clock() - self.t0)
+
+    def what_left(self) -> str:
+        """What limits the search now, as "N s {what_left()} left" reads it."""
+        if self._by_deadline():
+            return f"before the build's deadline ({' + '.join(self.after) or 'nothing'} reserved)"
+        return "of the search budget"
+
+    def why_spent(self) -> str:
+        if self._by_deadline():
+            return (f"the time before the build's deadline ({self.build.left():.0f} s left, "
+                    f"{' + '.join(self.after) or 'nothing'} reserved)")
+        return f"the search budget of {self.budget_s:.0f} s"
+
+
+def say(msg: str) -> None:
+    print(f"engine.build: {msg}", file=sys.stderr, flush=True)

@@ -1,0 +1,178 @@
+"""The measured build inside one deadline, on a fake clock (no real compile, no timed test): a slow
+compile, a slow verification and a slow preamble (checkpoint load, calibration reference) each
+still end inside the deadline, with a verified artifact or the eager FP32 fallback, and the
+manifest says which and why; a backend failing for a reason of the machine is compiled once; a
+disk quota of about three compiles still gives a verified artifact."""
+from __future__ import annotations
+
+import dataclasses
+
+from conftest import tiny_spec
+from test_autotune import FakeMeasurer
+
+FAIL_ENV = "CppCompileError: x.cpp:1:10: fatal error: Python.h: No such file or directory"
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class TimedFake(FakeMeasurer):
+    """Planted rates (fp32 faster, larger batches faster), real eager compiles into the search's work
+    folder, and the build's fake clock advanced by what each step is said to cost."""
+
+    def __init__(self, clock, real, net, spec, device, pixels, ref, workdir, budget, safety, compile_s=1.0,
+                 env_fail=False):
+        screen = {(p, b): 30.0 for p in ("fp32", "bf16") for b in (8, 16, 32)}
+        graph = {(p, b, "eager", "default"): 40.0 + b + (5 if p == "fp32" else -20) for p in ("fp32", "bf16")
+                 for b in (8, 16, 32)}
+        super().__init__(clock, screen, graph, compile_s=compile_s)
+        self.env_fail = env_fail
+        self._real = real(net, spec, device, pixels, ref, workdir, budget, safety)
+
+    def compile(self, c):
+        self.clock.t += self.compile_s
+        self.compiled.append(c.name)
+        if self.env_fail:
+            raise RuntimeError(FAIL_ENV)
+        return self._real.compile(c)
+
+    def discard(self, h):
+        self._real.discard(h)
+
+
+def _build(tmp_path, ckpt, monkeypatch, deadline, compile_s=1.0, verify_s=1.0, verify_ok=lambda name: True,
+           load_s=0.0, calibration_s=0.0, env_fail=False):
+    """engine.build's auto build of the tiny model (eager, counted as a compiling backend so the
+    compile rules apply) on a fake clock; returns (manifest, clock, measurer, verified names)."""
+    from engine import assemble, autotune_measure, build_auto, checkpoint
+    from engine.build import AutoConfig, GuardConfig, build
+
+    clock, made = Clock(), []
+    real = autotune_measure.Measurer
+
+    def measurer(*a, **k):
+        made.append(TimedFake(clock, real, *a, compile_s=compile_s, env_fail=env_fail, **k))
+        return made[-1]
+
+    def slow(fn, seconds):
+        def run(*a, **k):
+            clock.t += seconds
+            return fn(*a, **k)
+        return run
+
+    monkeypatch.setattr(autotune_measure, "Measurer", measurer)
+    monkeypatch.setattr(autotune_measure, "importable_backends", lambda device: (["eager"], {}))
+    config = build_auto.search_config
+    monkeypatch.setattr(build_auto, "search_config",
+                        lambda *a: (lambda cfg, sk: (dataclasses.replace(cfg, compiled=("eager",)), sk))(*config(*a)))
+    monkeypatch.setattr(checkpoint, "load_model", slow(checkpoint.load_model, load_s))
+    monkeypatch.setattr(assemble, "calibration_pixels", slow(assemble.calibration_pixels, calibration_s))
+    seen = []
+
+    def verify(artifact, net, spec, device, pixels, count, gate):
+        name = f"eager/{spec.precision}/b{spec.batch_size}"
+        seen.append(name)
+        clock.t += verify_s
+        ok = verify_ok(name)
+        return {"ok": ok, "images": 16, "agreement": 1.0 if ok else 0.5, **({} if ok else {"why": "planted"})}
+
+    monkeypatch.setattr(build_auto, "verify_artifact", verify)
+    meta = build(tiny_spec("squash", 16), ckpt, tmp_path / "art", backend="eager", device="cpu",
+                 guard=GuardConfig(calibration_source="renders", calibration_count=16),
+                 auto=AutoConfig(precisions=("fp32", "bf16"), deadline_s=deadline), clock=clock)
+    return meta, clock, made[0], seen
+
+
+def _rows(meta) -> dict:
+    return {r["name"]: r for r in meta["build"]["search"]["candidates"]}
+
+
+def test_a_compile_slower_than_its_estimate_stops_the_compiles_and_the_build_ends_verified_in_time(
+        tmp_path, tiny_checkpoint, monkeypatch, capsys):
+    """The preset's first estimate is 120 s; the compile takes 600: it also stands for the re-check
+    graph's compile, so no second compile fits before the deadline, and the one compiled is verified."""
+    meta, clock, m, seen = _build(tmp_path, tiny_checkpoint, monkeypatch, deadline=1000, compile_s=600)
+    search = meta["build"]["search"]
+    assert clock.t <= 1000
+    assert m.compiled == ["eager/fp32/b8"] and seen == ["eager/fp32/b8"]
+    assert search["chosen"] == "eager/fp32/b8" and search["fallback"] is None and search["verify"][0]["ok"]
+    rows = _rows(meta)
+    assert "before the build's deadline" in rows["eager/fp32/b16"]["why"]
+    assert rows["eager/fp32/b16"]["status"] == "not compiled"
+    c = search["clock"]
+    assert c["deadline_s"] == 1000 and c["plan_s"]["recheck"] == 120 and c["actual_s"]["search"] >= 600
+    err = capsys.readouterr().err
+    assert err.index("engine.build: deadline 1000 s; plan: checkpoint 10 s") < err.index("autotune: measuring")
+    assert err.rstrip().splitlines()[-1].startswith("engine.build: spent ")
+
+
+def test_a_slow_failing_verification_leaves_no_time_for_the_next_and_the_build_is_eager_fp32(
+        tmp_path, tiny_checkpoint, monkeypatch):
+    meta, clock, _, seen = _build(tmp_path, tiny_checkpoint, monkeypatch, deadline=1500, verify_s=900,
+                                  verify_ok=lambda name: False)
+    search = meta["build"]["search"]
+    assert clock.t <= 1500 and seen == ["eager/fp32/b32"]        # the second would end past the deadline
+    assert (meta["precision"], meta["backend"], meta["cuda_graphs"]) == ("fp32", "eager", False)
+    assert search["chosen"] is None and "deadline" in search["fallback"] and "not verified" in search["fallback"]
+    assert [v["ok"] for v in search["verify"]] == [False, False] and search["verify"][1]["deadline"]
+    assert search["verify"][1]["candidate"] == "eager/fp32/b16"
+    assert any("not assembled or verified" in line for line in search["clock"]["cut"])
+
+
+def test_a_slow_verification_that_passes_is_the_artifact(tmp_path, tiny_checkpoint, monkeypatch):
+    meta, clock, _, seen = _build(tmp_path, tiny_checkpoint, monkeypatch, deadline=1500, verify_s=900)
+    assert clock.t <= 1500 and seen == ["eager/fp32/b32"]
+    assert meta["build"]["search"]["chosen"] == "eager/fp32/b32" and meta["build"]["search"]["verify"][0]["ok"]
+    assert meta["build"]["search"]["clock"]["actual_s"]["verify"] >= 900
+
+
+def test_a_slow_preamble_shortens_the_search_and_the_build_still_ends_verified_in_time(
+        tmp_path, tiny_checkpoint, monkeypatch):
+    meta, clock, m, _ = _build(tmp_path, tiny_checkpoint, monkeypatch, deadline=1500, compile_s=100,
+                               load_s=600, calibration_s=300)
+    search = meta["build"]["search"]
+    assert clock.t <= 1500 and 1 <= len(m.compiled) < 6
+    assert search["chosen"] and search["verify"][-1]["ok"]
+    assert search["clock"]["actual_s"]["checkpoint"] == 600 and search["clock"]["actual_s"]["calibration"] == 300
+
+
+def test_a_preamble_that_leaves_no_time_to_compile_gives_the_eager_fp32_fallback(tmp_path, tiny_checkpoint,
+                                                                                 monkeypatch, capsys):
+    meta, clock, m, seen = _build(tmp_path, tiny_checkpoint, monkeypatch, deadline=1500, compile_s=100,
+                                  load_s=1300)
+    search = meta["build"]["search"]
+    assert clock.t <= 1500 and m.compiled == [] and seen == []
+    assert search["chosen"] is None and "deadline" in search["fallback"]
+    assert all(r["status"] == "not compiled" for r in search["candidates"])
+    assert "WARNING: the build's deadline left no time" in capsys.readouterr().err
+
+
+def test_a_backend_failing_for_a_reason_of_the_machine_is_compiled_once(tmp_path, tiny_checkpoint, monkeypatch,
+                                                                        capsys):
+    meta, _, m, _ = _build(tmp_path, tiny_checkpoint, monkeypatch, deadline=1500, env_fail=True)
+    assert m.compiled == ["eager/fp32/b8"]
+    search = meta["build"]["search"]
+    assert search["dropped"] == {"eager": "missing header Python.h"} and search["fallback"]
+    rows = _rows(meta)
+    assert rows["eager/fp32/b8"]["status"] == "failed"
+    assert {r["why"] for n, r in rows.items() if n != "eager/fp32/b8"} == {"backend eager dropped: missing header Python.h"}
+    assert capsys.readouterr().err.count("backend eager dropped: missing header Python.h; its other candidates") == 1
+
+
+def test_a_disk_quota_of_about_three_compiles_still_gives_a_verified_artifact(tmp_path, tiny_checkpoint, monkeypatch):
+    from engine import build_disk
+    from engine.io import tree_bytes
+
+    one = tiny_checkpoint.stat().st_size               # one candidate's files: the FP32 weights, about
+    quota = int(3.5 * one)
+    monkeypatch.setattr(build_disk, "free_bytes", lambda folder: quota - tree_bytes(folder))
+    meta, _, m, _ = _build(tmp_path, tiny_checkpoint, monkeypatch, deadline=1500)
+    search = meta["build"]["search"]
+    assert len(m.compiled) == 6 and search["disk"]["skipped_for_space"] == 0
+    assert 0 < search["disk"]["peak_bytes"] <= quota
+    assert search["chosen"] == "eager/fp32/b32" and search["verify"][-1]["ok"]
