@@ -254,6 +254,19 @@ class Run:
         self.dropped: dict[str, str] = {}        # backend -> why it was dropped
         self.compiles: list[float] = []          # seconds of each compile (its estimate: the longest)
         self.timer = Timer(m, lambda t: self.built[_key(t.candidate)], clock, deadline.left)
+        self._recheck: list = []                 # the re-check graph's rate (None: not measurable), asked once
+
+    def recheck_rate(self) -> float | None:
+        """The Measurer's re-check rate, asked once per search; None when it cannot be measured
+        (said once on stderr: the best FP32 candidate's rate then stands in)."""
+        if not self._recheck:
+            try:
+                self._recheck.append(self.m.recheck_rate())
+            except Exception as e:  # noqa: BLE001 - priced with a stand-in instead, said here
+                _say(f"autotune: the re-check graph's rate could not be measured ({_why(e)}); re-checks priced "
+                     "at the best FP32 candidate's rate")
+                self._recheck.append(None)
+        return self._recheck[0]
 
     def candidate(self, c: Candidate, screened: float, pruned: str) -> None:
         trial = Trial(c, screened_images_per_s=screened)
@@ -360,7 +373,7 @@ class Run:
 
     def _keep_best(self) -> None:
         """Only the KEEP best that hold keep their files (the build verifies no more)."""
-        _effective_rates(self.trials, self.m)
+        _effective_rates(self.trials, self.recheck_rate)
         for t in [t for t in rank(self.trials) if t.candidate.name in self.handles][KEEP:]:
             self.handles.pop(t.candidate.name)
             self._tidy(_key(t.candidate))
@@ -380,7 +393,7 @@ class Run:
     def finish(self) -> list[Trial]:
         """Confirm the leaders, rank, and keep the files of the KEEP best only: the build's order."""
         _confirm(self.timer, self.trials, self.handles)
-        _effective_rates(self.trials, self.m)
+        _effective_rates(self.trials, self.recheck_rate)
         ranked = [t for t in rank(self.trials) if t.candidate.name in self.handles]
         for t in ranked[KEEP:]:
             self.handles.pop(t.candidate.name)
@@ -428,21 +441,17 @@ def _confirm(timer, trials: list[Trial], handles: dict) -> None:
         timer.interleave(lead, ROUNDS)
 
 
-def _effective_rates(trials: list[Trial], m: Measurer | None = None) -> None:
+def _effective_rates(trials: list[Trial], recheck_rate: Callable[[], float | None] | None = None) -> None:
     """A guarded candidate's rate with its expected re-check cost: each image costs 1/r, plus the
     re-checked share f at the rate of the graph that runs the re-checks, r_re (IEEE FP32 at the
-    re-check batch, `m.recheck_rate()`, measured once on this device: on a GPU about a tenth of
-    bf16's, so each re-check costs ~10 images): 1 / (1/r + f/r_re). Without that measurement
-    (it failed: one stderr line), the best FP32 candidate's rate stands in, else the candidate's own."""
+    re-check batch, `recheck_rate()`: the Measurer's, asked once per search; on a GPU about a tenth
+    of bf16's, so each re-check costs ~10 images): 1 / (1/r + f/r_re). Without that measurement
+    (None: it failed), the best FP32 candidate's rate stands in, else the candidate's own."""
     guarded = [t for t in trials if t.status == "holds" and t.images_per_s and t.candidate.precision != "fp32"
                and t.rechecked_fraction]
     r_re = None
-    if guarded and m is not None:
-        try:
-            r_re = m.recheck_rate()
-        except Exception as e:  # noqa: BLE001 - priced with a stand-in instead, said here
-            _say(f"autotune: the re-check graph's rate could not be measured ({_why(e)}); re-checks priced at "
-                 "the best FP32 candidate's rate")
+    if guarded and recheck_rate is not None:
+        r_re = recheck_rate()
     if r_re is None:
         fp32 = [t.images_per_s for t in trials if t.candidate.precision == "fp32" and t.status == "holds"
                 and t.images_per_s]

@@ -25,14 +25,14 @@ class TimedFake(FakeMeasurer):
     """Planted rates (fp32 faster, larger batches faster), real eager compiles into the search's work
     folder, and the build's fake clock advanced by what each step is said to cost."""
 
-    def __init__(self, clock, real, net, spec, device, pixels, ref, workdir, budget, safety, compile_s=1.0,
-                 env_fail=False):
+    def __init__(self, clock, real, net, spec, device, pixels, ref, workdir, budget, safety, recheck_batch=None,
+                 compile_s=1.0, env_fail=False):
         screen = {(p, b): 30.0 for p in ("fp32", "bf16") for b in (8, 16, 32)}
         graph = {(p, b, "eager", "default"): 40.0 + b + (5 if p == "fp32" else -20) for p in ("fp32", "bf16")
                  for b in (8, 16, 32)}
         super().__init__(clock, screen, graph, compile_s=compile_s)
         self.env_fail = env_fail
-        self._real = real(net, spec, device, pixels, ref, workdir, budget, safety)
+        self._real = real(net, spec, device, pixels, ref, workdir, budget, safety, recheck_batch)
 
     def compile(self, c):
         self.clock.t += self.compile_s
@@ -74,7 +74,7 @@ def _build(tmp_path, ckpt, monkeypatch, deadline, compile_s=1.0, verify_s=1.0, v
     monkeypatch.setattr(assemble, "calibration_pixels", slow(assemble.calibration_pixels, calibration_s))
     seen = []
 
-    def verify(artifact, net, spec, device, pixels, count, gate):
+    def verify(artifact, net, spec, device, pixels, count, alpha, decoder, timeout=1800.0):
         name = f"eager/{spec.precision}/b{spec.batch_size}"
         seen.append(name)
         clock.t += verify_s
