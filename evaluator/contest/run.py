@@ -153,6 +153,8 @@ def _run(argv, wall0: float, held: Held) -> int:
               f"IMAGE_ROOT ({a.image_root}) the folder the manifest's paths are relative to?", file=sys.stderr)
     try:
         out.commit(top1.astype("<i4").tobytes())
+    except OutputError as e:
+        raise RunError(str(e)) from None
     except OSError as e:
         raise RunError(f"cannot write OUTPUT {a.output}: {e.strerror or e}") from None
     t_end = time.perf_counter()
