@@ -3,7 +3,7 @@
 Reading an input: `read_regular` (a regular file of bounded size, never a FIFO or a device),
 `resolve_relative` / `resolve_inside` (a manifest's relative path, followed or confined to
 its root). Also: what kind of file a mode names, the bytes under a folder, the sha256 of a
-file, locked temp files (created under a random name, removed only when their owner is gone),
+file, sharing a written tree as its root folder is shared, locked temp files (created under a random name, removed only when their owner is gone),
 an atomic write (a crash never leaves a file that looks complete), and the installed
 versions of named packages.
 """
@@ -103,6 +103,23 @@ def tree_bytes(root: str | os.PathLike, since: float | None = None) -> int:
             if since is None or st.st_mtime >= since:
                 total += st.st_size
     return total
+
+
+def share_tree_like_root(root: str | os.PathLike) -> None:
+    """Give every folder under `root` root's mode and every regular file root's read bits (and its
+    execute bits when the owner may execute it): a tree written under a private umask, or by a
+    library that makes its files 0600, is then readable by whoever may read `root`. Links are
+    left alone (their targets are not this tree's)."""
+    mode = stat.S_IMODE(os.stat(root).st_mode)
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = os.path.join(dirpath, name)
+            st = os.lstat(p)
+            if stat.S_ISDIR(st.st_mode):
+                os.chmod(p, mode)
+            elif stat.S_ISREG(st.st_mode):
+                m = stat.S_IMODE(st.st_mode) | (mode & 0o444)
+                os.chmod(p, m | (mode & 0o111) if m & stat.S_IXUSR else m)
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:

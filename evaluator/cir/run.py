@@ -119,8 +119,10 @@ def parse_args(argv: list[str] | None) -> RunConfig:
 def main(argv: list[str] | None = None, on_row=None) -> int:
     """scripts/run.sh. `on_row(n)` is called after the n-th row is written and flushed."""
     from engine.cli import guard
+    from evaluator.cir.limits import exhaustion_guarded
 
-    return guard(PROG, lambda: _main(argv, on_row), debug=bool(argv and "--debug" in argv))
+    debug = bool(argv and "--debug" in argv)
+    return exhaustion_guarded(PROG, lambda: guard(PROG, lambda: _main(argv, on_row), debug=debug), debug)
 
 
 def _main(argv: list[str] | None, on_row) -> int:
@@ -134,6 +136,14 @@ def _main(argv: list[str] | None, on_row) -> int:
         os.environ.update(threads.library_env(threads.budget("cpu")))   # before torch sizes its pools
     except ValueError as e:   # a bad ENGINE_THREADS / ENGINE_READERS
         _error(f"{e}")
+        return 2
+    from engine.memory import RETRIEVAL_RUN_FIXED
+    from evaluator.cir.limits import address_space_problem, clip_folder_guess
+
+    problem = address_space_problem(RETRIEVAL_RUN_FIXED, "a query run", cfg.index_dir,
+                                    clip_folder_guess(cfg.model_dir, cfg.index_dir))
+    if problem:   # before torch loads: without room, glibc may abort a thread with nothing to catch
+        _error(problem)
         return 2
     t0 = time.perf_counter()
     from engine.retrieval.compose import Method

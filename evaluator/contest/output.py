@@ -28,7 +28,7 @@ import os
 import stat
 from pathlib import Path
 
-from engine.io import same_inode, create_locked_temp, file_kind, remove_abandoned, temp_prefix
+from engine.io import create_locked_temp, file_kind, remove_abandoned, same_inode, temp_prefix
 
 _NO_FALLOCATE = (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)   # the filesystem cannot: write zeros instead
 
