@@ -55,23 +55,38 @@ class LoadError(RuntimeError):
         self.stage = stage
 
 
-def check_address_space(artifact: Path, threads: int) -> None:
+def check_address_space(artifact: Path, threads: int, decoder_here: str | None = None) -> None:
     """LoadError (stage "memory") when RLIMIT_AS is below what a run maps: the artifact's files,
-    the runtime's fixed part and its `threads` (engine.memory has the measured parts)."""
+    the runtime's fixed part, its `threads`, and the decoder when it runs in this process
+    (`decoder_here`; engine.memory has the measured parts)."""
     from engine.memory import AddressSpaceError
     from engine.memory import check_address_space as check
 
     try:
-        check(need_bytes_for(artifact, threads), f"a run of {artifact} with {threads} threads")
+        check(need_bytes_for(artifact, threads, decoder_here), f"a run of {artifact} with {threads} threads")
     except AddressSpaceError as e:
         raise LoadError(str(e), "memory") from None
 
 
-def need_bytes_for(artifact: Path, threads: int) -> int:
+def need_bytes_for(artifact: Path, threads: int, decoder_here: str | None = None) -> int:
     """The address space a classification run of `artifact` with `threads` threads maps."""
-    from engine.memory import CLASSIFY_FIXED, need_bytes
+    from engine.memory import CLASSIFY_FIXED, decoder_bytes, need_bytes
 
-    return need_bytes([artifact], CLASSIFY_FIXED, threads)
+    return need_bytes([artifact], CLASSIFY_FIXED + decoder_bytes(decoder_here), threads)
+
+
+def decoder_in_process(artifact: Path, name: str | None, isolate: bool) -> str | None:
+    """The run's decoder when it decodes in this process, None when in a child: `name`, else the
+    artifact's default, read from its manifest without torch (an unreadable one: None)."""
+    from engine.decoders import default_decoder, runs_isolated
+
+    if name is None:
+        try:
+            with open(artifact / "manifest.json", "rb") as f:
+                name = default_decoder(json.loads(f.read(64 << 20)).get("device", "cpu"))
+        except (OSError, ValueError, AttributeError, RecursionError):
+            return None
+    return None if runs_isolated(name, isolate) else name
 
 
 def start_isolated_decoder(artifact: Path, name: str | None, isolate: bool, threads: int):
@@ -121,7 +136,8 @@ class Classifier:
         self._closed = False
         name = decoder or settings.decoder()
         budget = threads.budget("cpu")
-        check_address_space(self.path, budget.peak(isolated_decoder=False))                       # step 0
+        check_address_space(self.path, budget.peak(isolated_decoder=False),                       # step 0
+                            decoder_in_process(self.path, name, isolate))
         early = start_isolated_decoder(self.path, name, isolate, budget.decoder)                  # step 1
         try:
             self._load(name, readers, isolate, early)

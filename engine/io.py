@@ -203,6 +203,14 @@ def remove_abandoned(folder: str | os.PathLike, prefix: str, keep: Path | None =
     return live
 
 
+def naming(e: OSError, path: str | os.PathLike) -> OSError:
+    """`e`, or when it names no file (a write() that found the disk full), the same error naming
+    `path`, the file being written: one-line messages then say where."""
+    if e.filename is not None or e.errno is None:
+        return e
+    return type(e)(e.errno, e.strerror or os.strerror(e.errno), os.fspath(path))
+
+
 def write_atomic(path: str | os.PathLike, data: bytes) -> None:
     """Write `data` to `path` through a locked temp file in the same folder, fsync, rename: two
     writers of one path never share a temp file, and the last rename wins with a whole file."""
@@ -214,6 +222,9 @@ def write_atomic(path: str | os.PathLike, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise naming(e, path) from e
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -32,8 +32,18 @@ THREAD_PAST_ARENAS = 40 * MiB   # measured per thread once glibc's 8 arenas per 
 MARGIN = 16 * MiB               # run-to-run noise of the measured thresholds (a few MiB) and rounding
 
 CLASSIFY_FIXED = 2775 * MiB          # python, numpy, PIL, torch with its CUDA libraries, the engine
+DECODER_HERE = {"dali": 823 * MiB,   # a decoder in the process (not in a child): DALI's libraries and pools,
+                "pil": 339 * MiB}    # PIL's decode pool and batches (measured beside an isolated DALI)
 RETRIEVAL_BUILD_FIXED = 2775 * MiB   # the same and the CLIP towers, DALI's CPU decoder
 RETRIEVAL_RUN_FIXED = 2775 * MiB     # the same and the CLIP towers, the query pipeline
+
+
+def decoder_bytes(name: str | None) -> int:
+    """What decoder `name` adds when it runs in this process (None: it runs in a child). A
+    decoder not measured (nvjpeg, GPU only) counts as PIL, its last fallback."""
+    if name is None:
+        return 0
+    return DECODER_HERE["dali"] if name.startswith("dali") else DECODER_HERE["pil"]
 
 
 class AddressSpaceError(RuntimeError):

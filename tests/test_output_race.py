@@ -18,7 +18,7 @@ from engine.io import create_locked_temp, remove_abandoned, temp_prefix, write_a
 from evaluator.contest.output import Output, OutputError
 
 REPO = Path(__file__).resolve().parents[1]
-ROWS = 57                                   # 228 bytes of answers, as in the two-container run
+ROWS = 57                                   # 228 bytes of answers
 
 
 def _answers(value: int) -> bytes:

@@ -35,15 +35,24 @@ def clip_folder_guess(given: Path | None, index_dir: Path | None = None) -> Path
     return None
 
 
-def address_space_problem(fixed: int, what: str, *paths: Path | None) -> str | None:
-    """Why the address-space limit is too low for a call that maps `fixed` bytes, the budget's
-    threads and the files under `paths`; None when it is high enough (or there is none)."""
+def need(fixed: int, *paths: Path | None) -> tuple[int, int]:
+    """(bytes, threads): the address space a call that maps `fixed` bytes, the thread budget's
+    threads and the files under `paths` needs (engine.memory.need_bytes), and that thread count."""
     from engine import threads
-    from engine.memory import AddressSpaceError, check_address_space, need_bytes
+    from engine.memory import need_bytes
 
     n = threads.budget("cpu").peak(isolated_decoder=False)
+    return need_bytes([p for p in paths if p is not None], fixed, n), n
+
+
+def address_space_problem(fixed: int, what: str, *paths: Path | None) -> str | None:
+    """Why the address-space limit is too low for `need(fixed, *paths)`; None when it is high
+    enough (or there is none)."""
+    from engine.memory import AddressSpaceError, check_address_space
+
+    nbytes, n = need(fixed, *paths)
     try:
-        check_address_space(need_bytes([p for p in paths if p is not None], fixed, n), f"{what} with {n} threads")
+        check_address_space(nbytes, f"{what} with {n} threads")
     except AddressSpaceError as e:
         return str(e)
     return None

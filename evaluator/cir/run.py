@@ -225,7 +225,12 @@ def _main(argv: list[str] | None, on_row) -> int:
         skip = set(done)
         pending = [r for r in requests if str(r.query_id) not in skip]
         t1 = time.perf_counter()
-        n = answer(cfg, pipe, pending, out, on_row)
+        try:
+            n = answer(cfg, pipe, pending, out, on_row)
+        except OSError as e:   # a full disk: the one-line message names the output
+            from engine.io import naming
+
+            raise naming(e, cfg.output) from e
     t_end = time.perf_counter()
     rate = n / (t_end - t1) if t_end > t1 else 0.0
     summary = {"queries": len(requests), "answered": n, "resumed": len(done), "method": method.to_dict(),
