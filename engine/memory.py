@@ -5,20 +5,25 @@ that cannot be mapped, an allocator error in the middle of a batch, or glibc abo
 that finds no room for its thread-local data (exit 127, nothing to catch). So each entry point
 compares the limit with an estimate first and says, in one line, the limit and the need:
 
-    need = fixed + per thread (stack, malloc arena) + the bytes of the files the run maps
+    need = fixed part + its threads' part + the bytes of the files it maps + MARGIN
 
-Measured with the check off by bisecting RLIMIT_AS (2 MiB steps) over whole runs of the tiny
-test models (x86_64, 2 CPUs, torch 2.14.1 CUDA build on the CPU, glibc 2.3x), by thread
-count N (`threads.Budget.peak(isolated=False)`):
+Measured with the check off, by bisecting RLIMIT_AS in 2 MiB steps over whole runs of the tiny
+test models (x86_64, 2 CPUs, torch 2.14.1 CUDA build run on the CPU, DALI 2.4; lowest limit
+that passed, by ENGINE_THREADS T):
 
-    classification (scripts/run)  N=8: 3359 MiB  N=11: 3568  N=19: 4137  N=35: 4638 (8 MB artifact)
-    retrieval index build         see RETRIEVAL_BUILD_FIXED;  retrieval queries: RETRIEVAL_RUN_FIXED
+    classification, dali-cpu in a child   T=1: 3359 MiB  T=2: 3568  T=4: 4137  T=8: 4638  (8 MB artifact)
+      the same, DALI in the process                  T=2: 4391 (+823)
+      the same, PIL in the process                   T=2: 3907 (+339)
+    retrieval query run                   T=1: 3597      T=2: 3597  T=4: 3638   (13 MB CLIP, tiny index)
+    retrieval index build                 T=1: 3957      T=2: 4235  T=4: 4337   (13 MB CLIP)
 
-Each thread maps its stack (8 MiB) and, while glibc allows new ones (8 per CPU), a malloc arena
-(64 MiB reserved): 72 MiB each up to 8 per CPU, then 40 MiB each (measured). The fixed parts are
-the measured thresholds less the threads' and files' shares; the estimate is at most 1.5 % above
-every measured threshold (MARGIN covers run-to-run noise). A CUDA run maps more (the driver
-reserves large ranges) and is not measured here: its estimate is the CPU one, a lower bound.
+Classification: each of its threads (threads.Budget.peak(isolated_decoder=False): 8, 11, 19, 35
+above) maps a stack (8 MiB) and, while glibc makes new ones (8 per CPU), a malloc arena (64 MiB
+reserved); past them a thread was measured at 40 MiB. Retrieval: a slope per thread of the budget,
+measured between T=2 and T=4; T=1 counts as 2 (the build then asks 294 MiB more than it needs).
+Every estimate is 16 to 73 MiB (at most 1.6 %) above the thresholds above. A CUDA run maps more
+(the driver reserves large ranges) and is not measured here: its estimate is the CPU one, a lower
+bound. Other machines map other libraries: rerun the bisection there (the check off) to refit.
 """
 from __future__ import annotations
 
@@ -26,28 +31,18 @@ import os
 from collections.abc import Iterable
 
 MiB = 1 << 20
+MARGIN = 16 * MiB               # run-to-run noise of the thresholds (a few MiB) and the bisection's step
+
 THREAD_STACK = 8 * MiB          # glibc's default thread stack (RLIMIT_STACK's 8 MiB)
 MALLOC_ARENA = 64 * MiB         # one glibc malloc arena's reservation (HEAP_MAX_SIZE on 64-bit)
 THREAD_PAST_ARENAS = 40 * MiB   # measured per thread once glibc's 8 arenas per CPU are all made
-MARGIN = 16 * MiB               # run-to-run noise of the measured thresholds (a few MiB) and rounding
-
-CLASSIFY_FIXED = 2775 * MiB          # python, numpy, PIL, torch with its CUDA libraries, the engine
+CLASSIFY_FIXED = 2775 * MiB     # python, numpy, PIL, torch with its CUDA libraries, the engine
 DECODER_HERE = {"dali": 823 * MiB,   # a decoder in the process (not in a child): DALI's libraries and pools,
                 "pil": 339 * MiB}    # PIL's decode pool and batches (measured beside an isolated DALI)
-RETRIEVAL_BUILD_FIXED = 2775 * MiB   # the same and the CLIP towers, DALI's CPU decoder
-RETRIEVAL_RUN_FIXED = 2775 * MiB     # the same and the CLIP towers, the query pipeline
 
-
-def decoder_bytes(name: str | None) -> int:
-    """What decoder `name` adds when it runs in this process (None: it runs in a child). A
-    decoder not measured (nvjpeg, GPU only) counts as PIL, its last fallback."""
-    if name is None:
-        return 0
-    return DECODER_HERE["dali"] if name.startswith("dali") else DECODER_HERE["pil"]
-
-
-class AddressSpaceError(RuntimeError):
-    """The address-space limit is below what the run maps; the message says both, in one line."""
+# (fixed part, per thread of ENGINE_THREADS, at least 2 counted): the retrieval calls
+RETRIEVAL_BUILD = (4120 * MiB, 51 * MiB)   # torch, the CLIP towers, DALI's CPU decoder in the process
+RETRIEVAL_RUN = (3542 * MiB, 21 * MiB)     # torch, the CLIP towers, the query pipeline
 
 
 def tree_or_file_bytes(path: str | os.PathLike) -> int:
@@ -63,18 +58,34 @@ def tree_or_file_bytes(path: str | os.PathLike) -> int:
 
 
 def thread_bytes(threads: int, cpus: int | None = None) -> int:
-    """Address space `threads` threads reserve: a stack each, and a malloc arena each while glibc
-    still makes new ones (8 per CPU)."""
+    """Address space a classification run's `threads` threads reserve: a stack each, and a malloc
+    arena each while glibc still makes new ones (8 per CPU), then the measured rest."""
     cpus = cpus or os.cpu_count() or 1
     with_arena = min(threads, 8 * cpus)
-    return threads * THREAD_STACK + with_arena * MALLOC_ARENA + (threads - with_arena) * (
-        THREAD_PAST_ARENAS - THREAD_STACK)
+    return with_arena * (THREAD_STACK + MALLOC_ARENA) + (threads - with_arena) * THREAD_PAST_ARENAS
 
 
-def need_bytes(files: Iterable[str | os.PathLike], fixed: int, threads: int = 0, cpus: int | None = None) -> int:
-    """The address space a run maps: `fixed` + its `threads` + the bytes of `files` (files or
-    folders it maps, such as an artifact or an index), with MARGIN."""
-    return fixed + thread_bytes(threads, cpus) + sum(tree_or_file_bytes(f) for f in files) + MARGIN
+def retrieval_thread_bytes(per_thread: int, threads: int) -> int:
+    """A retrieval call's threads' part: `per_thread` for each of ENGINE_THREADS, at least 2."""
+    return per_thread * max(2, threads)
+
+
+def decoder_bytes(name: str | None) -> int:
+    """What decoder `name` adds when it runs in this process (None: it runs in a child). A
+    decoder not measured (nvjpeg, GPU only) counts as PIL, its last fallback."""
+    if name is None:
+        return 0
+    return DECODER_HERE["dali"] if name.startswith("dali") else DECODER_HERE["pil"]
+
+
+def need_bytes(files: Iterable[str | os.PathLike], fixed: int, threads: int = 0) -> int:
+    """The address space a run maps: `fixed` + `threads` (its threads' part, in bytes) + the bytes
+    of `files` (files or folders it maps, such as an artifact, an index, a CLIP) + MARGIN."""
+    return fixed + threads + sum(tree_or_file_bytes(f) for f in files) + MARGIN
+
+
+class AddressSpaceError(RuntimeError):
+    """The address-space limit is below what the run maps; the message says both, in one line."""
 
 
 def address_space_limit() -> int | None:

@@ -49,13 +49,15 @@ def test_the_need_is_fixed_plus_threads_plus_files(tmp_path):
     (tmp_path / "a").write_bytes(bytes(3 * MiB))
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "b").write_bytes(bytes(MiB))
-    base = memory.need_bytes([], 100 * MiB, 0)
+    base = memory.need_bytes([], 100 * MiB)
     assert base == 100 * MiB + memory.MARGIN
-    assert memory.need_bytes([tmp_path / "a", tmp_path / "d", tmp_path / "none"], 100 * MiB, 0) == base + 4 * MiB
-    one = memory.THREAD_STACK + memory.MALLOC_ARENA
-    assert memory.need_bytes([], 100 * MiB, 3, cpus=4) == base + 3 * one
-    # past 8 arenas per CPU a thread costs what was measured past them
-    assert memory.thread_bytes(10, cpus=1) == 8 * one + 2 * memory.THREAD_PAST_ARENAS
+    assert memory.need_bytes([tmp_path / "a", tmp_path / "d", tmp_path / "none"], 100 * MiB) == base + 4 * MiB
+    assert memory.need_bytes([], 100 * MiB, 5 * MiB) == base + 5 * MiB
+    one = memory.THREAD_STACK + memory.MALLOC_ARENA          # a classification thread: stack and arena
+    assert memory.thread_bytes(3, cpus=4) == 3 * one
+    assert memory.thread_bytes(10, cpus=1) == 8 * one + 2 * memory.THREAD_PAST_ARENAS   # 8 arenas per CPU
+    assert memory.retrieval_thread_bytes(7, 1) == memory.retrieval_thread_bytes(7, 2) == 14
+    assert memory.decoder_bytes(None) == 0 < memory.decoder_bytes("pil") < memory.decoder_bytes("dali-cpu")
 
 
 def test_the_check_names_the_limit_and_the_need_in_one_line(monkeypatch):
@@ -145,7 +147,7 @@ def _cir(name: str, args: list[str], limit: int):
 
 def test_run_sh_passes_at_its_need_and_is_refused_just_below(tmp_path, monkeypatch):
     index, clip = built_index(), clip_dirs()["open_clip"]
-    need = _cir_need(monkeypatch, memory.RETRIEVAL_RUN_FIXED, index, clip)
+    need = _cir_need(monkeypatch, memory.RETRIEVAL_RUN, index, clip)
     queries = corpus() / "requests.jsonl"
     below = _cir("run.sh", run_args(queries, tmp_path / "below.jsonl"), need - MiB)
     _one_error_line(below, "scripts/run.sh", "address-space limit", f"about {-(-need // MiB)} MiB a query run")
@@ -156,7 +158,7 @@ def test_run_sh_passes_at_its_need_and_is_refused_just_below(tmp_path, monkeypat
 
 
 def test_build_sh_passes_at_its_need_and_is_refused_just_below(tmp_path, monkeypatch):
-    need = _cir_need(monkeypatch, memory.RETRIEVAL_BUILD_FIXED, clip_dirs()["open_clip"])
+    need = _cir_need(monkeypatch, memory.RETRIEVAL_BUILD, clip_dirs()["open_clip"])
     args = ["--corpus", str(corpus()), "--chunk-size", "64", "--batch-size", "32"]
     below = _cir("build.sh", [*args, "--index-dir", str(tmp_path / "below")], need - MiB)
     _one_error_line(below, "scripts/build.sh", "address-space limit", f"about {-(-need // MiB)} MiB an index build")

@@ -164,10 +164,10 @@ def _main(argv: list[str] | None, stop_after_chunks: int, p2w_stop_after: int) -
     except ValueError as e:   # a bad ENGINE_THREADS / ENGINE_READERS
         _error(f"{e}")
         return 2
-    from engine.memory import RETRIEVAL_BUILD_FIXED
+    from engine.memory import RETRIEVAL_BUILD
     from evaluator.cir.limits import address_space_problem, clip_folder_guess
 
-    problem = address_space_problem(RETRIEVAL_BUILD_FIXED, "an index build", clip_folder_guess(cfg.model_dir))
+    problem = address_space_problem(RETRIEVAL_BUILD, "an index build", clip_folder_guess(cfg.model_dir))
     if problem:   # before torch loads: without room, glibc may abort a thread with nothing to catch
         _error(problem)
         return 2

@@ -35,22 +35,23 @@ def clip_folder_guess(given: Path | None, index_dir: Path | None = None) -> Path
     return None
 
 
-def need(fixed: int, *paths: Path | None) -> tuple[int, int]:
-    """(bytes, threads): the address space a call that maps `fixed` bytes, the thread budget's
-    threads and the files under `paths` needs (engine.memory.need_bytes), and that thread count."""
+def need(parts: tuple[int, int], *paths: Path | None) -> tuple[int, int]:
+    """(bytes, threads): the address space a call whose measured `parts` are (fixed, per thread)
+    maps with the thread budget's threads and the files under `paths` (engine.memory)."""
     from engine import threads
-    from engine.memory import need_bytes
+    from engine.memory import need_bytes, retrieval_thread_bytes
 
-    n = threads.budget("cpu").peak(isolated_decoder=False)
-    return need_bytes([p for p in paths if p is not None], fixed, n), n
+    fixed, per_thread = parts
+    n = threads.budget("cpu").total
+    return need_bytes([p for p in paths if p is not None], fixed, retrieval_thread_bytes(per_thread, n)), n
 
 
-def address_space_problem(fixed: int, what: str, *paths: Path | None) -> str | None:
-    """Why the address-space limit is too low for `need(fixed, *paths)`; None when it is high
+def address_space_problem(parts: tuple[int, int], what: str, *paths: Path | None) -> str | None:
+    """Why the address-space limit is too low for `need(parts, *paths)`; None when it is high
     enough (or there is none)."""
     from engine.memory import AddressSpaceError, check_address_space
 
-    nbytes, n = need(fixed, *paths)
+    nbytes, n = need(parts, *paths)
     try:
         check_address_space(nbytes, f"{what} with {n} threads")
     except AddressSpaceError as e:

@@ -137,10 +137,10 @@ def _main(argv: list[str] | None, on_row) -> int:
     except ValueError as e:   # a bad ENGINE_THREADS / ENGINE_READERS
         _error(f"{e}")
         return 2
-    from engine.memory import RETRIEVAL_RUN_FIXED
+    from engine.memory import RETRIEVAL_RUN
     from evaluator.cir.limits import address_space_problem, clip_folder_guess
 
-    problem = address_space_problem(RETRIEVAL_RUN_FIXED, "a query run", cfg.index_dir,
+    problem = address_space_problem(RETRIEVAL_RUN, "a query run", cfg.index_dir,
                                     clip_folder_guess(cfg.model_dir, cfg.index_dir))
     if problem:   # before torch loads: without room, glibc may abort a thread with nothing to catch
         _error(problem)
