@@ -6,7 +6,6 @@ The at-the-limit runs are whole processes under RLIMIT_AS with ENGINE_THREADS=2 
 count is part of the need), on the tiny test models."""
 from __future__ import annotations
 
-import errno
 import os
 import resource
 import subprocess
@@ -185,18 +184,3 @@ def test_running_out_inside_a_retrieval_call_is_one_line(module, error, monkeypa
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and err.startswith(f"{mod.PROG}: error: ") and "Traceback" not in err
     assert ("out of memory" if isinstance(error, MemoryError) else "cannot start a thread") in err
-
-
-def test_a_full_disk_while_writing_names_the_file(tmp_path, monkeypatch):
-    from engine import io
-
-    def full(fd, data):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(io.os, "fsync", lambda fd: full(fd, b""))
-    with pytest.raises(OSError) as e:
-        io.write_atomic(tmp_path / "meta.json", b"{}")
-    from engine.cli import one_line
-
-    assert one_line(e.value) == f"No space left on device: {tmp_path / 'meta.json'}"
-    assert [p.name for p in tmp_path.iterdir()] == []
