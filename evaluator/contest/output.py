@@ -131,9 +131,10 @@ class Output:
         try:
             if os.path.lexists(path):
                 os.unlink(path)   # a stale OUTPUT must never pass for this run's
-        except OSError as e:
+        except OSError as e:      # not ours to remove (a sticky folder): write it in place
             self.discard()
-            raise OutputError(f"cannot remove the stale OUTPUT {path}: {e.strerror or e}") from None
+            self.fd, self.tmp = None, None
+            self._in_place(folder, e)
 
     def _in_place(self, folder: Path, e: OSError) -> None:
         """No temp file can be made in OUTPUT's folder: write OUTPUT itself, under its own flock."""
