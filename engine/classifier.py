@@ -80,13 +80,13 @@ def decoder_in_process(artifact: Path, name: str | None, isolate: bool) -> str |
     artifact's default, read from its manifest without torch (an unreadable one: None)."""
     from engine.decoders import default_decoder, runs_isolated
 
-    if name is None:
-        try:
+    try:
+        if name is None:
             with open(artifact / "manifest.json", "rb") as f:
                 name = default_decoder(json.loads(f.read(64 << 20)).get("device", "cpu"))
-        except (OSError, ValueError, AttributeError, RecursionError):
-            return None
-    return None if runs_isolated(name, isolate) else name
+        return None if runs_isolated(name, isolate) else name
+    except (OSError, ValueError, AttributeError, RecursionError, ImportError):
+        return None   # the manifest or the decoder's module: loading says what is wrong with them
 
 
 def start_isolated_decoder(artifact: Path, name: str | None, isolate: bool, threads: int):

@@ -184,3 +184,16 @@ def test_running_out_inside_a_retrieval_call_is_one_line(module, error, monkeypa
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and err.startswith(f"{mod.PROG}: error: ") and "Traceback" not in err
     assert ("out of memory" if isinstance(error, MemoryError) else "cannot start a thread") in err
+
+
+def test_scripts_run_under_an_interpreter_without_the_dependencies_names_it(tmp_path, small_cohort):
+    """A bare virtual environment: one line naming that interpreter and what it lacks, no memory hint."""
+    venv = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    r = subprocess.run([str(REPO / "scripts" / "run"), str(small_cohort / "manifest.tsv"), str(small_cohort),
+                        str(tmp_path / "p.i32")], env={**os.environ, "PYTHON": str(python)},
+                       capture_output=True, text=True, timeout=120)
+    line = _one_error_line(r, "run", f"the interpreter {python} has no ")
+    assert line.startswith("run: error: cannot import ") and "memory" not in line
+    assert not (tmp_path / "p.i32").exists()

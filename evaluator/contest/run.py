@@ -29,7 +29,7 @@ from pathlib import Path
 import engine
 from engine.classifier import LoadError
 from engine.io import read_regular, resolve_relative
-from engine.memory import exhaustion_line
+from engine.memory import exhaustion_line, import_failure
 from engine.process_stats import process_start, start_offset
 from evaluator.contest.exits import Held, Signalled, exit_now, private_tmpdir, signals_exit
 from evaluator.contest.output import Output, OutputError
@@ -89,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
             return e.code
         except RunError as e:
             print(f"{PROG}: error: {e}", file=sys.stderr)
+            return 2
+        except ModuleNotFoundError as e:   # an interpreter without the engine's dependencies
+            print(f"{PROG}: error: {import_failure((e.name or '?').split('.')[0], e)}", file=sys.stderr)
             return 2
         except (MemoryError, RuntimeError) as e:   # out of memory, or a thread that cannot start
             line = exhaustion_line(e)
