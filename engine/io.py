@@ -132,7 +132,7 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
 
 
 def temp_prefix(path: str | os.PathLike) -> str:
-    """The name prefix of `path`'s temp files in its folder: `.tmp-NAME-` (then a random suffix)."""
+    """The name prefix of `path`'s temp files in its folder: `.tmp-NAME-` (then creation time, random)."""
     return f".tmp-{Path(path).name}-"
 
 

@@ -6,7 +6,7 @@ Rules, in order (all before the first image is read):
    link) the manifest, anything under IMAGE_ROOT's real path, anything in the artifact
    directory, or an existing file that is not a regular one (a directory, a character
    device such as /dev/null, a FIFO, a socket, /proc/self/fd/1's pipe or terminal).
-2. A temp file `.tmp-NAME-<random>` is created beside OUTPUT with O_EXCL and held under an
+2. A temp file `.tmp-NAME-<time><random>` is created beside OUTPUT with O_EXCL and held under an
    flock while this run lives (engine.io.create_locked_temp). Temp files of runs that are gone
    (their lock can be taken) are removed; one still held by an earlier live run means another
    run is writing this OUTPUT now: that run wins, this one stops with one line (OutputError)
