@@ -9,6 +9,7 @@ versions of named packages.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import platform
@@ -131,6 +132,9 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)   # flock unsupported there
+
+
 def temp_prefix(path: str | os.PathLike) -> str:
     """The name prefix of `path`'s temp files in its folder: `.tmp-NAME-` (then creation time, random)."""
     return f".tmp-{Path(path).name}-"
@@ -157,6 +161,11 @@ def create_locked_temp(path: str | os.PathLike, mode: int = 0o644) -> tuple[int,
             fcntl.flock(fd, fcntl.LOCK_EX)            # waits only while a cleaner holds it, then...
             if same_inode(fd, tmp):                  # ...the name must still be this file
                 return fd, tmp
+        except OSError as e:
+            if e.errno in _NO_LOCKS:                  # a filesystem without flock: kept, never cleaned
+                return fd, tmp
+            os.close(fd)
+            raise
         except BaseException:
             os.close(fd)
             raise
@@ -189,9 +198,10 @@ def remove_abandoned(folder: str | os.PathLike, prefix: str, keep: Path | None =
             continue                                  # gone, a link, or not ours to read: left alone
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            live.append(p)                            # its owner holds it: alive
-            os.close(fd)
+        except OSError as e:
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                live.append(p)                        # its owner holds it: alive
+            os.close(fd)                              # (no flock here: nothing is proven, left alone)
             continue
         try:
             if same_inode(fd, p):

@@ -215,3 +215,21 @@ def test_the_abi_refuses_a_second_run_on_one_output_in_one_line(tmp_path):
         p.stdin.close()
         assert p.wait(30) == 0
     assert out.read_bytes() == bytes([9]) * 16
+
+
+def test_where_flock_is_unsupported_temp_files_are_made_and_never_taken_for_live_or_abandoned(tmp_path,
+                                                                                             monkeypatch):
+    import errno
+    import fcntl
+
+    def unsupported(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", unsupported)
+    out = tmp_path / "p.i32"
+    left = tmp_path / f"{temp_prefix(out)}0"       # a killed run's: nothing proves it abandoned
+    left.write_bytes(b"x")
+    o = Output(out)                                # not refused: nothing proves it alive either
+    o.reserve(4)
+    o.commit(_answers(4)[:4])
+    assert out.read_bytes() == _answers(4)[:4] and left.exists()
