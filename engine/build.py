@@ -41,6 +41,7 @@ from pathlib import Path
 
 from engine import backends
 from engine.assemble import RECHECK_DIR, GuardConfig, assemble, measure_batch_size  # noqa: F401 - re-exported
+from engine.io import share_tree_like_root
 from engine.presets import per_device, preset
 from engine.spec import CROP_MODES, PRECISIONS, Spec, resolve_spec
 
@@ -100,6 +101,7 @@ def build(spec: Spec, checkpoint: Path | None, out: Path, backend: str = backend
                                                             tmp, extra, t0, bclock)
         else:
             meta = assemble(be, backend, net, spec, checkpoint, device, tmp, guard, extra, t0)
+        share_tree_like_root(tmp)   # a backend's 0600 file (or a private umask) must not lock a non-root run out
         if out.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
             os.replace(out, old / "a")

@@ -7,7 +7,7 @@
         clf.last_failed                             # {index: why}: the files nothing could read
 
 Load, in this order (Classifier.__init__):
-0. the address-space limit (ulimit -v) is checked against what the run will map;
+0. the address-space limit (ulimit -v) is checked against what the run will map (engine.memory);
 1. a decoder that runs in a child process (engine.decoders.runs_isolated) is started from the
    artifact's manifest before torch is imported: it starts while torch loads;
 2. torch and the engine's modules are imported, the artifact is read and checked
@@ -40,13 +40,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine import settings
+from engine.memory import is_oom
 from engine.process_stats import peak_rss_mib, process_start, start_offset
 
 if TYPE_CHECKING:
     import numpy as np
-
-
-BASE_ADDRESS_SPACE = 4 << 30   # virtual memory a CPU run maps besides its artifact (measured 3.4-3.8 GiB, 2 threads)
 
 
 class LoadError(RuntimeError):
@@ -58,27 +56,38 @@ class LoadError(RuntimeError):
         self.stage = stage
 
 
-def is_oom(e: BaseException) -> bool:
-    """Whether `e` is running out of memory: Python's MemoryError or an allocator's RuntimeError."""
-    text = str(e).lower()
-    return isinstance(e, MemoryError) or (isinstance(e, RuntimeError) and (
-        "out of memory" in text or "can't allocate memory" in text or "cannot allocate memory" in text))
+def check_address_space(artifact: Path, threads: int, decoder_here: str | None = None) -> None:
+    """LoadError (stage "memory") when RLIMIT_AS is below what a run maps: the artifact's files,
+    the runtime's fixed part, its `threads`, and the decoder when it runs in this process
+    (`decoder_here`; engine.memory has the measured parts)."""
+    from engine.memory import AddressSpaceError
+    from engine.memory import check_address_space as check
+
+    try:
+        check(need_bytes_for(artifact, threads, decoder_here), f"a run of {artifact} with {threads} threads")
+    except AddressSpaceError as e:
+        raise LoadError(str(e), "memory") from None
 
 
-def check_address_space(artifact: Path) -> None:
-    """LoadError when RLIMIT_AS is below what a run maps (the artifact plus the runtime's base)."""
-    import resource
+def need_bytes_for(artifact: Path, threads: int, decoder_here: str | None = None) -> int:
+    """The address space a classification run of `artifact` with `threads` threads maps."""
+    from engine.memory import CLASSIFY_FIXED, decoder_bytes, need_bytes, thread_bytes
 
-    from engine.io import tree_bytes
+    return need_bytes([artifact], CLASSIFY_FIXED + decoder_bytes(decoder_here), thread_bytes(threads))
 
-    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
-    if soft == resource.RLIM_INFINITY:
-        return
-    art, base = tree_bytes(artifact), BASE_ADDRESS_SPACE
-    if soft < art + base:
-        raise LoadError(f"the address-space limit ({soft >> 20} MiB, ulimit -v) is below the about "
-                        f"{(art + base) >> 20} MiB this run maps (artifact {art >> 20} MiB + runtime "
-                        f"{base >> 20} MiB)", "memory")
+
+def decoder_in_process(artifact: Path, name: str | None, isolate: bool) -> str | None:
+    """The run's decoder when it decodes in this process, None when in a child: `name`, else the
+    artifact's default, read from its manifest without torch (an unreadable one: None)."""
+    from engine.decoders import default_decoder, runs_isolated
+
+    try:
+        if name is None:
+            with open(artifact / "manifest.json", "rb") as f:
+                name = default_decoder(json.loads(f.read(64 << 20)).get("device", "cpu"))
+        return None if runs_isolated(name, isolate) else name
+    except (OSError, ValueError, AttributeError, RecursionError, ImportError):
+        return None   # the manifest or the decoder's module: loading says what is wrong with them
 
 
 def start_isolated_decoder(artifact: Path, name: str | None, isolate: bool, threads: int):
@@ -127,8 +136,10 @@ class Classifier:
         self.last_failed: dict[int, str] = {}
         self._closed = False
         name = decoder or settings.decoder()
-        check_address_space(self.path)                                                            # step 0
-        early = start_isolated_decoder(self.path, name, isolate, threads.budget("cpu").decoder)   # step 1
+        budget = threads.budget("cpu")
+        check_address_space(self.path, budget.peak(isolated_decoder=False),                       # step 0
+                            decoder_in_process(self.path, name, isolate))
+        early = start_isolated_decoder(self.path, name, isolate, budget.decoder)                  # step 1
         try:
             self._load(name, readers, isolate, early)
         except BaseException:
@@ -141,8 +152,10 @@ class Classifier:
 
         try:
             import torch  # noqa: F401 - the heavy import, timed as part of "imports"
-        except (ImportError, OSError) as e:
-            raise LoadError(f"cannot import torch ({e}): is the memory limit too low?", "imports") from None
+        except (ImportError, OSError, MemoryError) as e:
+            from engine.memory import import_failure
+
+            raise LoadError(import_failure("torch", e), "imports") from None
         import numpy as np
 
         from engine.artifact import ArtifactError, load_artifact

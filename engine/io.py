@@ -3,11 +3,13 @@
 Reading an input: `read_regular` (a regular file of bounded size, never a FIFO or a device),
 `resolve_relative` / `resolve_inside` (a manifest's relative path, followed or confined to
 its root). Also: what kind of file a mode names, the bytes under a folder, the sha256 of a
-file, an atomic write (a crash never leaves a file that looks complete), and the installed
+file, sharing a written tree as its root folder is shared, locked temp files (created under a random name, removed only when their owner is gone),
+an atomic write (a crash never leaves a file that looks complete), and the installed
 versions of named packages.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import platform
@@ -104,6 +106,23 @@ def tree_bytes(root: str | os.PathLike, since: float | None = None) -> int:
     return total
 
 
+def share_tree_like_root(root: str | os.PathLike) -> None:
+    """Give every folder under `root` root's mode and every regular file root's read bits (and its
+    execute bits when the owner may execute it): a tree written under a private umask, or by a
+    library that makes its files 0600, is then readable by whoever may read `root`. Links are
+    left alone (their targets are not this tree's)."""
+    mode = stat.S_IMODE(os.stat(root).st_mode)
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = os.path.join(dirpath, name)
+            st = os.lstat(p)
+            if stat.S_ISDIR(st.st_mode):
+                os.chmod(p, mode)
+            elif stat.S_ISREG(st.st_mode):
+                m = stat.S_IMODE(st.st_mode) | (mode & 0o444)
+                os.chmod(p, m | (mode & 0o111) if m & stat.S_IXUSR else m)
+
+
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
     """Hex SHA-256 of a file, read in 4 MiB blocks."""
     h = hashlib.sha256()
@@ -113,19 +132,114 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def write_atomic(path: str | os.PathLike, data: bytes) -> None:
-    """Write `data` to `path` through a temp file in the same folder, fsync, rename."""
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)   # flock unsupported there
+
+
+def temp_prefix(path: str | os.PathLike) -> str:
+    """The name prefix of `path`'s temp files in its folder: `.tmp-NAME-` (then creation time, random)."""
+    return f".tmp-{Path(path).name}-"
+
+
+def create_locked_temp(path: str | os.PathLike, mode: int = 0o644) -> tuple[int, Path]:
+    """(fd, temp path) of a new, empty temp file beside `path`, created with O_EXCL and held under an
+    exclusive flock for as long as the fd stays open: a live owner's temp file is never taken for an
+    abandoned one (`remove_abandoned`), whatever its PID namespace. Its name is PREFIX, the creation
+    time (16 hex digits of ns: names sort in creation order) and 8 random hex digits."""
+    import fcntl
+    import secrets
+    import time
+
     path = Path(path)
-    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+    while True:
+        tmp = path.with_name(f"{temp_prefix(path)}{time.time_ns():016x}{secrets.token_hex(4)}")
+        try:
+            fd = os.open(tmp, flags, mode)
+        except FileExistsError:
+            continue                                  # the name is taken: draw again
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)            # waits only while a cleaner holds it, then...
+            if same_inode(fd, tmp):                  # ...the name must still be this file
+                return fd, tmp
+        except OSError as e:
+            if e.errno in _NO_LOCKS:                  # a filesystem without flock: kept, never cleaned
+                return fd, tmp
+            os.close(fd)
+            raise
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)                                  # a cleaner removed it in between: draw again
+
+
+def same_inode(fd: int, path: str | os.PathLike) -> bool:
+    """Whether the name `path` (not followed) is the file open as `fd`."""
     try:
-        with open(tmp, "wb") as f:
+        a, b = os.fstat(fd), os.stat(path, follow_symlinks=False)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def remove_abandoned(folder: str | os.PathLike, prefix: str, keep: Path | None = None) -> list[Path]:
+    """Remove the temp files `folder/PREFIX*` whose owner is gone (their flock can be taken: a lock
+    dies with its process); returns those still held by a live owner. `keep`: one's own."""
+    import fcntl
+
+    live = []
+    try:
+        names = sorted(p for p in Path(folder).iterdir() if p.name.startswith(prefix) and p != keep)
+    except OSError:
+        return live
+    for p in names:
+        try:
+            fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+        except OSError:
+            continue                                  # gone, a link, or not ours to read: left alone
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                live.append(p)                        # its owner holds it: alive
+            os.close(fd)                              # (no flock here: nothing is proven, left alone)
+            continue
+        try:
+            if same_inode(fd, p):
+                p.unlink()
+        except OSError:
+            pass                                      # not ours to remove (a sticky folder): left alone
+        finally:
+            os.close(fd)
+    return live
+
+
+def naming(e: OSError, path: str | os.PathLike) -> OSError:
+    """`e`, or when it names no file (a write() that found the disk full), the same error naming
+    `path`, the file being written: one-line messages then say where."""
+    if e.filename is not None or e.errno is None:
+        return e
+    return type(e)(e.errno, e.strerror or os.strerror(e.errno), os.fspath(path))
+
+
+def write_atomic(path: str | os.PathLike, data: bytes) -> None:
+    """Write `data` to `path` through a locked temp file in the same folder, fsync, rename: two
+    writers of one path never share a temp file, and the last rename wins with a whole file."""
+    path = Path(path)
+    fd, tmp = create_locked_temp(path)
+    try:
+        with open(fd, "wb", closefd=False) as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise naming(e, path) from e
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    finally:
+        os.close(fd)
 
 
 def package_versions(packages, missing: bool = True) -> dict[str, str | None]:

@@ -96,21 +96,33 @@ def test_stale_names_only_dead_processes_with_the_prefix(live):
         live.wait(timeout=0.3)
 
 
-def test_a_stale_output_and_dead_temp_files_go_live_ones_stay(inputs, tmp_path, live):
+def test_a_stale_output_and_unheld_temp_files_go_a_held_one_stops_the_run(inputs, tmp_path, live):
+    """A temp file's name proves nothing (PIDs repeat across containers); its lock does."""
+    from engine.io import create_locked_temp
+
     out = tmp_path / "p.i32"
     out.write_bytes(b"old answers")
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True, check=True).stdout.strip()
     (tmp_path / f".tmp-p.i32-{dead}").write_bytes(b"x")
-    running = tmp_path / f".tmp-p.i32-{live.pid}"
-    running.write_bytes(b"x")
+    unheld = tmp_path / f".tmp-p.i32-{live.pid}"       # named after a live process, but not held
+    unheld.write_bytes(b"x")
     o = Output(out, *inputs)
     try:
         assert not out.exists()  # an earlier run's file never passes for this one's
-        assert not (tmp_path / f".tmp-p.i32-{dead}").exists() and running.exists() and live.poll() is None
-        assert o.tmp == tmp_path / f".tmp-p.i32-{os.getpid()}" and o.tmp.exists()
+        assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp-")) == [o.tmp.name]
+        assert o.tmp.name.startswith(".tmp-p.i32-") and o.tmp.exists()
     finally:
         o.discard()
+    out.write_bytes(b"old answers")
+    fd, held = create_locked_temp(out)                  # another run, alive, reserving this OUTPUT
+    try:
+        with pytest.raises(OutputError, match="another run is writing OUTPUT now"):
+            Output(out, *inputs)
+        assert held.exists() and out.read_bytes() == b"old answers"
+        assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp-")) == [held.name]
+    finally:
+        os.close(fd)
 
 
 def test_reserve_commit_and_discard(inputs, tmp_path):
@@ -253,6 +265,21 @@ def test_a_writable_output_in_an_unwritable_folder_is_written_in_place(inputs, t
     again = Output(out, *inputs)
     again.discard()                                   # in place, nothing committed: no temp file to remove
     assert out.exists() and out.stat().st_size == 0 and again.fd is None
+
+
+def test_a_second_run_in_place_stops_and_leaves_the_first_ones_output(inputs, tmp_path, monkeypatch):
+    out = tmp_path / "p.i32"
+    out.write_bytes(b"old")
+    _folder_refuses_changes(monkeypatch, out)
+    first = Output(out, *inputs)
+    out_fd = os.open(out, os.O_WRONLY)
+    os.write(out_fd, b"\x05\x00\x00\x00")             # the first run's answers, on their way
+    os.close(out_fd)
+    with pytest.raises(OutputError, match="another run is writing OUTPUT in place now"):
+        Output(out, *inputs)
+    assert out.read_bytes() == b"\x05\x00\x00\x00"      # not emptied by the second run
+    first.commit(b"\x06\x00\x00\x00")
+    assert out.read_bytes() == b"\x06\x00\x00\x00"
 
 
 def test_an_in_place_output_with_other_hard_links_is_refused(inputs, tmp_path, monkeypatch):

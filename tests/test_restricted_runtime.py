@@ -14,6 +14,7 @@ import pytest
 from conftest import REPO
 
 NOBODY = 65534
+SCORED_UID = 10001   # the scored environment's user: no name, no capabilities
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not (shutil.which("setpriv") and shutil.which("unshare")),
                                 reason="needs root, setpriv and unshare to drop privileges and the network")
 
@@ -59,5 +60,39 @@ def test_run_as_nobody_offline_read_only(small_cohort, aot_artifact):
         for cache in ("inductor", "triton"):
             d = tmp / cache
             assert not d.exists() or not any(d.rglob("*.so")), f"runtime compilation under {d}"
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_root_built_artifact_loads_as_another_user_with_its_modes_as_built(small_cohort, tiny_checkpoint):
+    """An artifact built by root under umask 077, copied with its modes as they are, loads for an
+    unprivileged user under the scored address-space bound: every file the build wrote is readable."""
+    from conftest import tiny_spec
+
+    from engine.build import build
+    from evaluator.rehearsal.sandbox import interpreter_mounts, user_command
+
+    base = Path(tempfile.mkdtemp(prefix="restricted-"))
+    try:
+        os.chmod(base, 0o755)
+        art, data, outdir = base / "artifact", base / "data", base / "out"
+        old = os.umask(0o077)
+        try:
+            build(tiny_spec(), tiny_checkpoint, art, backend="eager", device="cpu")
+        finally:
+            os.umask(old)
+        shutil.copytree(small_cohort, data)
+        subprocess.run(["chmod", "-R", "u=rwX,go=rX", str(data)], check=True)
+        outdir.mkdir()
+        os.chown(outdir, SCORED_UID, SCORED_UID)
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": "/nonexistent", "TMPDIR": str(outdir),
+               "ENGINE_ARTIFACT": str(art), "PYTHON": sys.executable, "LANG": "C.UTF-8", "ENGINE_THREADS": "2"}
+        (base / "stage").mkdir()
+        cmd = user_command([str(REPO / "scripts" / "run"), str(data / "manifest.tsv"), str(data),
+                            str(outdir / "p.i32")], env, SCORED_UID, SCORED_UID, 8 << 30, 256, True,
+                           interpreter_mounts(SCORED_UID, SCORED_UID), base / "stage")
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert len(np.fromfile(outdir / "p.i32", "<i4")) == 40
     finally:
         shutil.rmtree(base, ignore_errors=True)

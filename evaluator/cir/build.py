@@ -145,11 +145,13 @@ def parse_args(argv: list[str] | None) -> BuildConfig:
 def main(argv: list[str] | None = None, stop_after_chunks: int = 0, p2w_stop_after: int = 0) -> int:
     """scripts/build.sh. The stop_* arguments end the build early, as an interruption would (resumable)."""
     from engine.cli import guard
+    from evaluator.cir.limits import exhaustion_guarded
     from evaluator.cir.run import interrupt_ends
 
+    debug = bool(argv and "--debug" in argv)
     with interrupt_ends(PROG, "finished chunks are kept; the same command resumes the build"):
-        return guard(PROG, lambda: _main(argv, stop_after_chunks, p2w_stop_after),
-                     debug=bool(argv and "--debug" in argv))
+        return exhaustion_guarded(PROG, lambda: guard(PROG, lambda: _main(argv, stop_after_chunks, p2w_stop_after),
+                                                      debug=debug), debug)
 
 
 def _main(argv: list[str] | None, stop_after_chunks: int, p2w_stop_after: int) -> int:
@@ -163,6 +165,13 @@ def _main(argv: list[str] | None, stop_after_chunks: int, p2w_stop_after: int) -
         os.environ.update(threads.library_env(threads.budget("cpu")))   # before torch sizes its pools
     except ValueError as e:   # a bad ENGINE_THREADS / ENGINE_READERS
         _error(f"{e}")
+        return 2
+    from engine.memory import RETRIEVAL_BUILD
+    from evaluator.cir.limits import address_space_problem, clip_folder_guess
+
+    problem = address_space_problem(RETRIEVAL_BUILD, "an index build", clip_folder_guess(cfg.model_dir))
+    if problem:   # before torch loads: without room, glibc may abort a thread with nothing to catch
+        _error(problem)
         return 2
     cfg.stop_after_chunks, cfg.p2w_stop_after = stop_after_chunks, p2w_stop_after
     t_start = time.perf_counter()

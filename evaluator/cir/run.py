@@ -120,9 +120,11 @@ def parse_args(argv: list[str] | None) -> RunConfig:
 def main(argv: list[str] | None = None, on_row=None) -> int:
     """scripts/run.sh. `on_row(n)` is called after the n-th row is written and flushed."""
     from engine.cli import guard
+    from evaluator.cir.limits import exhaustion_guarded
 
+    debug = bool(argv and "--debug" in argv)
     with interrupt_ends(PROG, "every row written so far is kept; the same command resumes"):
-        return guard(PROG, lambda: _main(argv, on_row), debug=bool(argv and "--debug" in argv))
+        return exhaustion_guarded(PROG, lambda: guard(PROG, lambda: _main(argv, on_row), debug=debug), debug)
 
 
 INTERRUPTED = 130   # exit status after SIGINT, as a shell reports a process it ended
@@ -166,6 +168,14 @@ def _main(argv: list[str] | None, on_row) -> int:
         os.environ.update(threads.library_env(threads.budget("cpu")))   # before torch sizes its pools
     except ValueError as e:   # a bad ENGINE_THREADS / ENGINE_READERS
         _error(f"{e}")
+        return 2
+    from engine.memory import RETRIEVAL_RUN
+    from evaluator.cir.limits import address_space_problem, clip_folder_guess
+
+    problem = address_space_problem(RETRIEVAL_RUN, "a query run", cfg.index_dir,
+                                    clip_folder_guess(cfg.model_dir, cfg.index_dir))
+    if problem:   # before torch loads: without room, glibc may abort a thread with nothing to catch
+        _error(problem)
         return 2
     t0 = time.perf_counter()
     from engine.retrieval.compose import Method
@@ -247,7 +257,12 @@ def _main(argv: list[str] | None, on_row) -> int:
         skip = set(done)
         pending = [r for r in requests if str(r.query_id) not in skip]
         t1 = time.perf_counter()
-        n = answer(cfg, pipe, pending, out, on_row)
+        try:
+            n = answer(cfg, pipe, pending, out, on_row)
+        except OSError as e:   # a full disk: the one-line message names the output
+            from engine.io import naming
+
+            raise naming(e, cfg.output) from e
     t_end = time.perf_counter()
     rate = n / (t_end - t1) if t_end > t1 else 0.0
     summary = {"queries": len(requests), "answered": n, "resumed": len(done), "method": method.to_dict(),

@@ -6,15 +6,20 @@ Rules, in order (all before the first image is read):
    link) the manifest, anything under IMAGE_ROOT's real path, anything in the artifact
    directory, or an existing file that is not a regular one (a directory, a character
    device such as /dev/null, a FIFO, a socket, /proc/self/fd/1's pipe or terminal).
-2. A stale regular OUTPUT is removed (a file from an earlier run must never pass for this
-   one's), temp files of killed runs beside it too, and `.tmp-NAME-<pid>` is opened there.
+2. A temp file `.tmp-NAME-<time><random>` is created beside OUTPUT with O_EXCL and held under an
+   flock while this run lives (engine.io.create_locked_temp). Temp files of runs that are gone
+   (their lock can be taken) are removed; one still held by an earlier live run means another
+   run is writing this OUTPUT now: that run wins, this one stops with one line (OutputError)
+   and deletes nothing but its own temp file. Otherwise a stale regular OUTPUT is removed (a
+   file from an earlier run must never pass for this one's).
 3. `reserve(n)` allocates the n bytes the answers take (posix_fallocate, else zeros), so a
    full disk or a file-size limit is one error before the model loads.
-4. `commit(data)` writes, fsyncs and renames the temp file onto OUTPUT; `discard()` removes
-   it on every other exit path.
+4. `commit(data)` writes, fsyncs and renames the temp file onto OUTPUT, the lock held until the
+   rename is done; `discard()` removes it on every other exit path. OUTPUT is thus absent or one
+   whole run's answer: should two runs both get this far, the last rename wins, whole.
 A symlink OUTPUT is written through (its target is what rules 1-4 apply to), as
 `open(OUTPUT, "wb")` would. When OUTPUT's folder is not writable but OUTPUT itself is, it is
-emptied at step 2 and written in place.
+emptied at step 2 (under OUTPUT's own flock: a second run in place stops) and written in place.
 """
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ import os
 import stat
 from pathlib import Path
 
-from engine.io import file_kind
+from engine.io import create_locked_temp, file_kind, remove_abandoned, same_inode, temp_prefix
 
 _NO_FALLOCATE = (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)   # the filesystem cannot: write zeros instead
 
@@ -46,6 +51,12 @@ def stale(name: str, prefix: str) -> bool:
     """`name` is PREFIX<pid> of a process that no longer runs."""
     tail = name[len(prefix):]
     return name.startswith(prefix) and tail.isdigit() and int(tail) != os.getpid() and not _alive(int(tail))
+
+
+def _first_born(paths: list[Path]) -> Path:
+    """The temp file made first: its name starts with its creation time, fixed width, so every run
+    finds the same one (engine.io.create_locked_temp)."""
+    return min(paths, key=lambda p: p.name)
 
 
 def _under(path: str, folder: str) -> bool:
@@ -102,36 +113,50 @@ class Output:
         if why:
             raise OutputError(why)
         path = Path(os.path.realpath(path))   # a link is written through, as open(OUTPUT, "wb") would
-        self.path, self.fd, self.done = path, None, False
+        self.path, self.fd, self.tmp, self.done = path, None, None, False
         folder = path.parent
         if not os.path.isdir(folder):
             raise OutputError(f"OUTPUT folder does not exist (or is not reachable): {folder}")
-        prefix = f".tmp-{path.name}-"
         try:
-            for p in folder.iterdir():  # temp files of killed runs
-                if stale(p.name, prefix):
-                    p.unlink(missing_ok=True)
-        except OSError:
-            pass
-        self.tmp = folder / f"{prefix}{os.getpid()}"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+            self.fd, self.tmp = create_locked_temp(path)
+        except OSError as e:
+            self._in_place(folder, e)
+            return
+        live = remove_abandoned(folder, temp_prefix(path), keep=self.tmp)   # temp files of killed runs go
+        first = _first_born([self.tmp, *live])
+        if first != self.tmp:   # an earlier run still writes this OUTPUT: it wins, this one stops here
+            self.discard()
+            raise OutputError(f"another run is writing OUTPUT now (its temp file {first.name} is held by a live "
+                              f"process); this run stops and leaves OUTPUT to it: {path}")
         try:
             if os.path.lexists(path):
-                os.unlink(path)
-            self.fd = os.open(self.tmp, flags | os.O_EXCL, 0o644)
-        except FileExistsError:
-            os.unlink(self.tmp)
-            self.fd = os.open(self.tmp, flags | os.O_EXCL, 0o644)
-        except OSError as e:
-            if not (os.path.isfile(path) and os.access(path, os.W_OK)):
-                raise OutputError(f"cannot write OUTPUT in {folder}: {e.strerror or e}") from None
-            if os.stat(path).st_nlink > 1:   # emptying it in place would empty its other names too
-                raise OutputError(f"cannot write OUTPUT in {folder} ({e.strerror or e}), and OUTPUT has other "
-                                  f"hard links: writing it in place would change them: {path}") from None
-            try:
-                self.fd, self.tmp = os.open(path, flags), None   # in place: emptied now, written at the end
-            except OSError as e2:
-                raise OutputError(f"cannot write OUTPUT {path}: {e2.strerror or e2}") from None
+                os.unlink(path)   # a stale OUTPUT must never pass for this run's
+        except OSError as e:      # not ours to remove (a sticky folder): write it in place
+            self.discard()
+            self.fd, self.tmp = None, None
+            self._in_place(folder, e)
+
+    def _in_place(self, folder: Path, e: OSError) -> None:
+        """No temp file can be made in OUTPUT's folder: write OUTPUT itself, under its own flock."""
+        import fcntl
+
+        path = self.path
+        if not (os.path.isfile(path) and os.access(path, os.W_OK)):
+            raise OutputError(f"cannot write OUTPUT in {folder}: {e.strerror or e}") from None
+        if os.stat(path).st_nlink > 1:   # emptying it in place would empty its other names too
+            raise OutputError(f"cannot write OUTPUT in {folder} ({e.strerror or e}), and OUTPUT has other "
+                              f"hard links: writing it in place would change them: {path}") from None
+        try:
+            self.fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)   # not O_TRUNC: another writer may hold it
+        except OSError as e2:
+            raise OutputError(f"cannot write OUTPUT {path}: {e2.strerror or e2}") from None
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self.discard()
+            raise OutputError(f"another run is writing OUTPUT in place now (it holds its lock); this run stops "
+                              f"and leaves OUTPUT to it: {path}") from None
+        os.ftruncate(self.fd, 0)   # emptied now, written at the end
 
     def reserve(self, nbytes: int) -> None:
         """Allocate `nbytes` now: no space (or a file-size limit) is an OutputError before any work."""
@@ -154,17 +179,21 @@ class Output:
             raise OutputError(f"cannot reserve {nbytes} bytes for OUTPUT at {where}: {e.strerror or e}") from None
 
     def commit(self, data: bytes) -> None:
-        """Write `data` from the start, trim, fsync, and rename the temp file onto OUTPUT."""
+        """Write `data` from the start, trim, fsync, and rename the temp file onto OUTPUT (its lock
+        held until the rename is done: no cleaner can take it for abandoned in between)."""
         os.lseek(self.fd, 0, os.SEEK_SET)
         view = memoryview(data)
         while view:
             view = view[os.write(self.fd, view):]
         os.ftruncate(self.fd, len(data))   # a reservation larger than the answers leaves no tail
         os.fsync(self.fd)
+        if self.tmp is not None:
+            if not same_inode(self.fd, self.tmp):
+                raise OutputError(f"the temp file {self.tmp} is no longer this run's (removed or replaced "
+                                  "by another process): OUTPUT not written")
+            os.replace(self.tmp, self.path)
         os.close(self.fd)
         self.fd = None
-        if self.tmp is not None:
-            os.replace(self.tmp, self.path)
         self.done = True
 
     def discard(self) -> None:

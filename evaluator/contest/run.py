@@ -18,6 +18,7 @@ a stderr that cannot be written changes nothing.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import signal
@@ -26,8 +27,9 @@ import time
 from pathlib import Path
 
 import engine
-from engine.classifier import LoadError, is_oom
+from engine.classifier import LoadError
 from engine.io import read_regular, resolve_relative
+from engine.memory import exhaustion_line, import_failure
 from engine.process_stats import process_start, start_offset
 from evaluator.contest.exits import Held, Signalled, exit_now, private_tmpdir, signals_exit
 from evaluator.contest.output import Output, OutputError
@@ -88,12 +90,14 @@ def main(argv: list[str] | None = None) -> int:
         except RunError as e:
             print(f"{PROG}: error: {e}", file=sys.stderr)
             return 2
-        except (MemoryError, RuntimeError) as e:
-            if not is_oom(e):
+        except ModuleNotFoundError as e:   # an interpreter without the engine's dependencies
+            print(f"{PROG}: error: {import_failure((e.name or '?').split('.')[0], e)}", file=sys.stderr)
+            return 2
+        except (MemoryError, RuntimeError) as e:   # out of memory, or a thread that cannot start
+            line = exhaustion_line(e)
+            if line is None:
                 raise
-            first = (str(e).splitlines() or [""])[0][:200]
-            print(f"{PROG}: error: out of memory ({type(e).__name__}: {first}); raise the memory limit or use a "
-                  "smaller batch size", file=sys.stderr)
+            print(f"{PROG}: error: {line}", file=sys.stderr)
             return 2
         finally:
             held.release()
@@ -135,7 +139,8 @@ def _run(argv, wall0: float, held: Held) -> int:
                           max_file_bytes=cap)
     except LoadError as e:
         no_scratch = e.stage == "runtime" and held.scratch is None
-        raise RunError(f"{e}" + (f" (TMPDIR {settings.tmpdir()} is not writable)" if no_scratch else "")) from None
+        raise RunError(f"{e}" + (f" (TMPDIR {settings.tmpdir()} is not writable)" if no_scratch else "")
+                       + _disk_full_where(e.__context__, settings.tmpdir())) from None
     root, real_root, confine = a.image_root, os.path.realpath(a.image_root), a.confine
 
     def read(i: int) -> bytes:   # trusted: symlinks followed; confined: real path inside the root, no final link
@@ -153,6 +158,8 @@ def _run(argv, wall0: float, held: Held) -> int:
               f"IMAGE_ROOT ({a.image_root}) the folder the manifest's paths are relative to?", file=sys.stderr)
     try:
         out.commit(top1.astype("<i4").tobytes())
+    except OutputError as e:
+        raise RunError(str(e)) from None
     except OSError as e:
         raise RunError(f"cannot write OUTPUT {a.output}: {e.strerror or e}") from None
     t_end = time.perf_counter()
@@ -160,6 +167,13 @@ def _run(argv, wall0: float, held: Held) -> int:
     if a.report:
         write_report(a.report, clf.report(wall0), manifest, t_end - t_done, t_end + start_offset(wall0))
     return 0
+
+
+def _disk_full_where(e: BaseException | None, tmpdir: Path) -> str:
+    """Where a load that found no room was writing, when its error names no file: loading writes
+    only under TMPDIR (an unpacked package, compiler caches)."""
+    full = isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+    return f" (while writing under TMPDIR {tmpdir})" if full and e.filename is None else ""
 
 
 def write_report(path: Path, report: dict, manifest, write_s: float, total_s: float) -> None:

@@ -1,0 +1,199 @@
+"""Address-space limits, measured not guessed: each ABI passes at the need engine.memory states and
+is refused one MiB below it in one line naming the limit and the need, before torch loads; what
+still runs out (a MemoryError, a thread that cannot start) is one line too.
+
+The at-the-limit runs are whole processes under RLIMIT_AS with ENGINE_THREADS=2 (the thread
+count is part of the need), on the tiny test models."""
+from __future__ import annotations
+
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from cir_helpers import built_index, clip_dirs, corpus, run_args
+from conftest import REPO
+
+from engine import memory
+from engine.memory import MiB
+
+THREADS = "2"
+
+
+def _limited(mib_bytes: int):
+    def lim():
+        resource.setrlimit(resource.RLIMIT_AS, (mib_bytes, resource.RLIM_INFINITY))
+    return lim
+
+
+def _one_error_line(r, prog: str, *needles: str) -> str:
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith(f"{prog}: error:")]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and all(n in lines[0] for n in needles), lines[0]
+    return lines[0]
+
+
+def _threads(monkeypatch) -> int:
+    from engine import threads
+
+    monkeypatch.setenv("ENGINE_THREADS", THREADS)
+    return threads.budget("cpu").peak(isolated_decoder=False)
+
+
+# --- the estimate and its message ------------------------------------------------------------------
+
+def test_the_need_is_fixed_plus_threads_plus_files(tmp_path):
+    (tmp_path / "a").write_bytes(bytes(3 * MiB))
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "b").write_bytes(bytes(MiB))
+    base = memory.need_bytes([], 100 * MiB)
+    assert base == 100 * MiB + memory.MARGIN
+    assert memory.need_bytes([tmp_path / "a", tmp_path / "d", tmp_path / "none"], 100 * MiB) == base + 4 * MiB
+    assert memory.need_bytes([], 100 * MiB, 5 * MiB) == base + 5 * MiB
+    one = memory.THREAD_STACK + memory.MALLOC_ARENA          # a classification thread: stack and arena
+    assert memory.thread_bytes(3, cpus=4) == 3 * one
+    assert memory.thread_bytes(10, cpus=1) == 8 * one + 2 * memory.THREAD_PAST_ARENAS   # 8 arenas per CPU
+    assert memory.retrieval_thread_bytes(7, 1) == memory.retrieval_thread_bytes(7, 2) == 14
+    assert memory.decoder_bytes(None) == 0 < memory.decoder_bytes("pil") < memory.decoder_bytes("dali-cpu")
+
+
+def test_the_check_names_the_limit_and_the_need_in_one_line(monkeypatch):
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (3000 * MiB, resource.RLIM_INFINITY))
+    memory.check_address_space(3000 * MiB, "x")                       # at the limit: room enough
+    with pytest.raises(memory.AddressSpaceError) as e:
+        memory.check_address_space(3000 * MiB + 1, "a query run with 11 threads")
+    assert str(e.value) == ("the address-space limit (3000 MiB, ulimit -v) is below the about 3001 MiB a query "
+                            "run with 11 threads maps: raise the limit to at least that")
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    memory.check_address_space(1 << 60, "x")                          # no limit: nothing to check
+
+
+@pytest.mark.parametrize("error, says", [
+    (MemoryError(), "out of memory (MemoryError: )"),
+    (RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: 12 bytes"),
+     "out of memory (RuntimeError: [enforce fail"),
+    (RuntimeError("can't start new thread"), "cannot start a thread (RuntimeError: can't start new thread)"),
+    (RuntimeError("shape mismatch"), None),
+    (ValueError("can't allocate memory"), None),
+])
+def test_running_out_is_told_from_other_errors(error, says):
+    line = memory.exhaustion_line(error)
+    assert (line is None) if says is None else (line.startswith(says) and "\n" not in line)
+
+
+def test_a_missing_torch_names_the_interpreter_and_a_mapping_failure_the_memory_limit():
+    missing = ModuleNotFoundError("No module named 'torch'", name="torch")
+    assert memory.import_failure("torch", missing) == (
+        f"cannot import torch (No module named 'torch'): the interpreter {sys.executable} has no torch installed")
+    unmapped = ImportError("libtorch_cuda.so: failed to map segment from shared object")
+    assert memory.import_failure("torch", unmapped).endswith("is the memory limit too low?")
+    broken = ImportError("libc10.so: undefined symbol: _ZN3c10")
+    assert memory.import_failure("torch", broken) == "cannot import torch (libc10.so: undefined symbol: _ZN3c10)"
+    numpy_missing = ModuleNotFoundError("No module named 'numpy'", name="numpy")   # torch's dependency
+    assert "memory" not in memory.import_failure("torch", numpy_missing)
+
+
+def test_load_without_torch_names_the_interpreter_not_the_memory(eager_artifact):
+    code = ("import sys; sys.modules['torch'] = None\nimport engine\n"
+            "try:\n    engine.load(sys.argv[1], decoder='pil')\nexcept engine.LoadError as e:\n    print(e.stage, e)")
+    r = subprocess.run([sys.executable, "-c", code, str(eager_artifact)], cwd=REPO, capture_output=True, text=True,
+                       timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.startswith("imports cannot import torch") and sys.executable in r.stdout, r.stdout
+    assert "memory" not in r.stdout
+
+
+# --- scripts/run at its limit ---------------------------------------------------------------------
+
+def test_scripts_run_passes_at_its_need_and_is_refused_just_below(small_cohort, eager_artifact, tmp_path,
+                                                                   monkeypatch):
+    from engine.classifier import need_bytes_for
+
+    need = need_bytes_for(eager_artifact, _threads(monkeypatch))     # dali-cpu runs in a child: not here
+    m = small_cohort / "manifest.tsv"
+    rows = len([ln for ln in m.read_text().splitlines() if ln.strip()])
+    env = {**os.environ, "ENGINE_ARTIFACT": str(eager_artifact), "ENGINE_THREADS": THREADS}
+
+    def run(limit: int, out: Path):
+        return subprocess.run([str(REPO / "scripts" / "run"), str(m), str(small_cohort), str(out)], env=env,
+                              preexec_fn=_limited(limit), capture_output=True, text=True, timeout=300)
+
+    below = run(need - MiB, tmp_path / "below.i32")
+    _one_error_line(below, "run", f"({(need - MiB) >> 20} MiB, ulimit -v)", f"about {-(-need // MiB)} MiB")
+    assert not (tmp_path / "below.i32").exists()
+    at = run(need, tmp_path / "at.i32")
+    assert at.returncode == 0, at.stderr[-3000:]
+    assert (tmp_path / "at.i32").stat().st_size == 4 * rows
+
+
+# --- the retrieval ABIs at their limits -----------------------------------------------------------
+
+def _cir_need(monkeypatch, fixed: int, *paths) -> int:
+    from evaluator.cir.limits import need
+
+    _threads(monkeypatch)
+    return need(fixed, *paths)[0]
+
+
+def _cir(name: str, args: list[str], limit: int):
+    env = {**os.environ, "ENGINE_THREADS": THREADS, "CLIP_DEVICE": "cpu", "PYTHON": sys.executable,
+           "CLIP_MODEL_DIR": str(clip_dirs()["open_clip"])}
+    return subprocess.run([str(REPO / "scripts" / name), *args], env=env, preexec_fn=_limited(limit),
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_run_sh_passes_at_its_need_and_is_refused_just_below(tmp_path, monkeypatch):
+    index, clip = built_index(), clip_dirs()["open_clip"]
+    need = _cir_need(monkeypatch, memory.RETRIEVAL_RUN, index, clip)
+    queries = corpus() / "requests.jsonl"
+    below = _cir("run.sh", run_args(queries, tmp_path / "below.jsonl"), need - MiB)
+    _one_error_line(below, "scripts/run.sh", "address-space limit", f"about {-(-need // MiB)} MiB a query run")
+    assert not (tmp_path / "below.jsonl").exists()
+    at = _cir("run.sh", run_args(queries, tmp_path / "at.jsonl"), need)
+    assert at.returncode == 0, at.stderr[-3000:]
+    assert len((tmp_path / "at.jsonl").read_text().splitlines()) == len(queries.read_text().splitlines())
+
+
+def test_build_sh_passes_at_its_need_and_is_refused_just_below(tmp_path, monkeypatch):
+    need = _cir_need(monkeypatch, memory.RETRIEVAL_BUILD, clip_dirs()["open_clip"])
+    args = ["--corpus", str(corpus()), "--chunk-size", "64", "--batch-size", "32"]
+    below = _cir("build.sh", [*args, "--index-dir", str(tmp_path / "below")], need - MiB)
+    _one_error_line(below, "scripts/build.sh", "address-space limit", f"about {-(-need // MiB)} MiB an index build")
+    assert not (tmp_path / "below" / "meta.json").exists()
+    at = _cir("build.sh", [*args, "--index-dir", str(tmp_path / "at")], need)
+    assert at.returncode == 0, at.stderr[-3000:]
+    assert (tmp_path / "at" / "meta.json").is_file()
+
+
+# --- what still runs out is one line --------------------------------------------------------------
+
+@pytest.mark.parametrize("error", [MemoryError(), RuntimeError("can't start new thread")])
+@pytest.mark.parametrize("module", ["evaluator.cir.run", "evaluator.cir.build"])
+def test_running_out_inside_a_retrieval_call_is_one_line(module, error, monkeypatch, capsys):
+    import importlib
+
+    mod = importlib.import_module(module)
+
+    def exhausted(*a, **k):
+        raise error
+
+    monkeypatch.setattr(mod, "_main", exhausted)
+    assert mod.main(["--whatever"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith(f"{mod.PROG}: error: ") and "Traceback" not in err
+    assert ("out of memory" if isinstance(error, MemoryError) else "cannot start a thread") in err
+
+
+def test_scripts_run_under_an_interpreter_without_the_dependencies_names_it(tmp_path, small_cohort):
+    """A bare virtual environment: one line naming that interpreter and what it lacks, no memory hint."""
+    venv = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    r = subprocess.run([str(REPO / "scripts" / "run"), str(small_cohort / "manifest.tsv"), str(small_cohort),
+                        str(tmp_path / "p.i32")], env={**os.environ, "PYTHON": str(python)},
+                       capture_output=True, text=True, timeout=120)
+    line = _one_error_line(r, "run", f"the interpreter {python} has no ")
+    assert line.startswith("run: error: cannot import ") and "memory" not in line
+    assert not (tmp_path / "p.i32").exists()
