@@ -636,16 +636,20 @@ def _aot_runs(c: Check, r, build: subprocess.Popen | None) -> None:
         c.doc["steps"]["abi_aot_bf16"] = {"skipped": "no artifact: the build did not finish" if not built
                                           else "no reference answers to judge against"}
     for name, fn in (("abi_aot_bf16_no_graphs", no_graphs), ("abi_aot_bf16_raw", raw_run)):
-        if guarded and "error" not in guarded:
-            c.step(name, fn, need_s=30)
-        else:
+        if not (guarded and "error" not in guarded):
             c.doc["steps"][name] = {"skipped": "no guarded ABI run to compare with"}
+        elif name.endswith("no_graphs") and not r.cuda:
+            c.doc["steps"][name] = {"skipped": "no CUDA: the CPU runs without graphs already"}
+        else:
+            c.step(name, fn, need_s=30)
     c.save()
 
 
 def _rest(c: Check, r) -> None:
     """pytest -m gpu, the eager fp16 and fp8 builds end to end, the batch sweep: as time allows."""
     def gpu_tests() -> dict:
+        if not r.cuda:
+            return {"skipped": "no CUDA: every gpu-marked test would skip"}
         limit = min(r.a.gpu_tests_s, c.budget() - 5)
         res = c.run("gpu_tests", ["timeout", "-s", "INT", str(int(limit)), sys.executable, "-m", "pytest", "-m",
                                   "gpu", "-rA", "-q", "-p", "no:cacheprovider", "tests"], limit + 15)
