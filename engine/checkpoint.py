@@ -3,10 +3,19 @@
 Weights are read apart from the model (safetensors or a torch state dict, memory-mapped),
 key remapping lives in one filter function, and key sets and shapes are checked with
 messages that name what differs.
+
+The model is built on the meta device (shapes only: no storage, no random initialisation)
+and the checkpoint's tensors are assigned into it (`load_state_dict(assign=True)`, no copy).
+Buffers no state dict holds (EVA-02's RoPE tables and zero k-bias) are then computed on
+the CPU by their module's own `init_non_persistent_buffers`, as timm's constructor computes
+them. The reference twin builds on the CPU with random weights and copies the checkpoint
+in (`meta=False`, the off switch); a module whose buffers cannot be computed falls back to
+it, saying why on stderr.
 """
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -62,17 +71,73 @@ def filter_state_dict(sd: object, path: Path | str = "<memory>") -> dict[str, to
     return out
 
 
-def create_model(spec: Spec) -> torch.nn.Module:
-    """The timm architecture of `spec`, randomly initialised, FP32, eval mode, on CPU."""
+def create_model(spec: Spec, device: str | torch.device = "cpu") -> torch.nn.Module:
+    """The timm architecture of `spec`, FP32, eval mode: randomly initialised on the CPU, or
+    with device="meta" shapes only (no storage, no initialisation work) for `assign_weights`."""
     import timm
 
     kwargs = dict(spec.model_kwargs)
     kwargs.setdefault("img_size", spec.input_size)
     try:
-        model = timm.create_model(spec.arch, pretrained=False, num_classes=spec.num_classes, **kwargs)
+        with torch.device(device):
+            model = timm.create_model(spec.arch, pretrained=False, num_classes=spec.num_classes, **kwargs)
     except RuntimeError as e:
         raise CheckpointError(f"timm cannot build {spec.arch!r}: {e}") from e
     return model.eval()
+
+
+class MetaLoadError(CheckpointError):
+    """A meta-built model holds tensors that neither the state dict nor its modules can fill."""
+
+
+def materialize_buffers(model: torch.nn.Module) -> None:
+    """Allocate on the CPU the buffers still on the meta device (non-persistent ones: in no
+    state dict) and compute them with their module's `init_non_persistent_buffers` (timm's hook
+    for meta-built models: RoPE bands and tables, EVA's zero k-bias). Raises MetaLoadError
+    when a module has such buffers but no hook, or when any tensor is still meta after."""
+    owners = []
+    for name, m in model.named_modules():
+        meta = [b for b, t in m._buffers.items() if t is not None and t.is_meta]
+        if not meta:
+            continue
+        if not callable(getattr(m, "init_non_persistent_buffers", None)):
+            raise MetaLoadError(f"{type(m).__name__} {name or '<root>'} has buffers {meta} outside the state "
+                                "dict and no init_non_persistent_buffers to compute them")
+        for b in meta:
+            m._buffers[b] = torch.empty_like(m._buffers[b], device="cpu")
+        owners.append(m)
+    with torch.no_grad():
+        for m in owners:
+            m.init_non_persistent_buffers()
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise MetaLoadError(f"{len(left)} tensors are still on the meta device after loading: {left[:_SHOW]}")
+
+
+def assign_weights(model: torch.nn.Module, sd: dict[str, torch.Tensor], path: Path | str) -> torch.nn.Module:
+    """`model` (built on the meta device) holding `sd`'s tensors themselves (cast only where the
+    dtype differs from the architecture's), its non-persistent buffers computed."""
+    check_state_dict(model, sd, path)
+    want = model.state_dict()
+    model.load_state_dict({k: v if v.dtype == want[k].dtype else v.to(want[k].dtype) for k, v in sd.items()},
+                          assign=True)
+    materialize_buffers(model)
+    return model
+
+
+def model_with_weights(spec: Spec, sd: dict[str, torch.Tensor], path: Path | str,
+                       meta: bool = True) -> torch.nn.Module:
+    """`spec`'s model (eval, CPU) holding `sd`: built on the meta device and assigned (the default),
+    or built with random weights and `sd` copied in (`meta=False`, the reference twin)."""
+    if meta:
+        try:
+            return assign_weights(create_model(spec, "meta"), sd, path)
+        except MetaLoadError as e:
+            print(f"[engine] meta-device load of {spec.arch} failed ({e}); building it on the CPU", file=sys.stderr)
+    model = create_model(spec)
+    check_state_dict(model, sd, path)
+    model.load_state_dict(sd)
+    return model
 
 
 def check_state_dict(model: torch.nn.Module, sd: dict[str, torch.Tensor], path: Path | str) -> None:
@@ -92,10 +157,8 @@ def check_state_dict(model: torch.nn.Module, sd: dict[str, torch.Tensor], path: 
         raise CheckpointError(f"{path}: {len(bad)} tensors have the wrong shape: {lines}")
 
 
-def load_model(spec: Spec, checkpoint: str | os.PathLike) -> torch.nn.Module:
-    """Build `spec`'s model and load `checkpoint` into it (FP32, eval, CPU)."""
+def load_model(spec: Spec, checkpoint: str | os.PathLike, meta: bool = True) -> torch.nn.Module:
+    """Build `spec`'s model and load `checkpoint` into it (FP32, eval, CPU; see model_with_weights)."""
     sd = read_state_dict(checkpoint)
-    model = create_model(spec)
-    check_state_dict(model, sd, checkpoint)
-    model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in sd.items()})
-    return model
+    sd = {k: v.float() if v.is_floating_point() else v for k, v in sd.items()}
+    return model_with_weights(spec, sd, checkpoint, meta)

@@ -20,16 +20,28 @@ class FusedSwiGLU(nn.Module):
         super().__init__()
         self.hidden = mlp.fc1_g.out_features
         g, x = mlp.fc1_g, mlp.fc1_x
-        self.fc1 = nn.Linear(g.in_features, 2 * self.hidden, bias=g.bias is not None)
-        with torch.no_grad():
-            self.fc1.weight.copy_(torch.cat([g.weight, x.weight]))
-            if g.bias is not None:
-                self.fc1.bias.copy_(torch.cat([g.bias, x.bias]))
+        self.fc1 = stacked_linear([g, x])
         self.act, self.norm, self.fc2 = mlp.act, mlp.norm, mlp.fc2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, val = self.fc1(x).split(self.hidden, dim=-1)
         return self.fc2(self.norm(self.act(gate) * val))
+
+
+def stacked_linear(parts: list[nn.Linear], bias: bool | None = None) -> nn.Linear:
+    """One Linear whose output is the parts' outputs side by side: weights [sum N_i, K] stacked,
+    biases stacked (a part without one adds zeros; `bias=None`: a bias when the first part has
+    one). Built on the meta device and assigned: no random initialisation, one copy (the cat)."""
+    bias = parts[0].bias is not None if bias is None else bias
+    w = parts[0].weight
+    lin = nn.Linear(w.shape[1], sum(p.out_features for p in parts), bias=bias, device="meta", dtype=w.dtype)
+    with torch.no_grad():
+        state = {"weight": torch.cat([p.weight for p in parts])}
+        if bias:
+            state["bias"] = torch.cat([p.bias if p.bias is not None else w.new_zeros(p.out_features)
+                                       for p in parts])
+    lin.load_state_dict(state, assign=True)
+    return lin
 
 
 def fuse_projections(net: nn.Module) -> dict:
@@ -38,11 +50,7 @@ def fuse_projections(net: nn.Module) -> dict:
     for m in net.modules():
         if getattr(m, "qkv", 1) is None and all(isinstance(getattr(m, f"{p}_proj", None), nn.Linear) for p in "qkv"):
             q, k, v = m.q_proj, m.k_proj, m.v_proj
-            qkv = nn.Linear(q.in_features, q.out_features + k.out_features + v.out_features, bias=True)
-            with torch.no_grad():
-                qkv.weight.copy_(torch.cat([q.weight, k.weight, v.weight]))
-                zero = lambda lin: lin.bias if lin.bias is not None else torch.zeros(lin.out_features)  # noqa: E731
-                qkv.bias.copy_(torch.cat([zero(q), zero(k), zero(v)]))
+            qkv = stacked_linear([q, k, v], bias=True)
             m.qkv, m.q_proj, m.k_proj, m.v_proj = qkv, None, None, None
             for name in ("q_bias", "k_bias", "v_bias"):
                 if not hasattr(m, name):

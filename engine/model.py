@@ -49,9 +49,10 @@ class OnDevice:
         return self.fn(x.to(self.device, non_blocking=True))
 
 
-def wrap(net: torch.nn.Module, spec: Spec, device: str, margin: bool = False) -> Top1Model:
-    """Top1Model of `net` (FP32) under the mixed-precision policy of the spec's precision, on `device`."""
-    return Top1Model(apply_policy(net, spec.precision), spec, margin).to(device).eval()
+def wrap(net: torch.nn.Module, spec: Spec, device: str, margin: bool = False, copy: bool = True) -> Top1Model:
+    """Top1Model of `net` (FP32) under the mixed-precision policy of the spec's precision, on `device`
+    (`copy=False`: the policy is applied to `net` itself, for a caller that holds it alone)."""
+    return Top1Model(apply_policy(net, spec.precision, copy=copy), spec, margin).to(device).eval()
 
 
 def export_top1(net: torch.nn.Module, spec: Spec, device: str, margin: bool = False):

@@ -92,8 +92,8 @@ class Fp32Linear(nn.Linear):
 
     @classmethod
     def of(cls, lin: nn.Linear) -> Fp32Linear:
-        new = cls(lin.in_features, lin.out_features, bias=lin.bias is not None)
-        new.load_state_dict(lin.float().state_dict())
+        new = cls(lin.in_features, lin.out_features, bias=lin.bias is not None, device="meta")  # no init
+        new.load_state_dict({k: v.detach().float().clone() for k, v in lin.state_dict().items()}, assign=True)
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -126,12 +126,23 @@ def describe(precision: str) -> dict:
             "head": "fp32", "weights": f"{precision} for every Linear but the head", "fused_projections": fused}
 
 
-def apply_policy(net: nn.Module, precision: str) -> nn.Module:
-    """A copy of `net` (FP32, eval) with its projections fused (engine.fuse, exact) and the
-    policy for `precision` applied; fp32 applies only the fusion."""
+def share_copy(net: nn.Module) -> nn.Module:
+    """A copy of the module tree holding the same tensor storage (nothing is copied but the
+    modules): new Parameter objects, so `.to()` / `.float()` / replacing a child on the copy
+    leave the original as it was. Nothing in the policy writes into a tensor in place."""
+    memo: dict[int, object] = {id(p): nn.Parameter(p.detach(), requires_grad=p.requires_grad)
+                               for p in net.parameters()}
+    memo.update({id(b): b for b in net.buffers()})
+    return copy.deepcopy(net, memo)
+
+
+def apply_policy(net: nn.Module, precision: str, copy: bool = True) -> nn.Module:
+    """`net` (FP32, eval) with its projections fused (engine.fuse, exact) and the policy for
+    `precision` applied; fp32 applies only the fusion. `copy=True`: on a share_copy of `net`
+    (the caller's model keeps its layers); `copy=False`: on `net` itself (a fresh load)."""
     from engine.fuse import fuse_projections
 
-    net = copy.deepcopy(net).float().eval()
+    net = (share_copy(net) if copy else net).float().eval()
     fuse_projections(net)
     if precision == "fp32":
         return net
@@ -162,6 +173,6 @@ def _fold_qkv_bias(net: nn.Module) -> None:
             bias = torch.cat((m.q_bias, m.k_bias, m.v_bias)).detach()
             if qkv.bias is not None:
                 bias = bias + qkv.bias.detach()
-            folded = nn.Linear(qkv.in_features, qkv.out_features, bias=True)
-            folded.weight, folded.bias = qkv.weight, nn.Parameter(bias)
+            folded = nn.Linear(qkv.in_features, qkv.out_features, bias=True, device="meta")  # no init
+            folded.weight, folded.bias = qkv.weight, nn.Parameter(bias, requires_grad=qkv.weight.requires_grad)
             m.qkv, m.q_bias, m.k_bias, m.v_bias = folded, None, None, None

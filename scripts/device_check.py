@@ -1,40 +1,25 @@
-"""One-shot GPU check of the contest path: most valuable facts first, whatever happens.
+"""One-shot GPU check of the contest path: the most valuable facts first, whatever happens.
 
     python3 scripts/device_check.py --out DIR [--limit-s 560] [--count 2000] [--ref-count 500]
-        [--batch-size N] [--calibration-count 64] [--gpu-tests-s 90] [--tiny --device cpu]
+        [--batch-size N] [--calibration-count 64] [--search-budget-s 90] [--gpu-tests-s 90]
+        [--tiny --device cpu]
 
-Steps, in the order the JSON records them; each is timed, reads "running" while under way,
-and is skipped with a reason when the time left cannot hold it:
- 1. env            machine, GPU, versions
- 2. packages       which optional packages import (scikit-image, DALI, TensorRT, torch-tensorrt,
-                   open_clip, CuPy, torchvision) and whether torchvision decodes JPEGs on CUDA
- 3. checkpoint     the contest's model (evaluator.contest.task: EVA-02-L/448) whose head is fit on
-                   generated renders (trained-looking logits)
- 4. aot_bf16       the guarded AOT bf16 build, started in the background with a short calibration
-                   (scikit-image's photos, or renders when scikit-image is absent); while it compiles:
- 5. fp8_gemm       the engine's FP8 linear against its FP32 twin and bf16 at EVA-02-L's shapes
-                   (1025 tokens x batch rows), ms and TFLOP/s
- 6. graph_capture  CUDA-graph capture while another thread allocates, per capture_error_mode
- 7. decoder_race   decoding into recycled buffers under a queued consumer vs a synchronous decode
- 8. attention      SDPA backends at EVA-02-L's shape
- 9. topk           python -m kernels.topk: the CuPy kernel against torch.topk
-10. cohort         generated JPEGs (no ImageNet data)
-11. reference      the naive FP32 path (PIL + timm eager, batch 1) on the first --ref-count rows;
-                   then the check waits for the build (aot_bf16 records the wait)
-12. abi_aot_bf16   the ABI end to end (scripts/run): images/s, agreement, decoder, GPU busy time,
-                   fixed costs, CUDA graph status (a failed capture is an alarm), the guard's re-checks
-13. abi_aot_bf16_no_graphs  the same with ENGINE_CUDA_GRAPHS=0: identical answers, the graphs' gain
-14. abi_aot_bf16_raw        the same raw (ENGINE_GUARD=0), side by side with the guarded run
-15. gpu_tests      pytest -m gpu -rA, interrupted with SIGINT at its limit
-16. eager_*        bf16, fp16 and fp8 eager builds, each end to end guarded and raw
-17. batch_sweep    policy bf16 inference alone at the device preset's batch sizes (engine/presets.py)
-The JSON's not_exercised lists what of the scored setup (ARM64 + Hopper, the Dockerfile's Python,
-requirements/lock.txt) this run did not exercise. Work files (checkpoint, artifacts, cohort,
-predictions) live in a private folder under $TMPDIR, removed at the end and on SIGTERM/SIGINT
-(after the JSON is saved). Outputs, small and plain: DIR/device_check.json (rewritten after every
-step), DIR/device_check.log (each step's output, tail-kept), DIR/gpu_tests.txt.
-Without a GPU (and without --device cpu) it writes a JSON that says so and exits 0 in seconds.
-`--tiny --device cpu` runs every step's code on the tiny test model (a CPU test does this).
+The steps run in PLAN's order (below, with what each tells); each is timed, reads "running"
+while under way, is written into DIR/device_check.json the moment it ends (a kill keeps what
+was learned), has its own timeout (its share of --limit-s, at most the time left) and is
+skipped with a reason when the time left cannot hold it. Two run in the background: the
+cohort's rendering (from the start) and the guarded AOT bf16 build (from the checkpoint on),
+whose phases are timed and whose CUDA_HOME is the image's layout when its headers compile.
+The JSON ends with `not_run` (steps of the plan that never started) and `not_exercised` (what
+of the scored setup, ARM64 + Hopper, the Dockerfile's Python and requirements/lock.txt, this
+run did not exercise). Work files (checkpoint, artifacts, cohort, predictions) live in a
+private folder under $TMPDIR, removed at the end and on SIGTERM/SIGINT (after the JSON is
+saved). Outputs, small and plain: DIR/device_check.json, DIR/device_check.log (each child's
+output, tail-kept), DIR/gpu_tests.txt. Without a GPU (and without --device cpu) it writes a
+JSON that says so and exits 0 in seconds. `--tiny --device cpu` runs every step's code on the
+tiny test model (a CPU test does this; another stops it early and reads what it kept).
+The harness (result document, deadlines, children, the judged ABI run) is scripts/device_harness.py;
+the driver, CUDA_HOME and timed-AOT-build facts scripts/device_aot.py; the probes scripts/device_probes.py.
 """
 from __future__ import annotations
 
@@ -45,241 +30,98 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from device_probes import batch_sweep, env_info, not_exercised, scored_setup  # noqa: E402 - scripts/ is this file's folder
+from device_aot import cuda_home, driver  # noqa: E402 - scripts/ is this file's folder
+from device_harness import Check, Interrupted, agree, build_cmd, judge, on_signal, side_by_side, stop  # noqa: E402
+from device_probes import batch_sweep, env_info  # noqa: E402
 
 from engine.presets import preset  # noqa: E402 - after the path setup
 from evaluator.contest.task import COHORT_IMAGES, DEFAULT_MODEL  # noqa: E402
 
 LARGE = (DEFAULT_MODEL, {}, 448)
-LOG_TAIL = 200_000          # bytes of each step's output kept in DIR/device_check.log
-LOG_MAX = 12 << 20          # the combined log stays under the 16 MiB a returned file may have
 ABI_NEED_S = 40             # the guarded ABI run on 2,000 images, fixed costs included
 BUILD_NEED_S = 60           # least time left worth starting the background build in (then an ABI run)
 
-
-class Interrupted(BaseException):
-    """SIGTERM or SIGINT: save what is known, clean up, exit (not an Exception: no step catches it)."""
-
-
-def _on_signal(signum, frame) -> None:
-    raise Interrupted(signal.Signals(signum).name)
-
-
-class Check:
-    """The result document, saved after every step; steps run against one deadline; children
-    write into a private work folder, and the tail of each one's output goes into one log."""
-
-    def __init__(self, out: Path, limit_s: float):
-        self.out, self.t0, self.limit_s = out, time.perf_counter(), limit_s
-        self.doc: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "status": "running", "limit_s": limit_s,
-                          "steps": {}, "alarms": []}
-        self.work: Path | None = None
-        self.procs: dict[str, subprocess.Popen] = {}     # children still running, by log name
-
-    def left(self) -> float:
-        return self.limit_s - (time.perf_counter() - self.t0)
-
-    def elapsed(self) -> float:
-        return round(time.perf_counter() - self.t0, 1)
-
-    def save(self) -> None:
-        self.doc["elapsed_s"] = self.elapsed()
-        tmp = self.out / "device_check.json.tmp"
-        tmp.write_text(json.dumps(self.doc, indent=1) + "\n")
-        os.replace(tmp, self.out / "device_check.json")
-
-    def make_work(self) -> Path:
-        self.work = Path(tempfile.mkdtemp(prefix="device_check_"))    # under $TMPDIR, never under DIR
-        (self.work / "logs").mkdir()
-        (self.work / "tmp").mkdir()
-        self.doc["work_dir"] = str(self.work)
-        return self.work
-
-    def step(self, name: str, fn, need_s: float = 0.0) -> dict | None:
-        """Run fn() -> dict as step `name` unless fewer than need_s seconds are left; record it either way."""
-        if self.left() < need_s:
-            self.doc["steps"][name] = {"skipped": f"{self.left():.0f} s left, the step needs ~{need_s:.0f} s"}
-            self.save()
-            return None
-        self.doc["steps"][name] = {"running": f"since {self.elapsed()} s"}
-        self.save()
-        t = time.perf_counter()
-        try:
-            res = fn() or {}
-        except Exception as e:  # noqa: BLE001 - a failed step is recorded, the next one still runs
-            res = {"error": f"{type(e).__name__}: {e}"[:600]}
-        res["seconds"] = round(time.perf_counter() - t, 2)
-        self.doc["steps"][name] = res
-        self.save()
-        print(f"device_check: {name}: {json.dumps(res)[:300]}", file=sys.stderr, flush=True)
-        return res
-
-    def start(self, name: str, cmd: list[str], env: dict | None = None) -> subprocess.Popen:
-        """cmd in its own process group, stdout and stderr into work/logs/NAME.{out,err}; children get
-        TMPDIR inside the work folder, so whatever they leave there goes with it (compile caches stay
-        where the environment puts them: scripts/device_check.sh sets them as scripts/run does)."""
-        assert self.work is not None
-        logs = self.work / "logs"
-        full = {**os.environ, "TMPDIR": str(self.work / "tmp"), **(env or {})}
-        with open(logs / f"{name}.out", "wb") as o, open(logs / f"{name}.err", "wb") as e:
-            p = subprocess.Popen(cmd, cwd=REPO, env=full, stdout=o, stderr=e, process_group=0)
-        self.procs[name] = p
-        return p
-
-    def finish(self, name: str, p: subprocess.Popen, rc: int | None) -> subprocess.CompletedProcess:
-        """The ended child's output, its tail appended to DIR/device_check.log."""
-        self.procs.pop(name, None)
-        assert self.work is not None
-        out, err = ((self.work / "logs" / f"{name}.{s}").read_text(errors="replace") for s in ("out", "err"))
-        self.append_log(name, f"exit {rc}", out + err)
-        return subprocess.CompletedProcess(p.args, rc if rc is not None else -1, out, err)
-
-    def run(self, name: str, cmd: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
-        """start() and wait; at `timeout` the child is stopped and the exit status reads 124."""
-        p = self.start(name, cmd, env)
-        try:
-            rc = p.wait(timeout=max(timeout, 1))
-        except subprocess.TimeoutExpired:
-            stop(p)
-            rc = 124
-        return self.finish(name, p, rc)
-
-    def probe(self, name: str, args: list[str], timeout: float, env: dict | None = None) -> dict:
-        """One of scripts/device_probes.py's probes in its own process: its JSON line."""
-        r = self.run(name, [sys.executable, str(REPO / "scripts" / "device_probes.py"), *args],
-                     min(timeout, self.left()), env)
-        if r.returncode != 0:
-            raise RuntimeError(f"probe failed ({r.returncode}): {r.stderr.strip()[-300:]}")
-        return json.loads(r.stdout.strip().splitlines()[-1])
-
-    def append_log(self, name: str, header: str, text: str) -> None:
-        log = self.out / "device_check.log"
-        if log.is_file() and log.stat().st_size > LOG_MAX:
-            return
-        data = text.encode(errors="replace")
-        cut = f"[... {len(data) - LOG_TAIL} bytes cut ...]\n".encode() if len(data) > LOG_TAIL else b""
-        with open(log, "ab") as f:
-            f.write(f"==== {name} ({header}, at {self.elapsed()} s) ====\n".encode() + cut + data[-LOG_TAIL:] + b"\n")
-
-    def teardown(self, stopped: str | None) -> None:
-        """Stop the children, mark unfinished steps, list what was not exercised, save, remove the work folder."""
-        for name, p in list(self.procs.items()):
-            stop(p)
-            self.finish(name, p, p.returncode)
-        for name, s in self.doc["steps"].items():
-            if "running" in s:
-                why = stopped or "stopped as the check ended"
-                self.doc["steps"][name] = {"interrupted": f"{why} at {self.elapsed()} s", "was": s["running"]}
-        self.doc["cut_by_deadline"] = [n for n, s in self.doc["steps"].items() if "s left, " in s.get("skipped", "")]
-        try:
-            self.doc["not_exercised"] = not_exercised(self.doc, scored_setup(REPO))
-        except Exception as e:  # noqa: BLE001 - the rest of the document still gets saved
-            self.doc["not_exercised"] = [f"unknown ({type(e).__name__}: {e})"]
-        self.doc["status"] = f"stopped ({stopped})" if stopped else "alarm" if self.doc["alarms"] else "done"
-        self.save()
-        if self.work is not None:
-            shutil.rmtree(self.work, ignore_errors=True)
-            self.doc["work_dir_removed"] = not self.work.exists()
-            self.save()
+# The steps in the order they start: (name, share of --limit-s its timeout is, what it tells).
+# On one H200 in 560 s: driver, env and cuda_home in the first ~10 s; the checkpoint by ~75 s;
+# the first ABI figure (eager bf16) by ~150 s while AOTInductor compiles beside it; the
+# reference and its agreement by ~190 s; the measured search by ~300 s; the probes while the
+# compile goes on; the AOT build at 350-500 s, then its ABI runs; the rest as time allows.
+PLAN = (
+    ("driver", 0.03, "driver version and compute mode (nvidia-smi, else torch), before anything loads"),
+    ("env", 0.1, "machine, GPU, versions"),
+    ("cuda_home", 0.1, "the image's CUDA_HOME layout (the CUDA wheels' nvidia/cuNN folder): do AOTInductor's "
+                       "CUDA headers compile there (else the missing header, and the toolkit the build falls back to)"),
+    ("cohort", 0.25, "generated JPEGs, rendered in the background from here on (no ImageNet data)"),
+    ("checkpoint", 0.3, "the contest's model (EVA-02-L/448) with a head fit on generated renders"),
+    ("aot_bf16", 1.0, "the guarded AOT bf16 build, in the background from here on, phases timed (export, "
+                      "Inductor lowering, C++ compile, load); recorded when waited for"),
+    ("eager_bf16", 0.2, "the guarded eager bf16 build (the artifact of the first ABI figure)"),
+    ("abi_eager_bf16", 0.15, "the first ABI figure: scripts/run end to end on the cohort, images/s, decoder, "
+                             "fixed costs; its agreement is added once the reference has answered"),
+    ("reference", 0.15, "the naive FP32 path (PIL + timm eager, batch 1) on the first --ref-count rows"),
+    ("search", 0.35, "the measured search (engine.build, precision/backend/batch auto) on a short budget"),
+    ("packages", 0.1, "which optional packages import (DALI, TensorRT, open_clip, ...), torchvision's CUDA decode"),
+    ("fp8_gemm", 0.1, "the engine's FP8 linear against its FP32 twin and bf16 at EVA-02-L's shapes"),
+    ("graph_capture", 0.15, "CUDA-graph capture while another thread allocates, per capture_error_mode"),
+    ("decoder_race", 0.1, "decoding into recycled buffers under a queued consumer vs a synchronous decode"),
+    ("attention", 0.1, "SDPA backends at EVA-02-L's shape"),
+    ("topk", 0.1, "python -m kernels.topk: the CuPy kernel against torch.topk"),
+    ("abi_aot_bf16", 0.15, "the ABI end to end on the AOT artifact: images/s, agreement, CUDA graphs, re-checks"),
+    ("abi_aot_bf16_no_graphs", 0.15, "the same with ENGINE_CUDA_GRAPHS=0: identical answers, the graphs' gain"),
+    ("abi_aot_bf16_raw", 0.15, "the same raw (ENGINE_GUARD=0), side by side with the guarded run"),
+    ("gpu_tests", 0.3, "pytest -m gpu -rA, interrupted with SIGINT at --gpu-tests-s"),
+    ("eager_fp16", 0.25, "the eager fp16 build, end to end guarded and raw"),
+    ("eager_fp8", 0.25, "the eager fp8 build, end to end guarded and raw"),
+    ("batch_sweep", 0.15, "policy bf16 inference alone at the device preset's batch sizes"),
+)
 
 
-def stop(p: subprocess.Popen, grace_s: float = 5.0) -> None:
-    """SIGTERM to p's process group (compile workers too), SIGKILL after grace_s."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        if p.poll() is not None:
-            return
-        try:
-            os.killpg(p.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            p.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            pass
-
-
-def judge(c: Check, name: str, art: Path, cohort: Path, ref, n_ref: int, count: int, env_extra=None):
-    """Run the ABI on the cohort with `art`: (the run's figures and agreement on the reference rows,
-    its predictions)."""
-    import numpy as np
-
-    from evaluator.contest.agreement import agreement
-
-    assert c.work is not None
-    pred, report = c.work / f"pred_{name}.i32", c.work / f"timing_{name}.json"
-    env = {"ENGINE_ARTIFACT": str(art), "CONTEST_REPORT": str(report), **(env_extra or {})}
-    t = time.perf_counter()
-    r = c.run(f"run_{name}", [str(REPO / "scripts" / "run"), str(cohort / "manifest.tsv"), str(cohort), str(pred)],
-              timeout=c.left(), env=env)
-    wall = time.perf_counter() - t
-    if r.returncode != 0:
-        raise RuntimeError(f"scripts/run failed ({r.returncode}): {r.stderr.strip()[-400:]}")
-    timing = json.loads(report.read_text())
-    got = np.fromfile(pred, "<i4")
-    ag = agreement(got[:n_ref], ref)
-    rt, stages = timing.get("runtime") or {}, timing.get("stages") or {}
-    pipeline = stages.get("pipeline") or 1e-9
-    steady = timing.get("images", count) / pipeline
-    res = {"wall_s": round(wall, 3), "images_per_s_end_to_end": round(count / wall, 1),
-           "images_per_s_steady": round(steady, 1), "agreement": f"{ag.matches}/{ag.total}",
-           "agreement_rate": round(ag.matches / max(ag.total, 1), 5), "decoder": timing.get("decoder"),
-           "decoder_notes": [ln[:200] for ln in r.stderr.splitlines() if "[engine] decoder" in ln][:4],
-           "cuda_graph": rt.get("cuda_graph"), "gpu_busy_s": rt.get("gpu_busy_s"), "guard": rt.get("guard"),
-           "stages": stages, "first_batch_s": timing.get("first_batch_s"),
-           "projected_10k_s": round((stages.get("total") or 0) - pipeline + COHORT_IMAGES / steady, 1)}
-    if str(res["cuda_graph"]).startswith("failed"):
-        c.doc["alarms"].append(f"{name}: CUDA graph capture failed: {res['cuda_graph']}")
-    return res, got
-
-
-def side_by_side(c: Check, name: str, guarded: dict, raw: dict) -> dict:
-    """The guard's figures beside the raw run's: does it pay for itself on this device?"""
-    g = guarded.get("guard") if isinstance(guarded.get("guard"), dict) else {}
-    if raw["agreement_rate"] > guarded["agreement_rate"]:
-        c.doc["alarms"].append(f"{name}: the guard lowered agreement ({raw['agreement']} raw, "
-                               f"{guarded['agreement']} guarded)")
-    return {"raw_agreement": raw["agreement"], "guarded_agreement": guarded["agreement"],
-            "raw_agreement_rate": raw["agreement_rate"], "guarded_agreement_rate": guarded["agreement_rate"],
-            "rechecked_fraction": g.get("fraction"), "recheck_seconds": g.get("seconds"),
-            "recheck_calls": g.get("calls"), "recheck_batch": g.get("recheck_batch"), "changed": g.get("changed"),
-            "tau": g.get("tau"), "raw_wall_s": raw["wall_s"], "guarded_wall_s": guarded["wall_s"],
-            "raw_images_per_s_steady": raw["images_per_s_steady"],
-            "guarded_images_per_s_steady": guarded["images_per_s_steady"]}
-
-
-def build_cmd(model_args: list[str], out: Path, device: str, backend: str, precision: str, batch: int,
-              *extra: str) -> list[str]:
-    return [sys.executable, "-m", "engine.build", *model_args, "--out", str(out), "--device", device,
-            "--backend", backend, "--precision", precision, "--batch-size", str(batch), *extra]
+def parser() -> argparse.ArgumentParser:
+    steps = "\n".join(f"  {n:<23} {share:>4.0%}  {what}" for n, share, what in PLAN)
+    p = argparse.ArgumentParser(prog="scripts/device_check.py", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=f"steps, in order (name, timeout as a share of --limit-s, what it tells):\n{steps}")
+    p.add_argument("--out", type=Path, required=True,
+                   help="result folder: device_check.json, .log, gpu_tests.txt (required; the .sh takes it as OUTDIR)")
+    p.add_argument("--limit-s", type=float, default=560.0,
+                   help="deadline for every step together, each step's timeout its share of it "
+                        "(default: %(default)s: a 600 s window less start-up and teardown)")
+    p.add_argument("--count", type=int, default=2000, help="generated JPEGs the ABI runs answer (default: %(default)s)")
+    p.add_argument("--ref-count", type=int, default=500,
+                   help="rows the naive FP32 path answers, the agreement's rows (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="the builds' static batch (default: the device preset's, engine/presets.py)")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="where everything runs (default: cuda)")
+    p.add_argument("--tiny", action="store_true",
+                   help="the tiny test model instead of EVA-02-L/448: a rehearsal of every step (default: off)")
+    p.add_argument("--gpu-tests-s", type=float, default=90.0,
+                   help="limit of pytest -m gpu, SIGINT at it (default: %(default)s)")
+    p.add_argument("--calibration-count", type=int, default=64,
+                   help="images each guarded build chooses tau on (default: %(default)s)")
+    p.add_argument("--search-budget-s", type=float, default=90.0,
+                   help="engine.build's --search-budget-s in the measured search step (default: %(default)s)")
+    p.add_argument("--system-cuda", type=Path, default=Path("/usr/local/cuda"),
+                   help="CUDA toolkit the AOT build falls back to when the CUDA wheels' headers do not compile "
+                        "(default: %(default)s)")
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="scripts/device_check.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--limit-s", type=float, default=560.0,
-                   help="deadline for every step together (default: a 600 s window, less start-up and teardown)")
-    p.add_argument("--count", type=int, default=2000, help="generated JPEGs")
-    p.add_argument("--ref-count", type=int, default=500, help="rows the naive FP32 path answers")
-    p.add_argument("--batch-size", type=int, help="the builds' static batch (default: the device preset's, "
-                                                  "engine/presets.py)")
-    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    p.add_argument("--tiny", action="store_true", help="the tiny test model (rehearsal of every step on the CPU)")
-    p.add_argument("--gpu-tests-s", type=float, default=90.0)
-    p.add_argument("--calibration-count", type=int, default=64, help="images each guarded build chooses tau on")
-    a = p.parse_args(argv)
+    a = parser().parse_args(argv)
     a.batch_size = a.batch_size or preset(a.device).static_batch_size
     a.out.mkdir(parents=True, exist_ok=True)
-    c = Check(a.out, a.limit_s)
+    c = Check(a.out, a.limit_s, PLAN)
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, _on_signal)
+        signal.signal(sig, on_signal)
     stopped, rc = None, 1
     try:
+        c.step("driver", driver)        # first, before torch: a subprocess query, in the JSON at once
         import torch
 
         c.step("env", lambda: env_info(a.device))
@@ -307,51 +149,171 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _steps(a: argparse.Namespace, c: Check) -> int:
-    import importlib.util
-
-    import numpy as np
-
+    """The plan: first facts, then an ABI figure while AOTInductor compiles, then the rest."""
     from engine import backends
-    from evaluator.synthetic.cohort import TINY_INPUT, TINY_KWARGS, TINY_MODEL, make_tiny_checkpoint
+    from evaluator.synthetic.cohort import TINY_INPUT, TINY_KWARGS, TINY_MODEL
 
     assert c.work is not None
-    work, dev, cuda = c.work, a.device, a.device == "cuda"
     model, kwargs, size = (TINY_MODEL, TINY_KWARGS, TINY_INPUT) if a.tiny else LARGE
     c.doc.update({"model": model, "tiny": a.tiny, "input_size": size, "count": a.count, "batch_size": a.batch_size})
-    pk = c.step("packages", lambda: {"packages": c.probe("packages", ["packages", "--device", dev], 120)}) or {}
-    skimage = (pk.get("packages") or {}).get("scikit-image", {}).get("ok", importlib.util.find_spec("skimage") is not None)
-
-    cohort, ckpt = work / "cohort", work / "model.safetensors"
-    c.step("checkpoint", lambda: {"recipe": make_tiny_checkpoint(ckpt, seed=0, renders=4 if a.tiny else 6,
-                                                                   input_size=size, model=model,
-                                                                   model_kwargs=kwargs, device=dev)})
-    if not ckpt.is_file():
+    r = SimpleNamespace(a=a, work=c.work, dev=a.device, cuda=a.device == "cuda", model=model, kwargs=kwargs,
+                        size=size, cohort=c.work / "cohort", ckpt=c.work / "model.safetensors", ref=None, preds={},
+                        eager=next(b for b in backends.BACKENDS
+                                   if not backends.get(b).COMPILED and backends.get(b).NEEDS_WEIGHTS))
+    layout = c.step("cuda_home", lambda: cuda_home(a.system_cuda)) or {}
+    r.cuda_env = {"CUDA_HOME": layout["cuda_home"]} if layout.get("cuda_home") else {}
+    cohort = c.background("cohort", _cohort_cmd(r), images=a.count)
+    c.step("checkpoint", lambda: _checkpoint(c, r))
+    if not r.ckpt.is_file():
         return 1
-    model_args = ["--model", model, "--input-size", str(size), "--crop-mode", "squash", "--crop-pct", "1.0",
-                  "--model-kwargs", json.dumps(kwargs), "--checkpoint", str(ckpt)]
-    source = "photos" if skimage else "renders"
-    calib = ["--calibration-count", str(a.calibration_count), "--calibration-source", source]
-    main_backend = backends.DEFAULT
-    eager = next(b for b in backends.BACKENDS if not backends.get(b).COMPILED and backends.get(b).NEEDS_WEIGHTS)
-    aot_art = work / "art_aot_bf16"
-    built_with = {"backend": main_backend, "calibration_source": source, "calibration_count": a.calibration_count,
-                  **({} if skimage else {"calibration_note": "scikit-image absent: calibrated on renders"})}
-    build = None
+    r.model_args = ["--model", model, "--input-size", str(size), "--crop-mode", "squash", "--crop-pct", "1.0",
+                    "--model-kwargs", json.dumps(kwargs), "--checkpoint", str(r.ckpt)]
+    r.source = "photos" if _has("skimage") else "renders"
+    r.calib = ["--calibration-count", str(a.calibration_count), "--calibration-source", r.source]
+    build = _start_aot(c, r)
+    c.step("cohort", lambda: _wait_cohort(c, cohort, a.count))
+    if not (r.cohort / "manifest.tsv").is_file():
+        return 1
+    _first_abi(c, r)
+    _search(c, r)
+    _probes(c, r)
+    _aot_runs(c, r, build)
+    _rest(c, r)
+    return 1 if c.doc["alarms"] else 0
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def _cohort_cmd(r) -> list[str]:
+    # a child process: the parent will hold a CUDA context, and a fork of it must not render
+    workers = max(1, (os.cpu_count() or 2) - 1)
+    return [sys.executable, "-c", "import sys; from pathlib import Path; "
+            "from evaluator.synthetic.cohort import make_cohort; make_cohort(Path(sys.argv[1]), "
+            "int(sys.argv[2]), seed=0, workers=int(sys.argv[3]))", str(r.cohort), str(r.a.count), str(workers)]
+
+
+def _wait_cohort(c: Check, p: subprocess.Popen, count: int) -> dict:
+    try:
+        rc = p.wait(timeout=max(c.budget(), 1))
+    except subprocess.TimeoutExpired:
+        stop(p)
+        rc = 124
+    res = c.finish("cohort", p, rc)
+    if rc != 0:
+        raise RuntimeError(f"cohort failed ({rc}): {res.stderr.strip()[-300:]}")
+    return {"images": count}
+
+
+def _checkpoint(c: Check, r) -> dict:
+    """make_tiny_checkpoint in a child (its own timeout; the GPU memory it held is freed on exit)."""
+    code = ("import json, sys; from pathlib import Path; from evaluator.synthetic.cohort import make_tiny_checkpoint; "
+            "print(json.dumps(make_tiny_checkpoint(Path(sys.argv[1]), seed=0, renders=int(sys.argv[2]), "
+            "input_size=int(sys.argv[3]), model=sys.argv[4], model_kwargs=json.loads(sys.argv[5]), "
+            "device=sys.argv[6]), default=str))")
+    res = c.run("checkpoint", [sys.executable, "-c", code, str(r.ckpt), "4" if r.a.tiny else "6", str(r.size),
+                               r.model, json.dumps(r.kwargs), r.dev])
+    if res.returncode != 0:
+        r.ckpt.unlink(missing_ok=True)
+        raise RuntimeError(f"checkpoint failed ({res.returncode}): {res.stderr.strip()[-300:]}")
+    return {"recipe": json.loads(res.stdout.strip().splitlines()[-1])}
+
+
+def _start_aot(c: Check, r) -> subprocess.Popen | None:
+    """The guarded AOT bf16 build in the background, under scripts/device_aot.py's phase timers,
+    with the CUDA_HOME the cuda_home step chose."""
+    from engine import backends
+
+    r.aot_art, r.phases = r.work / "art_aot_bf16", r.work / "aot_phases.json"
+    r.built_with = {"backend": backends.DEFAULT, "calibration_source": r.source,
+                    "calibration_count": r.a.calibration_count, "cuda_home": r.cuda_env.get("CUDA_HOME"),
+                    "recheck_backend": r.eager,
+                    **({} if r.source == "photos" else {"calibration_note": "scikit-image absent: calibrated on renders"})}
     if c.left() < BUILD_NEED_S:
         c.doc["steps"]["aot_bf16"] = {"skipped": f"{c.left():.0f} s left, the build and a run need ~{BUILD_NEED_S} s"}
-    else:   # the compiled build runs in the background while the GPU probes, the cohort and the reference run
-        build = c.start("build_aot_bf16", build_cmd(model_args, aot_art, dev, main_backend, "bf16", a.batch_size,
-                                                    *calib, "--recheck-batch", "auto", "--recheck-backend", eager,
-                                                    "--run-images", str(COHORT_IMAGES)))
-        c.doc["steps"]["aot_bf16"] = {"running": f"in the background since {c.elapsed()} s", **built_with}
-    t_build = time.perf_counter()
-    c.save()
+        return None
+    cmd = [sys.executable, str(REPO / "scripts" / "device_aot.py"), "build", "--phases", str(r.phases), "--",
+           *build_cmd(r.model_args, r.aot_art, r.dev, backends.DEFAULT, "bf16", r.a.batch_size, *r.calib,
+                      "--recheck-batch", "auto", "--recheck-backend", r.eager, "--run-images",
+                      str(COHORT_IMAGES))[3:]]                        # engine.build's own arguments
+    r.t_build = time.perf_counter()
+    return c.background("aot_bf16", cmd, r.cuda_env, **r.built_with)
 
-    rows = 1025 * a.batch_size if cuda else 64
+
+def _first_abi(c: Check, r) -> None:
+    """An ABI figure early: the eager bf16 build and one guarded run, then the reference rows
+    and the agreement of that run on them."""
+    import numpy as np
+
+    art = r.work / "art_eager_bf16"
+
+    def build() -> dict:
+        res = c.run("build_eager_bf16", build_cmd(r.model_args, art, r.dev, r.eager, "bf16", r.a.batch_size,
+                                                  *r.calib))
+        if res.returncode != 0:
+            raise RuntimeError(f"build failed ({res.returncode}): {res.stderr.strip()[-300:]}")
+        g = json.loads((art / "manifest.json").read_text()).get("guard") or {}
+        return {"backend": r.eager, "tau": g.get("tau"), "recheck_batch": g.get("recheck_batch")}
+
+    def run() -> dict:
+        res, r.preds["eager_bf16"] = judge(c, "eager_bf16", art, r.cohort, None, r.a.count)
+        shutil.rmtree(art, ignore_errors=True)          # ~2.4 GB at EVA-02-L scale (weights + re-check)
+        return res
+
+    if c.step("eager_bf16", build) and (art / "manifest.json").is_file():
+        c.step("abi_eager_bf16", run)
+    lines = (r.cohort / "manifest.tsv").read_text().splitlines(keepends=True)
+    n_ref = min(r.a.ref_count, len(lines))
+    (r.work / "ref_manifest.tsv").write_text("".join(lines[:n_ref]))
+
+    def reference() -> dict:
+        t = time.perf_counter()
+        res = c.run("reference", [sys.executable, "-m", "evaluator.reference", str(r.work / "ref_manifest.tsv"),
+                                  str(r.cohort), str(r.work / "ref.i32"), *r.model_args, "--device", r.dev])
+        if res.returncode != 0:
+            raise RuntimeError(f"reference failed ({res.returncode}): {res.stderr.strip()[-300:]}")
+        wall = time.perf_counter() - t
+        r.ref = np.fromfile(r.work / "ref.i32", "<i4")
+        if "eager_bf16" in r.preds:                       # the first ABI figure gets its agreement
+            c.doc["steps"]["abi_eager_bf16"].update(agree(r.preds["eager_bf16"], r.ref))
+        return {"images": n_ref, "wall_s": round(wall, 2), "images_per_s": round(n_ref / wall, 2),
+                "distinct_top1": int(len(np.unique(r.ref[r.ref >= 0]))), "path": "PIL + timm eager FP32, batch 1"}
+
+    c.step("reference", reference)
+
+
+def _search(c: Check, r) -> None:
+    """engine.build's measured search (precision, backend, batch size auto) on a short budget."""
+    art = r.work / "art_search"
+
+    def search() -> dict:
+        res = c.run("search", [sys.executable, "-m", "engine.build", *r.model_args, "--out", str(art),
+                               "--device", r.dev, "--precision", "auto", "--backend", "auto", "--batch-size",
+                               "auto", "--search-budget-s", str(r.a.search_budget_s), *r.calib], env=r.cuda_env)
+        if res.returncode != 0:
+            raise RuntimeError(f"search failed ({res.returncode}): {res.stderr.strip()[-300:]}")
+        m = json.loads((art / "manifest.json").read_text())
+        s = (m.get("build") or {}).get("search") or {}
+        shutil.rmtree(art, ignore_errors=True)
+        return {"budget_s": r.a.search_budget_s, "chose": {k: m.get(k) for k in ("backend", "precision", "batch_size")},
+                "cuda_graphs": m.get("cuda_graphs"), "fallback": s.get("fallback"), "verify": s.get("verify"),
+                "candidates": (s.get("candidates") or [])[:24]}
+
+    c.step("search", search, need_s=30)
+
+
+def _probes(c: Check, r) -> None:
+    """The package probe and the GPU micro-probes, each in its own process, while AOTInductor compiles."""
+    dev, size = r.dev, r.size
+    c.step("packages", lambda: {"packages": c.probe("packages", ["packages", "--device", dev], 120)})
+    rows = 1025 * r.a.batch_size if r.cuda else 64
     c.step("fp8_gemm", lambda: c.probe("fp8", ["fp8", "--device", dev, "--rows", str(rows)], 180), need_s=20)
 
     def graph_capture() -> dict:
-        if not cuda:
+        if not r.cuda:
             return {"skipped": "no CUDA"}
         res: dict = {}
         for m in ("global", "thread_local"):     # each mode in its own process: a hang costs that mode only
@@ -366,7 +328,7 @@ def _steps(a: argparse.Namespace, c: Check) -> int:
     c.step("graph_capture", graph_capture, need_s=20)
 
     def decoder_race() -> dict:
-        shape = ["--batch", "32", "--rounds", "24", "--size", "448"] if cuda else \
+        shape = ["--batch", "32", "--rounds", "24", "--size", "448"] if r.cuda else \
             ["--batch", "4", "--rounds", "6", "--size", str(size)]
         res = c.probe("decoder_race", ["decoder_race", "--device", dev, *shape], 120, {"ENGINE_DECODER_ISOLATE": "0"})
         broken = [n for n, d in res.get("decoders", {}).items() if not d.get("protocol_holds")]
@@ -377,84 +339,61 @@ def _steps(a: argparse.Namespace, c: Check) -> int:
     c.step("decoder_race", decoder_race, need_s=20)
     tokens = (size // 14) ** 2 + 1
     c.step("attention", lambda: c.probe("attention", ["attention", "--device", dev, "--batch",
-                                                      str(2 if a.tiny else a.batch_size), "--tokens", str(tokens)], 90),
-           need_s=10)
+                                                      str(2 if r.a.tiny else r.a.batch_size), "--tokens", str(tokens)],
+                                        90), need_s=10)
 
     def topk() -> dict:
-        small = ["--queries", "64", "--gallery", "5000", "--reps", "2"] if a.tiny else []
-        r = c.run("topk", [sys.executable, "-m", "kernels.topk", *small], min(120, c.left()))
-        if r.returncode not in (0, 1):
-            raise RuntimeError(f"kernels.topk failed ({r.returncode}): {r.stderr.strip()[-300:]}")
-        out = json.loads(r.stdout.strip().splitlines()[-1])
-        out["validated"] = r.returncode == 0
+        small = ["--queries", "64", "--gallery", "5000", "--reps", "2"] if r.a.tiny else []
+        res = c.run("topk", [sys.executable, "-m", "kernels.topk", *small], 120)
+        if res.returncode not in (0, 1):
+            raise RuntimeError(f"kernels.topk failed ({res.returncode}): {res.stderr.strip()[-300:]}")
+        out = json.loads(res.stdout.strip().splitlines()[-1])
+        out["validated"] = res.returncode == 0
         return out
 
     c.step("topk", topk, need_s=15)
-    def make_cohort() -> dict:
-        # a child process: the parent holds a CUDA context, and a fork of it must not render
-        workers = max(1, (os.cpu_count() or 2) - 1)
-        r = c.run("cohort", [sys.executable, "-c", "import sys; from pathlib import Path; "
-                             "from evaluator.synthetic.cohort import make_cohort; make_cohort(Path(sys.argv[1]), "
-                             "int(sys.argv[2]), seed=0, workers=int(sys.argv[3]))", str(cohort), str(a.count),
-                             str(workers)], c.left())
-        if r.returncode != 0:
-            raise RuntimeError(f"cohort failed ({r.returncode}): {r.stderr.strip()[-300:]}")
-        return {"images": a.count, "workers": workers}
 
-    c.step("cohort", make_cohort)
-    if not (cohort / "manifest.tsv").is_file():
-        return 1
-    lines = (cohort / "manifest.tsv").read_text().splitlines(keepends=True)
-    n_ref = min(a.ref_count, len(lines))
-    (work / "ref_manifest.tsv").write_text("".join(lines[:n_ref]))
 
-    def reference() -> dict:
-        t = time.perf_counter()
-        r = c.run("reference", [sys.executable, "-m", "evaluator.reference", str(work / "ref_manifest.tsv"),
-                                str(cohort), str(work / "ref.i32"), *model_args, "--device", dev], c.left())
-        if r.returncode != 0:
-            raise RuntimeError(f"reference failed: {r.stderr.strip()[-300:]}")
-        wall = time.perf_counter() - t
-        ref = np.fromfile(work / "ref.i32", "<i4")
-        return {"images": n_ref, "wall_s": round(wall, 2), "images_per_s": round(n_ref / wall, 2),
-                "distinct_top1": int(len(np.unique(ref[ref >= 0]))), "path": "PIL + timm eager FP32, batch 1"}
+def _wait_aot(c: Check, r, build: subprocess.Popen) -> dict:
+    """The background AOT build waited for (at most until an ABI run would no longer fit), with its
+    phases so far whatever happened (a failure names the CUDA_HOME it compiled with)."""
+    t_wait = time.perf_counter()
+    try:    # past left - ABI_NEED_S the ABI could not run anyway: the time goes to the rest
+        rc = build.wait(timeout=max(c.left() - ABI_NEED_S, 1))
+    except subprocess.TimeoutExpired:
+        stop(build)
+        rc = None
+    res = c.finish("aot_bf16", build, rc)
+    phases = json.loads(r.phases.read_text()) if r.phases.is_file() else {}
+    out = {**r.built_with, "build_s": round(time.perf_counter() - r.t_build, 1),
+           "waited_s": round(time.perf_counter() - t_wait, 1), "phases_s": phases.get("seconds"),
+           "phases": phases.get("phases"), **({"cpp_compile": phases["cpp_compile"]} if "cpp_compile" in phases else {})}
+    if rc is None:
+        raise RuntimeError(f"the build did not finish within {out['build_s']:.0f} s; phases so far "
+                           f"{json.dumps(out['phases_s'])}")
+    if rc != 0:
+        raise RuntimeError(f"build failed ({rc}) with CUDA_HOME={r.cuda_env.get('CUDA_HOME')}, phases "
+                           f"{json.dumps(out['phases_s'])}: {res.stderr.strip()[-300:]}")
+    g = json.loads((r.aot_art / "manifest.json").read_text()).get("guard") or {}
+    return {**out, "tau": g.get("tau"), "budget_per_10k": g.get("budget_per_10k"),
+            "estimated_per_10k": g.get("estimated_per_10k"), "expected_rechecked_fraction": g.get("rechecked_fraction"),
+            "recheck_batch": g.get("recheck_batch"), "recheck_sweep": g.get("recheck_sweep"),
+            "calibration": (g.get("calibration") or {}).get("origin"), "calibration_disagreements": g.get("disagreements")}
 
-    c.step("reference", reference)
-    if not (work / "ref.i32").is_file():
-        return 1
-    ref = np.fromfile(work / "ref.i32", "<i4")
 
-    def wait_build() -> dict:
-        assert build is not None
-        t_wait = time.perf_counter()
-        try:    # past left - ABI_NEED_S the ABI could not run anyway: the time goes to the GPU tests
-            rc = build.wait(timeout=max(c.left() - ABI_NEED_S, 1))
-        except subprocess.TimeoutExpired:
-            stop(build)
-            c.finish("build_aot_bf16", build, None)
-            raise RuntimeError(f"the build did not finish within {time.perf_counter() - t_build:.0f} s") from None
-        r = c.finish("build_aot_bf16", build, rc)
-        if rc != 0:
-            raise RuntimeError(f"build failed ({rc}): {r.stderr.strip()[-300:]}")
-        g = json.loads((aot_art / "manifest.json").read_text()).get("guard") or {}
-        return {"build_s": round(time.perf_counter() - t_build, 1), "waited_s": round(time.perf_counter() - t_wait, 1),
-                **built_with, "tau": g.get("tau"), "budget_per_10k": g.get("budget_per_10k"),
-                "estimated_per_10k": g.get("estimated_per_10k"), "expected_rechecked_fraction": g.get("rechecked_fraction"),
-                "recheck_batch": g.get("recheck_batch"), "recheck_sweep": g.get("recheck_sweep"),
-                "calibration": (g.get("calibration") or {}).get("origin"), "calibration_disagreements": g.get("disagreements")}
-
-    preds: dict = {}
+def _aot_runs(c: Check, r, build: subprocess.Popen | None) -> None:
+    """The AOT build waited for, then the ABI on it: guarded, without CUDA graphs, raw."""
+    import numpy as np
 
     def abi(name: str, env: dict | None = None):
         def fn() -> dict:
-            res, preds[name] = judge(c, name, aot_art, cohort, ref, n_ref, a.count, env)
+            res, r.preds[name] = judge(c, name, r.aot_art, r.cohort, r.ref, r.a.count, env)
             return res
         return fn
 
     def no_graphs() -> dict:
-        assert guarded is not None
         res = abi("aot_bf16_no_graphs", {"ENGINE_CUDA_GRAPHS": "0"})()
-        same = bool(np.array_equal(preds["aot_bf16"], preds["aot_bf16_no_graphs"]))
+        same = bool(np.array_equal(r.preds["aot_bf16"], r.preds["aot_bf16_no_graphs"]))
         if not same:
             c.doc["alarms"].append("abi_aot_bf16_no_graphs: answers differ from the run with CUDA graphs")
         return {**res, "identical": same,
@@ -462,46 +401,57 @@ def _steps(a: argparse.Namespace, c: Check) -> int:
                 "graphs_saved_wall_s": round(res["wall_s"] - guarded["wall_s"], 3)}
 
     def raw_run() -> dict:
-        assert guarded is not None
         raw = abi("aot_bf16_raw", {"ENGINE_GUARD": "0"})()
         return {**raw, "guard_side_by_side": side_by_side(c, "aot_bf16", guarded, raw)}
 
-    built = build is not None and c.step("aot_bf16", wait_build) and (aot_art / "manifest.json").is_file()
-    guarded = c.step("abi_aot_bf16", abi("aot_bf16"), need_s=ABI_NEED_S) if built else None
-    if not built:
-        c.doc["steps"]["abi_aot_bf16"] = {"skipped": "no artifact: the build did not finish"}
+    built = build is not None and c.step("aot_bf16", lambda: _wait_aot(c, r, build)) and \
+        (r.aot_art / "manifest.json").is_file()
+    if built and r.ref is not None:
+        guarded = c.step("abi_aot_bf16", abi("aot_bf16"), need_s=ABI_NEED_S)
+    else:
+        guarded = None
+        c.doc["steps"]["abi_aot_bf16"] = {"skipped": "no artifact: the build did not finish" if not built
+                                          else "no reference answers to judge against"}
     for name, fn in (("abi_aot_bf16_no_graphs", no_graphs), ("abi_aot_bf16_raw", raw_run)):
-        if guarded and "error" not in guarded:
-            c.step(name, fn, need_s=30)
-        else:
+        if not (guarded and "error" not in guarded):
             c.doc["steps"][name] = {"skipped": "no guarded ABI run to compare with"}
+        elif name.endswith("no_graphs") and not r.cuda:
+            c.doc["steps"][name] = {"skipped": "no CUDA: the CPU runs without graphs already"}
+        else:
+            c.step(name, fn, need_s=30)
+    c.save()
 
+
+def _rest(c: Check, r) -> None:
+    """pytest -m gpu, the eager fp16 and fp8 builds end to end, the batch sweep: as time allows."""
     def gpu_tests() -> dict:
-        limit = min(a.gpu_tests_s, c.left() - 5)
-        r = c.run("gpu_tests", ["timeout", "-s", "INT", str(int(limit)), sys.executable, "-m", "pytest", "-m", "gpu",
-                                "-rA", "-q", "-p", "no:cacheprovider", "tests"], limit + 15)
-        (c.out / "gpu_tests.txt").write_text(r.stdout[-20000:] + r.stderr[-5000:])
-        tail = (r.stdout.strip().splitlines() or [""])[-1]
-        return {"exit": r.returncode, "summary": tail, "interrupted": r.returncode in (124, 130, 2) and "passed" not in tail}
+        if not r.cuda:
+            return {"skipped": "no CUDA: every gpu-marked test would skip"}
+        limit = min(r.a.gpu_tests_s, c.budget() - 5)
+        res = c.run("gpu_tests", ["timeout", "-s", "INT", str(int(limit)), sys.executable, "-m", "pytest", "-m",
+                                  "gpu", "-rA", "-q", "-p", "no:cacheprovider", "tests"], limit + 15)
+        (c.out / "gpu_tests.txt").write_text(res.stdout[-20000:] + res.stderr[-5000:])
+        tail = (res.stdout.strip().splitlines() or [""])[-1]
+        return {"exit": res.returncode, "summary": tail,
+                "interrupted": res.returncode in (124, 130, 2) and "passed" not in tail}
 
     c.step("gpu_tests", gpu_tests, need_s=20)
-    for prec in ("bf16", "fp16", "fp8"):
+    for prec in ("fp16", "fp8"):
         def eager_step(prec=prec) -> dict:
-            art = work / f"art_eager_{prec}"
-            r = c.run(f"build_eager_{prec}", build_cmd(model_args, art, dev, eager, prec, a.batch_size, *calib),
-                      c.left())
-            if r.returncode != 0:
-                raise RuntimeError(f"build failed: {r.stderr.strip()[-300:]}")
-            res, _ = judge(c, f"eager_{prec}", art, cohort, ref, n_ref, a.count)
-            if isinstance(res.get("guard"), dict) and c.left() > 20:
-                raw, _ = judge(c, f"eager_{prec}_raw", art, cohort, ref, n_ref, a.count, {"ENGINE_GUARD": "0"})
-                res["guard_side_by_side"] = side_by_side(c, f"eager_{prec}", res, raw)
+            art = r.work / f"art_eager_{prec}"
+            res = c.run(f"build_eager_{prec}", build_cmd(r.model_args, art, r.dev, r.eager, prec, r.a.batch_size,
+                                                         *r.calib))
+            if res.returncode != 0:
+                raise RuntimeError(f"build failed ({res.returncode}): {res.stderr.strip()[-300:]}")
+            out, _ = judge(c, f"eager_{prec}", art, r.cohort, r.ref, r.a.count)
+            if isinstance(out.get("guard"), dict) and c.budget() > 20:
+                raw, _ = judge(c, f"eager_{prec}_raw", art, r.cohort, r.ref, r.a.count, {"ENGINE_GUARD": "0"})
+                out["guard_side_by_side"] = side_by_side(c, f"eager_{prec}", out, raw)
             shutil.rmtree(art, ignore_errors=True)      # ~2 GB each at EVA-02-L scale
-            return {"backend": eager, **res}
+            return {"backend": r.eager, **out}
         c.step(f"eager_{prec}", eager_step, need_s=60)
-    batches = list(preset(dev).batch_sizes)
-    c.step("batch_sweep", lambda: batch_sweep(model, kwargs, size, ckpt, dev, batches), need_s=20)
-    return 1 if c.doc["alarms"] else 0
+    batches = list(preset(r.dev).batch_sizes)
+    c.step("batch_sweep", lambda: batch_sweep(r.model, r.kwargs, r.size, r.ckpt, r.dev, batches), need_s=20)
 
 
 if __name__ == "__main__":

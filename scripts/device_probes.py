@@ -141,7 +141,17 @@ def not_exercised(doc: dict, scored: dict) -> list[str]:
         out.append(f"decoder {want} ({'; '.join(why)})")
     if abi and abi.get("cuda_graph") != "captured":
         out.append(f"CUDA graph replay (status {abi.get('cuda_graph')!r})")
+    layout = steps.get("cuda_home") or {}
+    if layout.get("wheel_home") and layout.get("cuda_home") != layout["wheel_home"]:
+        why = (layout.get("wheel_headers") or {}).get("missing") or (layout.get("wheel_headers") or {}).get("error")
+        out.append(f"the image's CUDA_HOME layout {layout['wheel_home']} ({why}; built with "
+                   f"{layout.get('cuda_home') or 'the environment'})")
     build = steps.get("aot_bf16") or {}
+    if build.get("recheck_backend") and build["recheck_backend"] != build.get("backend"):
+        out.append(f"an {build.get('backend')} re-check graph (the guard re-checked with {build['recheck_backend']})")
+    search = steps.get("search") or {}
+    if not search.get("chose"):
+        out.append(f"the measured search ({search.get('error') or search.get('skipped') or 'not run'})"[:300])
     defaults = {f.name: f.default for f in dataclasses.fields(GuardConfig)}   # what engine.build uses unasked
     src, count = build.get("calibration_source"), build.get("calibration_count")
     if src and (src, count) != (defaults.get("calibration_source"), defaults.get("calibration_count")):

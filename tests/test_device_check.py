@@ -1,11 +1,13 @@
 """The one-shot GPU check: without a GPU it ends in seconds with a JSON; on the CPU with the
 tiny model it runs every step's code in the order the GPU run does (the GPU run is the same
-code); stopped mid-build it leaves a small result folder, a valid JSON and no work files."""
+code); cut by its deadline it keeps the first steps and names those that did not run;
+stopped mid-build it leaves a small result folder, a valid JSON and no work files."""
 from __future__ import annotations
 
 import json
 import os
 import platform
+import re
 import signal
 import subprocess
 import sys
@@ -17,13 +19,14 @@ import torch
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "scripts"))
-from device_probes import not_exercised, scored_setup  # noqa: E402 - a script's module, not a package
+from device_check import PLAN  # noqa: E402 - a script's module, not a package
+from device_probes import not_exercised, scored_setup  # noqa: E402
 
-ORDER = ["env", "packages", "checkpoint", "aot_bf16", "fp8_gemm", "graph_capture", "decoder_race", "attention",
-         "topk", "cohort", "reference", "abi_aot_bf16", "abi_aot_bf16_no_graphs", "abi_aot_bf16_raw", "gpu_tests",
-         "eager_bf16", "eager_fp16", "eager_fp8", "batch_sweep"]
+ORDER = ["driver", "env", "cuda_home", "cohort", "checkpoint", "aot_bf16", "eager_bf16", "abi_eager_bf16", "reference",
+         "search", "packages", "fp8_gemm", "graph_capture", "decoder_race", "attention", "topk", "abi_aot_bf16",
+         "abi_aot_bf16_no_graphs", "abi_aot_bf16_raw", "gpu_tests", "eager_fp16", "eager_fp8", "batch_sweep"]
 TINY = ["--tiny", "--device", "cpu", "--count", "24", "--ref-count", "24", "--batch-size", "8",
-        "--gpu-tests-s", "60", "--calibration-count", "32"]
+        "--gpu-tests-s", "60", "--calibration-count", "32", "--search-budget-s", "5"]
 
 
 def tree_bytes(folder: Path) -> int:
@@ -61,21 +64,35 @@ def test_cpu_rehearsal_runs_every_step_in_order_and_keeps_only_small_files(tmp_p
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads((out / "device_check.json").read_text())
     steps = doc["steps"]
-    assert list(steps) == ORDER
-    assert steps["graph_capture"] == {"skipped": "no CUDA", "seconds": steps["graph_capture"]["seconds"]}
+    assert list(steps) == ORDER == [n for n, _, _ in PLAN] and doc["not_run"] == []
+    assert steps["graph_capture"] == {"skipped": "no CUDA", "seconds": steps["graph_capture"]["seconds"],
+                                      "timeout_s": steps["graph_capture"]["timeout_s"]}
+    assert steps["gpu_tests"]["skipped"] == "no CUDA: every gpu-marked test would skip"
+    assert steps["abi_aot_bf16_no_graphs"] == {"skipped": "no CUDA: the CPU runs without graphs already"}
     assert not [n for n, s in steps.items() if "error" in s or "running" in s or
-                ("skipped" in s and n != "graph_capture")], steps
+                ("skipped" in s and n not in ("graph_capture", "gpu_tests", "abi_aot_bf16_no_graphs"))], steps
     pk = steps["packages"]["packages"]
     assert pk["torchvision"]["ok"] and pk["torchvision_cuda_decode"] == {"ok": False, "error": "skipped: no CUDA"}
+    assert steps["driver"]["source"] in ("nvidia-smi", "torch")
+    layout = steps["cuda_home"]
+    assert layout["cuda_home"] in (layout["wheel_home"], layout.get("system_home"), None)
+    assert (layout["finding"] is None) == bool(layout["wheel_headers"]["ok"])
     build = steps["aot_bf16"]
     assert build["calibration_source"] == ("photos" if pk["scikit-image"]["ok"] else "renders")
     assert build["calibration_count"] == 32 and build["waited_s"] >= 0 and build["tau"] >= 0
+    assert build["cuda_home"] == layout["cuda_home"] and build["phases"]["cpp_compile"]
+    ph = build["phases_s"]                       # export, Inductor less its C++ compiles, C++ compiles, load
+    assert all(ph[k] > 0 for k in ("export", "inductor", "cpp_compile")) and ph["lowering"] >= 0 <= ph["load"]
+    assert ph["inductor"] == pytest.approx(ph["lowering"] + ph["cpp_compile"], abs=0.01)
+    assert not [c for cs in build["phases"].values() for c in cs if "error" in c]
     assert build["estimated_per_10k"] <= build["budget_per_10k"] and steps["reference"]["images"] == 24
+    first = steps["abi_eager_bf16"]              # the early ABI figure, its agreement added by the reference
+    assert first["images_per_s_steady"] > 0 and first["agreement_rate"] >= 0.95 and first["guard"]["images"] == 24
+    search = steps["search"]
+    assert search["budget_s"] == 5 and search["chose"]["backend"] and search["candidates"]
     abi = steps["abi_aot_bf16"]
     assert abi["agreement_rate"] >= 0.95 and abi["cuda_graph"] == "off" and abi["guard"]["images"] == 24
     assert abi["decoder"] == ("dali-cpu" if pk["nvidia.dali"]["ok"] else "pil")
-    nog = steps["abi_aot_bf16_no_graphs"]
-    assert nog["identical"] is True and nog["graphs_gain_steady"] > 0
     side = steps["abi_aot_bf16_raw"]["guard_side_by_side"]   # raw vs guarded, the re-checks' share and time
     assert side["guarded_agreement"] == abi["agreement"] and side["rechecked_fraction"] == abi["guard"]["fraction"]
     assert side["raw_agreement_rate"] >= 0.95 and side["recheck_seconds"] >= 0
@@ -84,7 +101,7 @@ def test_cpu_rehearsal_runs_every_step_in_order_and_keeps_only_small_files(tmp_p
     assert all(v["fp8_vs_fp32"] < 0.1 and v["bf16_vs_fp32"] < 1e-2 for v in fp8["layers"].values())
     race = steps["decoder_race"]["decoders"]["torchvision"]
     assert race["protocol_holds"] and race["record_stream"]["mismatches"] == 0
-    assert steps["eager_fp8"]["agreement_rate"] >= 0.5 and "guard_side_by_side" in steps["eager_bf16"]
+    assert steps["eager_fp8"]["agreement_rate"] >= 0.5 and "guard_side_by_side" in steps["eager_fp16"]
     assert steps["attention"]["fastest"] == "math" and steps["topk"]["validated"]
     assert doc["status"] == "done" and not doc["alarms"]
     gaps = doc["not_exercised"]
@@ -92,8 +109,8 @@ def test_cpu_rehearsal_runs_every_step_in_order_and_keeps_only_small_files(tmp_p
     assert (platform.machine() == "aarch64") != any(g.startswith("architecture aarch64") for g in gaps)
     # only small plain files in the result folder; the work folder (checkpoint, artifacts, cohort) is gone
     files = sorted(p.name for p in out.iterdir())
-    assert files == ["device_check.json", "device_check.log", "gpu_tests.txt"] and tree_bytes(out) < 1 << 20
-    assert "==== build_aot_bf16 (exit 0" in (out / "device_check.log").read_text()
+    assert files == ["device_check.json", "device_check.log"] and tree_bytes(out) < 1 << 20
+    assert "==== aot_bf16 (exit 0" in (out / "device_check.log").read_text()
     assert doc["work_dir_removed"] and not Path(doc["work_dir"]).exists()
 
 
@@ -127,14 +144,50 @@ def test_sigterm_mid_build_leaves_a_small_result_folder_and_a_json_naming_each_s
     doc = json.loads((out / "device_check.json").read_text())
     steps = doc["steps"]
     assert doc["status"] == "stopped (SIGTERM)" and list(steps) == ORDER[:len(steps)]
-    assert all("seconds" in steps[n] and "error" not in steps[n] for n in ("env", "packages", "checkpoint"))
+    assert all("seconds" in steps[n] and "error" not in steps[n] for n in ("driver", "env", "cuda_home", "checkpoint"))
     assert "interrupted" in steps["aot_bf16"] and "interrupted" in steps[list(steps)[-1]]
     assert not [n for n, s in steps.items() if "running" in s]
     assert tree_bytes(out) < 50 << 20 and sorted(x.name for x in out.iterdir()) == ["device_check.json",
                                                                                     "device_check.log"]
-    assert "==== build_aot_bf16" in (out / "device_check.log").read_text()   # the cut build's output tail
+    assert "==== aot_bf16" in (out / "device_check.log").read_text()   # the cut build's output tail
     assert not Path(work).exists() and not processes_naming(work)            # children stopped, work removed
-    assert doc["not_exercised"]
+    assert doc["not_exercised"] and doc["not_run"] == ORDER[len(steps):]
+
+
+def test_a_short_limit_keeps_the_first_steps_and_names_those_that_did_not_run(tmp_path):
+    out, limit = tmp_path / "out", 12
+    t = time.perf_counter()
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "device_check.py"), "--out", str(out), *TINY,
+                        "--limit-s", str(limit)], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert time.perf_counter() - t < limit + 30, r.stderr[-2000:]
+    doc = json.loads((out / "device_check.json").read_text())
+    steps = doc["steps"]
+    assert r.returncode == 1 and doc["status"] == "incomplete" and doc["limit_s"] == limit, r.stderr[-2000:]
+    assert list(steps) == ORDER[:len(steps)] and doc["not_run"] == ORDER[len(steps):]
+    assert all("seconds" in steps[n] and "error" not in steps[n] for n in ("driver", "env", "cuda_home"))
+    assert "abi_eager_bf16" in doc["not_run"] and "batch_sweep" in doc["not_run"]
+    shares = {n: share for n, share, _ in PLAN}
+    for name, s in steps.items():               # each step stopped at its own share of the limit
+        if "timeout_s" in s:
+            assert s["timeout_s"] <= shares[name] * limit + 0.1 and s["seconds"] <= s["timeout_s"] + 8, (name, s)
+    assert any("timed_out" in s for s in steps.values()) or "checkpoint" in doc["not_run"] or \
+        "skipped" in steps.get("aot_bf16", {}), steps
+    assert doc["work_dir_removed"] and sorted(x.name for x in out.iterdir()) == ["device_check.json", "device_check.log"]
+
+
+def test_the_wrapper_prints_its_help_and_every_option_says_its_default():
+    r = subprocess.run([str(REPO / "scripts" / "device_check.sh"), "--help"], capture_output=True, text=True,
+                       timeout=60, env={**os.environ, "PYTHON": sys.executable})
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    text = " ".join(r.stdout.split())
+    assert text.startswith("One-shot GPU check") and "scripts/device_check.sh [OUTDIR] [OPTIONS]" in text
+    block = r.stdout.split("\noptions:\n")[1].split("\n\n")[0]       # argparse's options section
+    helps = {m.group(1): " ".join(m.group(2).split()) for m in re.finditer(r"^  (-[-\w]+)[^\n]*?((?:\n {6,}.*|.*)*)",
+                                                                         block, re.M)}
+    assert {"--out", "--limit-s", "--search-budget-s", "--system-cuda"} <= set(helps)
+    for opt, text in helps.items():
+        assert opt == "-h" or "(default: " in text or "(required" in text, (opt, text)
+    assert all(f"  {n} " in r.stdout for n, _, _ in PLAN)          # the steps, in order, with what they tell
 
 
 def test_not_exercised_compares_the_run_with_the_lock_and_the_dockerfile():
@@ -143,10 +196,21 @@ def test_not_exercised_compares_the_run_with_the_lock_and_the_dockerfile():
     assert f"torch=={scored['pins']['torch']}\n" in lock and scored["python"] in (REPO / "Dockerfile").read_text()
     doc = {"steps": {"env": {"machine": "x86_64", "gpu": {"name": "NVIDIA H200", "capability": "9.0"}},
                      "packages": {"packages": {"nvidia.dali": {"ok": False, "error": "not installed"}}},
-                     "aot_bf16": {"calibration_source": "renders", "calibration_count": 64},
+                     "cuda_home": {"wheel_home": "/sp/nvidia/cu13", "cuda_home": "/usr/local/cuda",
+                                   "wheel_headers": {"ok": False, "missing": "crt/host_defines.h"}},
+                     "aot_bf16": {"calibration_source": "renders", "calibration_count": 64, "backend": "aot",
+                                  "recheck_backend": "eager"},
                      "abi_aot_bf16": {"decoder": "nvjpeg", "cuda_graph": "captured"}}}
     gaps = not_exercised(doc, {**scored, "python": "2.7"})
     assert "architecture aarch64 (ran on x86_64)" in gaps and not any(g.startswith("Hopper") for g in gaps)
     assert "decoder dali-gpu (DALI not installed; the ABI decoded with nvjpeg)" in gaps
     assert f"python 2.7 (ran {platform.python_version()})" in gaps and "calibration on 256 photos (ran 64 renders)" in gaps
     assert not any(g.startswith("CUDA graph") for g in gaps)
+    assert "the image's CUDA_HOME layout /sp/nvidia/cu13 (crt/host_defines.h; built with /usr/local/cuda)" in gaps
+    assert "an aot re-check graph (the guard re-checked with eager)" in gaps
+    assert "the measured search (not run)" in gaps
+    doc["steps"]["cuda_home"]["cuda_home"] = "/sp/nvidia/cu13"
+    doc["steps"]["aot_bf16"]["recheck_backend"] = "aot"
+    doc["steps"]["search"] = {"chose": {"backend": "aot"}}
+    gaps = not_exercised(doc, scored)
+    assert not [g for g in gaps if "CUDA_HOME" in g or "re-check graph" in g or "measured search" in g], gaps

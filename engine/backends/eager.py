@@ -29,10 +29,11 @@ def save(net: torch.nn.Module, spec, device: str, out_dir, margin: bool = False)
 def load(artifact, device: torch.device):
     from safetensors.torch import load_file
 
-    from engine.checkpoint import check_state_dict, create_model
+    from engine.checkpoint import model_with_weights
 
-    net = create_model(artifact.spec)
-    sd = load_file(str(artifact.path(FILES[0])))
-    check_state_dict(net, sd, artifact.path(FILES[0]))
-    net.load_state_dict(sd)
-    return OnDevice(wrap(net, artifact.spec, str(device), margin=bool(artifact.meta.get("guard"))), device)
+    # built on the meta device, the file's tensors assigned (no random init, no copy); the policy
+    # is applied to this model itself: nothing else holds it
+    path = artifact.path(FILES[0])
+    net = model_with_weights(artifact.spec, load_file(str(path)), path)
+    margin = bool(artifact.meta.get("guard"))
+    return OnDevice(wrap(net, artifact.spec, str(device), margin=margin, copy=False), device)
