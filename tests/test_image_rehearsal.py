@@ -96,3 +96,17 @@ def test_missing_header_line():
     err = "In file included from x.h:1:\n/p/cuda_runtime.h:82:10: fatal error: crt/host_config.h: No such file or directory\n"
     assert image.missing_header(err) == "/p/cuda_runtime.h:82:10: fatal error: crt/host_config.h: No such file or directory"
     assert image.missing_header("x.cc:1: error: expected ';'") is None
+
+
+@pytest.mark.slow
+def test_cuda_codegen_and_sm90_cubin_without_a_gpu():
+    """Inductor generates CUDA code for a tiny graph, Triton's ptxas makes sm_90 cubins and the
+    AOTInductor C++ model compiles against CUDA_HOME, in a subprocess (it patches torch.cuda)."""
+    import sys
+
+    from evaluator.rehearsal import image_codegen
+
+    cuda_home = _need_toolchain()
+    step = image_codegen.run_in(Path(sys.executable), {"CUDA_HOME": str(cuda_home)})
+    assert step.ok, step.line()
+    assert "cubin(s) ['sm_90a']" in step.detail and "C++ model compiled" in step.detail

@@ -14,10 +14,14 @@ Steps, one line each (`ok` or `FAILED` with the reason); exit 0 only when every 
   headers  the AOTInductor CUDA wrapper's headers and cuda_fp16.h / cuda_bf16.h compiled with
            g++ (`-fsyntax-only -DUSE_CUDA`) against that CUDA_HOME; a failure prints the
            compiler's missing-header line;
-  codegen  (`--codegen`) Inductor's CUDA code generation and an sm_90 cubin, see image_codegen.
+  codegen  (`--codegen`) Inductor's CUDA code generation for a tiny graph, its Triton kernels
+           compiled to sm_90 cubins and the AOTInductor C++ model compiled (not linked) against
+           CUDA_HOME, no GPU needed: see evaluator/rehearsal/image_codegen.py.
 
-`--quick` runs only `headers`, against the Python running this (its site-packages): the
-check CI runs. Not rehearsed: Docker itself, a GPU, NVIDIA's index, the arm64 platform.
+`--quick` runs only `headers` (and `codegen` when asked), against the Python running this (its
+site-packages, where CI installs the lock): the check the test suite runs. Not rehearsed: Docker
+itself (the base image, apt's g++, the user, the read-only root), a GPU and its driver, NVIDIA's
+index (its pins are skipped), the other platform (arm64 on an x86_64 machine).
 """
 from __future__ import annotations
 
@@ -40,7 +44,9 @@ DOCKERFILE = REPO / "Dockerfile"
 # the half/bfloat16 headers generated kernels and c10 include
 CUDA_HEADERS = ("torch/csrc/inductor/aoti_include/cuda.h", "torch/csrc/inductor/aoti_runtime/utils_cuda.h",
                 "cuda_fp16.h", "cuda_bf16.h")
-NOT_SERVED = re.compile(r"No matching distribution found|Could not find a version that satisfies")
+# pip's answer when no index here has the pin, or PyPI's placeholder sdist that only fetches the
+# real wheel from NVIDIA's index (tensorrt-cu13-libs) and fails to build without it
+NOT_SERVED = re.compile(r"No matching distribution found|Could not find a version that satisfies|pypi\.nvidia\.com")
 DOCKER_ARCH = {"x86_64": "amd64", "aarch64": "arm64", "arm64": "arm64"}
 
 
@@ -236,13 +242,19 @@ def install_locks(venv: Path, locks: list[str], log=print) -> tuple[Step, list[s
             if r.returncode == 0:
                 continue
             if not NOT_SERVED.search(r.stderr):
-                return Step("venv", False, f"{lock}: {pin}: {r.stderr.strip().splitlines()[-1]}"), skipped
+                return Step("venv", False, f"{lock}: {pin}: {pip_error(r.stderr)}"), skipped
             name = re.split(r"[=;<> ]", pin)[0]
             skipped.append(name)
-            log(f"skipped {name} ({lock}): no index here serves {pin.split(';')[0]} (the image gets it "
+            log(f"skipped {name} ({lock}): {pin.split(';')[0]} is not installable from the indexes configured here (the image gets it "
                 f"from NVIDIA's index)")
     return Step("venv", True, f"{count - len(skipped)} of {count} pins of {', '.join(locks)} installed --no-deps"
                 + (f", {len(skipped)} skipped" if skipped else "")), skipped
+
+
+def pip_error(stderr: str) -> str:
+    """The line of pip's output that says what went wrong (its ERROR line, else its last line)."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    return next((ln for ln in lines if ln.startswith("ERROR:") or ln.startswith("error:")), lines[-1] if lines else "")
 
 
 def pip_check(venv: Path, skipped: list[str]) -> Step:
@@ -259,6 +271,13 @@ def pip_check(venv: Path, skipped: list[str]) -> Step:
         f" (besides {len(lines)} on the skipped pins)" if lines else ""))
 
 
+def raised(stderr: str) -> str:
+    """The exception line of a Python traceback ("XError: ..."), else the last line."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if re.match(r"^[\w.]+(Error|Exception)\b.*:", ln)]
+    return (errors or lines or ["(no output)"])[-1]
+
+
 def run_imports(venv: Path, checks: list[ImportCheck], env: dict[str, str], args: dict[str, str]) -> list[Step]:
     """Each import program of the Dockerfile in the venv, with the image's ENV; a program with a
     `|| echo` fallback that fails is reported with that message, as the image build does."""
@@ -271,57 +290,65 @@ def run_imports(venv: Path, checks: list[ImportCheck], env: dict[str, str], args
         if r.returncode == 0:
             steps.append(Step(name, True, r.stdout.strip().splitlines()[-1] if r.stdout.strip() else "imported"))
         elif check.fallback is not None:
-            last = (r.stderr.strip().splitlines() or [""])[-1]
-            steps.append(Step(name, True, f"{check.fallback} [{last[:160]}]"))
+            steps.append(Step(name, True, f"{check.fallback} [{raised(r.stderr)[:200]}]"))
         else:
-            steps.append(Step(name, False, (r.stderr.strip().splitlines() or ["(no output)"])[-1]))
+            steps.append(Step(name, False, raised(r.stderr)))
     return steps
 
 
 # ---- the rehearsal -----------------------------------------------------------------------------
 
+def quick_env(dockerfile: Path, site_packages: str) -> dict[str, str]:
+    return mapped_env(instructions(dockerfile.read_text()), site_packages)
+
+
 def quick(dockerfile: Path = DOCKERFILE, site_packages: str | None = None) -> Step:
     """The header compile against an installed environment (default: this Python's site-packages),
     CUDA_HOME's layout read from the Dockerfile's ENV."""
     sp = site_packages or sysconfig.get_paths()["purelib"]
-    env = mapped_env(instructions(dockerfile.read_text()), sp)
+    env = quick_env(dockerfile, sp)
     if "CUDA_HOME" not in env:
         return Step("headers", False, f"{dockerfile} sets no CUDA_HOME")
     return compile_headers(sp, env["CUDA_HOME"])
 
 
-def full(venv: Path, dockerfile: Path = DOCKERFILE, codegen: bool = False, log=print) -> list[Step]:
+def full(venv: Path, dockerfile: Path = DOCKERFILE, codegen: bool = False, reuse: bool = False,
+         log=print) -> list[Step]:
     """Every step: venv, locks, pip check, ENV, imports, headers (and codegen when asked)."""
     instrs = instructions(dockerfile.read_text())
     version = re.search(r"python(\d+\.\d+)", image_site_packages(instrs))[1]
-    steps = [make_venv(venv, version)]
-    log(steps[-1].line())
-    if not steps[-1].ok:
-        return steps
+    steps = []
+    if not (reuse and venv_python(venv).exists()):
+        steps.append(make_venv(venv, version))
+        log(steps[-1].line())
+        if not steps[-1].ok:
+            return steps
     installed, skipped = install_locks(venv, pip_locks(instrs), log)
-    steps += [installed]
+    steps.append(installed)
     log(installed.line())
     if not installed.ok:
         return steps
     sp = venv_site_packages(venv)
     env = mapped_env(instrs, sp)
     args = {"TARGETARCH": DOCKER_ARCH.get(platform.machine(), platform.machine())}
-    later = [pip_check(venv, skipped),
-             Step("env", "CUDA_HOME" in env, f"{len(env)} variables; /usr/local site-packages mapped to {sp}; "
-                                             f"CUDA_HOME={env.get('CUDA_HOME', '(unset)')}")]
-    later += run_imports(venv, import_checks(instrs), env, args)
-    later.append(compile_headers(sp, env.get("CUDA_HOME", "")))
+    for step in (pip_check(venv, skipped),
+                 Step("env", "CUDA_HOME" in env, f"{len(env)} variables, the image's {image_site_packages(instrs)} "
+                                                 f"mapped to {sp}: CUDA_HOME={env.get('CUDA_HOME', '(unset)')}"),
+                 *run_imports(venv, import_checks(instrs), env, args),
+                 compile_headers(sp, env.get("CUDA_HOME", ""))):
+        steps.append(step)
+        log(step.line())
     if codegen:
         from evaluator.rehearsal import image_codegen
-        later.append(image_codegen.run_in(venv_python(venv), env))
-    for s in later:
-        log(s.line())
-    return steps + later
+        steps.append(image_codegen.run_in(venv_python(venv), env))
+        log(steps[-1].line())
+    return steps
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m evaluator.rehearsal.image", description=__doc__.split("\n\n")[0])
     p.add_argument("--venv", type=Path, help="the venv to (re)create (default: a temporary folder, removed after)")
+    p.add_argument("--reuse", action="store_true", help="keep --venv's packages when it exists (a rerun)")
     p.add_argument("--quick", action="store_true", help="only the header compile, against this Python's packages")
     p.add_argument("--codegen", action="store_true", help="also Inductor's CUDA codegen and an sm_90 cubin")
     p.add_argument("--dockerfile", type=Path, default=DOCKERFILE)
@@ -331,11 +358,12 @@ def main(argv: list[str] | None = None) -> int:
         steps = [quick(a.dockerfile)]
         if a.codegen:
             from evaluator.rehearsal import image_codegen
-            steps.append(image_codegen.run_in(Path(sys.executable), {}))
+            env = quick_env(a.dockerfile, sysconfig.get_paths()["purelib"])
+            steps.append(image_codegen.run_in(Path(sys.executable), {"CUDA_HOME": env.get("CUDA_HOME", "")}))
         for s in steps:
             print(s.line())
     elif a.venv:
-        steps = full(a.venv, a.dockerfile, a.codegen)
+        steps = full(a.venv, a.dockerfile, a.codegen, a.reuse)
     else:
         with tempfile.TemporaryDirectory(prefix="image-rehearsal-") as tmp:
             steps = full(Path(tmp) / "venv", a.dockerfile, a.codegen)

@@ -1,17 +1,21 @@
-"""Inductor's CUDA code generation and an sm_90 cubin, on a machine without a GPU (the image
-rehearsal's `--codegen` step).
+"""Inductor's CUDA code generation, sm_90 cubins and the AOTInductor C++ model compiled, on a
+machine without a GPU (the image rehearsal's `--codegen` step).
 
-    python -m evaluator.rehearsal.image_codegen [--out DIR]      # prints one JSON line
+    python -m evaluator.rehearsal.image_codegen [--out DIR] [--cuda-home DIR]   # one JSON line
 
-A tiny graph (matmul + bias, GELU, softmax) is traced on fake CUDA tensors (FakeTensorMode),
-lowered by Inductor for "cuda" with Hopper's device properties supplied (torch.cuda's queries
-answer for one H200, sm_90), and its Triton kernels are compiled for GPUTarget("cuda", 90, 32)
-by Triton's own toolchain (its LLVM, then the ptxas it ships) into cubins. Nothing is launched:
-Triton's driver is replaced by one that only names the target, so libcuda is never loaded.
-What stays unchecked: loading and running the cubins, the AOTInductor .so link against
-libcuda, and any kernel choice Inductor makes by benchmarking on the device.
+A tiny graph (matmul + bias, GELU, softmax) is traced on fake CUDA tensors (FakeTensorMode) and
+lowered by Inductor for "cuda" with Hopper's properties supplied (torch.cuda answers for one
+H200, sm_90). Its Triton kernels are compiled for GPUTarget("cuda", 90, 32) by Triton's own
+toolchain (LLVM, then the ptxas Triton ships) into cubins. Then AOTInductor's C++ model of the
+same graph is generated (the first config's cubin recorded where autotuning would record the
+fastest) and compiled to an object file with g++ against CUDA_HOME's headers, as its build does.
+Nothing is loaded or launched: Triton's driver is replaced by one that names the target and
+returns null handles, so libcuda is never opened.
 
-It patches torch.cuda in its own process: run it as a subprocess (run_in does).
+Where it stops: linking model.so (AOTInductor links libcuda, the driver's library, which no
+wheel ships), loading the cubins, running anything, and every choice Inductor makes by timing
+kernels on the device (autotuning, max-autotune's GEMM templates). It patches torch.cuda in its
+own process: run it as a subprocess (run_in does).
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ import sys
 import tempfile
 import types
 from pathlib import Path
+from unittest import mock
 
 REPO = Path(__file__).resolve().parents[2]
 # torch.cuda.get_device_properties of one H200 (the fields Inductor's heuristics read)
@@ -38,6 +43,7 @@ H200 = dict(name="NVIDIA H200", major=9, minor=0, multi_processor_count=132, tot
 def pretend_sm90() -> None:
     """torch.cuda answers for one H200; Triton's active driver names sm_90 and loads nothing."""
     import torch
+    from torch._dynamo.device_interface import CudaInterface
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.driver import CudaDriver
     from triton.runtime.driver import driver
@@ -64,7 +70,22 @@ def pretend_sm90() -> None:
         def get_current_device(self):
             return 0
 
-    driver.set_active(TargetOnly())
+    fake = TargetOnly()
+    # "loading" a cubin returns null handles (module, function, registers, spills, max threads):
+    # Inductor then builds its launchers, which are never called
+    fake.utils = types.SimpleNamespace(
+        load_binary=lambda name, kernel, shared, device: (0, 0, 0, 0, props.max_threads_per_block),
+        get_device_properties=lambda device: {"max_shared_mem": props.shared_memory_per_block_optin,
+                                              "multiprocessor_count": props.multi_processor_count,
+                                              "max_num_regs": props.regs_per_multiprocessor,
+                                              "warpSize": props.warp_size})
+    fake.launcher_cls = lambda src, metadata: None
+    driver.set_active(fake)
+    # Dynamo's device interface bound torch.cuda's functions when it was imported
+    for name in ("current_device", "device_count", "get_device_properties"):
+        setattr(CudaInterface, name, staticmethod(getattr(torch.cuda, name)))
+    CudaInterface.exchange_device = staticmethod(lambda device: 0)
+    CudaInterface.maybe_exchange_device = staticmethod(lambda device: 0)
 
 
 def tiny_graph():
@@ -84,15 +105,23 @@ def tiny_graph():
         return make_fx(f, decomposition_table=select_decomp_table())(*inputs), inputs, mode
 
 
-def generate() -> str:
-    """The Python wrapper Inductor generates for the tiny graph on "cuda" (Triton kernels inside)."""
+def generate(aot: bool = False) -> str:
+    """The wrapper Inductor generates for the tiny graph on "cuda": Python with the Triton kernels
+    inside, or (aot) AOTInductor's C++ model, which needs the kernels compiled first."""
+    import torch._inductor.config as config
+    from torch._inductor.codegen.wrapper import PythonWrapperCodegen
     from torch._inductor.debug import DebugContext
     from torch._inductor.graph import GraphLowering
     from torch._inductor.virtualized import V
 
     gm, inputs, mode = tiny_graph()
-    with mode:
-        graph = GraphLowering(gm, example_inputs=inputs)
+    # as AOTInductor compiles: C++ wrapper, no graph partition, the kernels' cubins kept
+    patch = {"cpp_wrapper": aot, "graph_partition": not aot, "triton.autotune_at_compile_time": aot,
+             "triton.store_cubin": True, "use_static_cuda_launcher": False}
+    # the compile-time autotune block would run the kernels: compile_kernels recorded them already
+    no_autotune = mock.patch.object(PythonWrapperCodegen, "generate_and_run_autotune_block", lambda self: None)
+    with mode, config.patch(patch), V.set_aot_compilation(aot), no_autotune:
+        graph = GraphLowering(gm, example_inputs=inputs, cpp_wrapper=aot, aot_mode=aot)
         with V.set_graph_handler(graph), V.set_debug_handler(DebugContext()):
             graph.run(*inputs)
             code = graph.codegen()
@@ -101,14 +130,35 @@ def generate() -> str:
 
 
 def compile_kernels(wrapper: str) -> list[str]:
-    """Compile each Triton kernel of the wrapper for every config Inductor proposes; their names."""
+    """Compile each Triton kernel of the Python wrapper (every config Inductor proposes) and record
+    the first config's cubin as the one AOTInductor embeds (where autotuning would pick by timing)."""
+    import torch._inductor.config as config
     from torch._inductor.codecache import PyCodeCache
 
     kernels = re.findall(r"async_compile\.triton\('(\w+)', '''(.*?)'''", wrapper, re.S)
-    for name, source in kernels:
-        tuner = getattr(PyCodeCache.load(source), name)
-        tuner.precompile(warm_cache_only=True)   # compile only: no launcher, no device
+    with config.patch({"triton.store_cubin": True, "use_static_cuda_launcher": False}):
+        for name, source in kernels:
+            tuner = getattr(PyCodeCache.load(source), name)
+            tuner.precompile()
+            tuner.save_gpu_kernel(0, tuner.launchers[0])   # stream 0: only recorded
     return [name for name, _ in kernels]
+
+
+def compile_wrapper(cpp: str, cuda_home: str, out: Path) -> Path:
+    """Compile AOTInductor's C++ model to an object file, as its build does (g++, C++20, -DUSE_CUDA,
+    torch's and CUDA_HOME's headers). Linking is left out: it wants libcuda, the driver's."""
+    import torch.utils.cpp_extension as ext
+
+    src, obj = out / "model.cpp", out / "model.o"
+    src.write_text(cpp)
+    flags = [f"-I{d}" for d in ext.include_paths()] + [f"-I{Path(cuda_home) / 'include'}"]
+    r = subprocess.run(["g++", "-std=c++20", "-c", "-fPIC", "-O1", "-DUSE_CUDA", *flags, str(src), "-o", str(obj)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        from evaluator.rehearsal.image import missing_header
+        err = missing_header(r.stderr) or next((ln for ln in r.stderr.splitlines() if "error" in ln), r.stderr[-300:])
+        raise RuntimeError(f"g++ {src.name}: {err}")
+    return obj
 
 
 def cubin_targets(cache: Path) -> dict[str, str]:
@@ -124,39 +174,55 @@ def cubin_targets(cache: Path) -> dict[str, str]:
     return out
 
 
+def rehearse(out: Path, cuda_home: str) -> dict:
+    """Generate, compile the kernels to cubins, generate the AOTInductor model and compile it."""
+    pretend_sm90()
+    kernels = compile_kernels(generate())
+    targets = cubin_targets(out / "triton")
+    cpp = generate(aot=True)
+    obj = compile_wrapper(cpp, cuda_home, out)
+    loaded = re.findall(r'loadKernel\("([^"]+\.cubin)"', cpp)     # the cubins the model loads at run time
+    ok = (bool(kernels) and bool(targets) and all(t.startswith("sm_90") for t in targets.values())
+          and len(loaded) == len(kernels) and all(Path(c).is_file() for c in loaded))
+    detail = (f"{len(kernels)} Triton kernel(s) generated for cuda with H200 properties, {len(targets)} cubin(s) "
+              f"{sorted(set(targets.values()))} by Triton's ptxas, the AOTInductor C++ model compiled against "
+              f"CUDA_HOME ({obj.stat().st_size // 1024} KiB object, not linked), under {out}")
+    return {"ok": ok, "detail": detail, "kernels": kernels, "cubins": targets, "object": str(obj)}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m evaluator.rehearsal.image_codegen", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, help="the Inductor and Triton caches go here (default: a temporary folder)")
+    p.add_argument("--out", type=Path, help="caches, sources and the object go here (default: a temporary folder)")
+    p.add_argument("--cuda-home", default=os.environ.get("CUDA_HOME"), help="default: $CUDA_HOME")
     a = p.parse_args(argv)
+    if not a.cuda_home:
+        p.error("no CUDA_HOME: pass --cuda-home (the image rehearsal passes the Dockerfile's)")
     out = a.out or Path(tempfile.mkdtemp(prefix="image-codegen-"))
+    out.mkdir(parents=True, exist_ok=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(out / "inductor")
     os.environ["TRITON_CACHE_DIR"] = str(out / "triton")
     try:
-        pretend_sm90()
-        kernels = compile_kernels(generate())
-        targets = cubin_targets(out / "triton")
+        result = rehearse(out, a.cuda_home)
     except Exception as e:  # one line for the rehearsal: where the toolchain stopped
-        print(json.dumps({"ok": False, "detail": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}))
-        return 1
-    ok = bool(kernels) and bool(targets) and all(t.startswith("sm_90") for t in targets.values())
-    detail = (f"{len(kernels)} Triton kernel(s) generated for cuda with H200 properties, "
-              f"{len(targets)} cubin(s) {sorted(set(targets.values()))} by Triton's ptxas, under {out}")
-    print(json.dumps({"ok": ok, "detail": detail, "kernels": kernels, "cubins": targets}))
-    return 0 if ok else 1
+        result = {"ok": False, "detail": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"}
+    print(json.dumps(result))
+    return 0 if result["ok"] else 1
 
 
 def run_in(python: Path, env: dict[str, str]):
-    """The codegen step in `python` (its own process: it patches torch.cuda), as an image Step."""
+    """The codegen step in `python` (its own process: it patches torch.cuda), as an image Step;
+    its files go to a temporary folder, removed after."""
     from evaluator.rehearsal.image import Step
 
-    run_env = {**os.environ, **env, "PYTHONPATH": str(REPO)}
-    r = subprocess.run([str(python), "-m", "evaluator.rehearsal.image_codegen"], capture_output=True,
-                       text=True, env=run_env, cwd=REPO, timeout=900)
+    with tempfile.TemporaryDirectory(prefix="image-codegen-") as out:
+        r = subprocess.run([str(python), "-m", "evaluator.rehearsal.image_codegen", "--out", out],
+                           capture_output=True, text=True, env={**os.environ, **env, "PYTHONPATH": str(REPO)},
+                           cwd=REPO, timeout=900)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     if not lines:
         return Step("codegen", False, (r.stderr.strip().splitlines() or ["no output"])[-1])
     result = json.loads(lines[-1])
-    return Step("codegen", result["ok"] and r.returncode == 0, result["detail"])
+    return Step("codegen", result["ok"] and r.returncode == 0, result["detail"].replace(f", under {out}", ""))
 
 
 if __name__ == "__main__":
