@@ -42,7 +42,8 @@ def test_dockerfile_env_of_the_real_dockerfile():
 
 def test_dockerfile_env_continuations_and_substitution():
     text = """FROM python:3.12-slim-bookworm
-ARG BASE=/opt
+ARG BASE="/opt"
+ARG TARGETARCH
 # a comment
 ENV A=1 \\
     # a comment inside the continuation

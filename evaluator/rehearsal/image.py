@@ -31,6 +31,7 @@ import os
 import platform
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -103,8 +104,8 @@ def dockerfile_env(instrs: list[tuple[str, str]], args: dict[str, str] | None = 
     scope = dict(args or {})
     for kw, rest in instrs:
         if kw == "ARG":
-            name, _, default = rest.partition("=")
-            scope.setdefault(name.strip(), default)
+            name, _, default = shlex.split(rest)[0].partition("=")    # ARG NAME[=default]
+            scope.setdefault(name, default)
         if kw != "ENV":
             continue
         tokens = shlex.split(rest, posix=True)
@@ -158,7 +159,7 @@ def import_checks(instrs) -> list[ImportCheck]:
             continue
         cmds = run_commands(rest)
         for i, (cmd, op) in enumerate(cmds):
-            if cmd[:2] == ["python", "-c"] and cmd[2].lstrip().startswith("import "):
+            if cmd[:2] == ["python", "-c"] and len(cmd) > 2 and cmd[2].lstrip().startswith("import "):
                 nxt = cmds[i + 1][0] if i + 1 < len(cmds) else []
                 fallback = " ".join(nxt[1:]) if op == "||" and nxt[:1] == ["echo"] else None
                 out.append(ImportCheck(cmd[2], fallback))
@@ -193,6 +194,8 @@ def compile_headers(site_packages: str, cuda_home: str, headers=CUDA_HEADERS, cx
              f"-I{torch_inc / 'torch' / 'csrc' / 'api' / 'include'}", f"-I{Path(cuda_home) / 'include'}"]
     if not (Path(cuda_home) / "include").is_dir():
         return Step("headers", False, f"CUDA_HOME={cuda_home} has no include/ folder")
+    if shutil.which(cxx) is None:
+        return Step("headers", False, f"no {cxx} on PATH (the image installs it with apt-get)")
     for header in headers:
         # one translation unit per header: a failure names the header that pulls the missing one
         r = subprocess.run([cxx, *flags, "-x", "c++", "-"], input=f"#include <{header}>\n",
