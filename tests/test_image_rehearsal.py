@@ -111,3 +111,42 @@ def test_cuda_codegen_and_sm90_cubin_without_a_gpu():
     step = image_codegen.run_in(Path(sys.executable), {"CUDA_HOME": str(cuda_home)})
     assert step.ok, step.line()
     assert "cubin(s) ['sm_90a']" in step.detail and "C++ model compiled" in step.detail
+
+
+def _stub_venv(tmp_path, script: str) -> Path:
+    """A venv whose bin/python is a sh script (pip's answers, scripted)."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("#!/bin/sh\n" + script)
+    (venv / "bin" / "python").chmod(0o755)
+    return venv
+
+
+def test_install_skips_only_pins_no_index_serves(tmp_path):
+    lock = tmp_path / "gpu.txt"
+    lock.write_text("# a comment\nserved==1\nnvonly==2; platform_system == \"Linux\"\n")
+    venv = _stub_venv(tmp_path, """case "$*" in
+  *" -r "*) exit 1 ;;
+  *nvonly*) echo "ERROR: No matching distribution found for nvonly==2" >&2; exit 1 ;;
+  *broken*) echo "ERROR: Could not install packages due to an OSError: disk full" >&2; exit 1 ;;
+esac
+""")
+    lines = []
+    step, skipped = image.install_locks(venv, [str(lock)], log=lines.append)
+    assert step.ok and skipped == ["nvonly"], (step, skipped)
+    assert "1 of 2 pins" in step.detail and lines == [
+        f"skipped nvonly ({lock}): nvonly==2 is not installable from the indexes configured here "
+        "(the image gets it from NVIDIA's index)"]
+    lock.write_text("served==1\nbroken==3\n")
+    step, _ = image.install_locks(venv, [str(lock)], log=lines.append)
+    assert not step.ok and step.detail.endswith("broken==3: ERROR: Could not install packages due to an OSError: disk full")
+
+
+def test_pip_check_forgives_only_the_skipped_pins(tmp_path):
+    venv = _stub_venv(tmp_path, """echo "torch-tensorrt 2.14.0 requires tensorrt-cu13-libs, which is not installed."
+echo "timm 1.0 requires huggingface-hub, which is not installed."
+exit 1
+""")
+    step = image.pip_check(venv, ["tensorrt_cu13_libs"])
+    assert not step.ok and step.detail == "timm 1.0 requires huggingface-hub, which is not installed.", step
+    assert image.pip_check(venv, ["tensorrt-cu13-libs", "huggingface-hub"]).ok
