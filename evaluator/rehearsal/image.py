@@ -3,9 +3,9 @@
     python -m evaluator.rehearsal.image [--venv DIR] [--quick] [--codegen] [--json FILE]
 
 Steps, one line each (`ok` or `FAILED` with the reason); exit 0 only when every step passed:
-  venv     a fresh Python venv (the base image's Python version, read from FROM), with the
-           locks the Dockerfile's pip lines name installed `--no-deps`; a pin the configured
-           index cannot serve (TensorRT's libraries come from NVIDIA's index) is named and skipped;
+  venv     a fresh Python venv (the base image's Python version, read from FROM);
+  locks    the locks the Dockerfile's pip lines name, installed `--no-deps`; a pin the configured
+           indexes cannot serve (TensorRT's libraries come from NVIDIA's index) is named and skipped;
   pip-check  `pip check`, less the lines only those skipped pins explain;
   env      the Dockerfile's ENV, parsed (continuations, `${VAR}`), with the image's
            site-packages (/usr/local/lib/pythonX.Y/site-packages) mapped to the venv's;
@@ -245,12 +245,12 @@ def install_locks(venv: Path, locks: list[str], log=print) -> tuple[Step, list[s
             if r.returncode == 0:
                 continue
             if not NOT_SERVED.search(r.stderr):
-                return Step("venv", False, f"{lock}: {pin}: {pip_error(r.stderr)}"), skipped
+                return Step("locks", False, f"{lock}: {pin}: {pip_error(r.stderr)}"), skipped
             name = re.split(r"[=;<> ]", pin)[0]
             skipped.append(name)
             log(f"skipped {name} ({lock}): {pin.split(';')[0]} is not installable from the indexes configured here (the image gets it "
                 f"from NVIDIA's index)")
-    return Step("venv", True, f"{count - len(skipped)} of {count} pins of {', '.join(locks)} installed --no-deps"
+    return Step("locks", True, f"{count - len(skipped)} of {count} pins of {', '.join(locks)} installed --no-deps"
                 + (f", {len(skipped)} skipped" if skipped else "")), skipped
 
 
