@@ -343,7 +343,7 @@ def full(venv: Path, dockerfile: Path = DOCKERFILE, codegen: bool = False, reuse
         log(step.line())
     if codegen:
         from evaluator.rehearsal import image_codegen
-        steps.append(image_codegen.run_in(venv_python(venv), env))
+        steps.append(Step("codegen", *image_codegen.run_in(venv_python(venv), env)))
         log(steps[-1].line())
     return steps
 
@@ -362,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.codegen:
             from evaluator.rehearsal import image_codegen
             env = quick_env(a.dockerfile, sysconfig.get_paths()["purelib"])
-            steps.append(image_codegen.run_in(Path(sys.executable), {"CUDA_HOME": env.get("CUDA_HOME", "")}))
+            steps.append(Step("codegen", *image_codegen.run_in(Path(sys.executable), {"CUDA_HOME": env.get("CUDA_HOME", "")})))
         for s in steps:
             print(s.line())
     elif a.venv:

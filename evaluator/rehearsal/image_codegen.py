@@ -1,7 +1,7 @@
 """Inductor's CUDA code generation, sm_90 cubins and the AOTInductor C++ model compiled, on a
 machine without a GPU (the image rehearsal's `--codegen` step).
 
-    python -m evaluator.rehearsal.image_codegen [--out DIR] [--cuda-home DIR]   # one JSON line
+    python -m evaluator.rehearsal.image_codegen --cuda-home DIR [--out DIR]     # one JSON line
 
 A tiny graph (matmul + bias, GELU, softmax) is traced on fake CUDA tensors (FakeTensorMode) and
 lowered by Inductor for "cuda" with Hopper's properties supplied (torch.cuda answers for one
@@ -154,9 +154,8 @@ def compile_wrapper(cpp: str, cuda_home: str, out: Path) -> Path:
     flags = [f"-I{d}" for d in ext.include_paths()] + [f"-I{Path(cuda_home) / 'include'}"]
     r = subprocess.run(["g++", "-std=c++20", "-c", "-fPIC", "-O1", "-DUSE_CUDA", *flags, str(src), "-o", str(obj)],
                        capture_output=True, text=True)
-    if r.returncode != 0:
-        from evaluator.rehearsal.image import missing_header
-        err = missing_header(r.stderr) or next((ln for ln in r.stderr.splitlines() if "error" in ln), r.stderr[-300:])
+    if r.returncode != 0:   # the first error line: for a missing header, the compiler's line naming it
+        err = next((ln for ln in r.stderr.splitlines() if "error" in ln), r.stderr[-300:])
         raise RuntimeError(f"g++ {src.name}: {err}")
     return obj
 
@@ -193,14 +192,13 @@ def rehearse(out: Path, cuda_home: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m evaluator.rehearsal.image_codegen", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, help="caches, sources and the object go here (default: a temporary folder)")
-    p.add_argument("--cuda-home", default=os.environ.get("CUDA_HOME"), help="default: $CUDA_HOME")
+    p.add_argument("--cuda-home", required=True, help="the CUDA_HOME to compile against (the image's: "
+                   "site-packages/nvidia/cu13)")
     a = p.parse_args(argv)
-    if not a.cuda_home:
-        p.error("no CUDA_HOME: pass --cuda-home (the image rehearsal passes the Dockerfile's)")
     out = a.out or Path(tempfile.mkdtemp(prefix="image-codegen-"))
     out.mkdir(parents=True, exist_ok=True)
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(out / "inductor")
-    os.environ["TRITON_CACHE_DIR"] = str(out / "triton")
+    # before Inductor and Triton read them: every cache under --out
+    os.environ.update(TORCHINDUCTOR_CACHE_DIR=str(out / "inductor"), TRITON_CACHE_DIR=str(out / "triton"))
     try:
         result = rehearse(out, a.cuda_home)
     except Exception as e:  # one line for the rehearsal: where the toolchain stopped
@@ -209,20 +207,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if result["ok"] else 1
 
 
-def run_in(python: Path, env: dict[str, str]):
-    """The codegen step in `python` (its own process: it patches torch.cuda), as an image Step;
+def run_in(python: Path, env: dict[str, str]) -> tuple[bool, str]:
+    """(ok, one line) of this rehearsal in `python`, in its own process (it patches torch.cuda);
     its files go to a temporary folder, removed after."""
-    from evaluator.rehearsal.image import Step
-
     with tempfile.TemporaryDirectory(prefix="image-codegen-") as out:
-        r = subprocess.run([str(python), "-m", "evaluator.rehearsal.image_codegen", "--out", out],
+        r = subprocess.run([str(python), "-m", "evaluator.rehearsal.image_codegen", "--out", out,
+                            "--cuda-home", env.get("CUDA_HOME", "")],
                            capture_output=True, text=True, env={**os.environ, **env, "PYTHONPATH": str(REPO)},
                            cwd=REPO, timeout=900)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     if not lines:
-        return Step("codegen", False, (r.stderr.strip().splitlines() or ["no output"])[-1])
+        return False, (r.stderr.strip().splitlines() or ["no output"])[-1]
     result = json.loads(lines[-1])
-    return Step("codegen", result["ok"] and r.returncode == 0, result["detail"].replace(f", under {out}", ""))
+    return result["ok"] and r.returncode == 0, result["detail"].replace(f", under {out}", "")
 
 
 if __name__ == "__main__":
