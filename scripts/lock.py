@@ -8,13 +8,22 @@ machine) through the installed distributions and writes `name==version` for each
 The CUDA wheels torch and DALI pull (nvidia-*, cuda-*) and triton exist only on Linux:
 they carry the `platform_system == "Linux"` marker torch itself gives them.
 `--exclude LOCK` leaves out what another lock already pins (the dev and GPU locks).
+
+    python scripts/lock.py --resolves requirements/lock.txt [--arch aarch64] [--glibc 2.36]
+
+checks instead that every pin of a lock has a wheel for the image's other platform: a
+`pip install --dry-run --no-deps --only-binary=:all:` for that architecture's manylinux tags up
+to the base image's glibc (Debian bookworm: 2.36) and this Python, nothing downloaded but
+metadata. Needs the index (PyPI); NVIDIA-only pins (gpu.txt's TensorRT libraries) fail it.
 """
 from __future__ import annotations
 
 import argparse
 import importlib.metadata as md
 import re
+import subprocess
 import sys
+import tempfile
 
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
@@ -50,11 +59,34 @@ def closure(roots: list[str]) -> dict[str, str]:
     return out
 
 
+def resolves(lock: str, arch: str, glibc: str) -> int:
+    """0 when pip finds a wheel of every pin of `lock` for linux `arch` (glibc <= `glibc`), this Python."""
+    major, minor = map(int, glibc.split("."))
+    tags = ["linux_" + arch, "manylinux2014_" + arch] + [f"manylinux_{major}_{m}_{arch}" for m in range(17, minor + 1)]
+    py = f"{sys.version_info.major}.{sys.version_info.minor}"
+    with tempfile.TemporaryDirectory() as target:
+        cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps", "--only-binary=:all:", "--quiet",
+               "--python-version", py, "--implementation", "cp", "--target", target, "-r", lock]
+        r = subprocess.run(cmd + [a for t in tags for a in ("--platform", t)], capture_output=True, text=True)
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("ERROR: No matching distribution")]
+    print(f"{lock}: {'resolves' if r.returncode == 0 else 'does NOT resolve'} for linux {arch} "
+          f"(glibc <= {glibc}, Python {py})" + (f": {errors[0]}" if errors else ""),
+          file=sys.stderr if r.returncode else sys.stdout)
+    return r.returncode
+
+
 def main() -> int:
     p = argparse.ArgumentParser(prog="python scripts/lock.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("roots", nargs="+")
+    p.add_argument("roots", nargs="*")
     p.add_argument("--exclude", action="append", default=[], help="a lock whose pins to leave out")
+    p.add_argument("--resolves", metavar="LOCK", help="check LOCK has a wheel of every pin for --arch instead")
+    p.add_argument("--arch", default="aarch64", help="with --resolves (default aarch64, the scored machine's)")
+    p.add_argument("--glibc", default="2.36", help="with --resolves: the base image's glibc (bookworm: 2.36)")
     a = p.parse_args()
+    if a.resolves:
+        return 1 if resolves(a.resolves, a.arch, a.glibc) else 0
+    if not a.roots:
+        p.error("name the roots to lock (or --resolves LOCK)")
     skip = set()
     for lock in a.exclude:
         with open(lock) as f:

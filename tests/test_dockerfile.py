@@ -263,3 +263,26 @@ def test_test_sh_is_quiet_about_chromium_when_present(tmp_path):
     r = subprocess.run(["/bin/sh", str(REPO / "scripts" / "test.sh")], env={**base, "CI": "true"},
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "chromium" not in r.stderr and "apt-get" not in log.read_text(), r.stderr
+
+
+def test_lock_pins_the_cuda_headers_inductor_compiles_against():
+    """CUDA_HOME's headers are complete: the C runtime headers (crt/) and CCCL, which the CUDA wheels
+    torch pulls leave out, are locked at the versions the locked cuda-toolkit's extras name."""
+    from packaging.requirements import Requirement
+
+    lock = _lock("lock.txt")
+    try:
+        toolkit = importlib.metadata.distribution("cuda-toolkit")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("cuda-toolkit is not installed (Linux only): install requirements/lock.txt")
+    wanted = {}
+    for text in toolkit.requires or []:
+        req = Requirement(text)
+        for extra in ("crt", "cccl"):
+            if req.marker and req.marker.evaluate({"extra": extra, "sys_platform": "linux",
+                                                   "platform_machine": "aarch64"}):
+                wanted[_norm(req.name)] = str(req.specifier).removeprefix("==").removesuffix(".*")
+    assert set(wanted) == {"nvidia-cuda-crt", "nvidia-cuda-cccl"}, wanted
+    assert importlib.metadata.version("cuda-toolkit") == lock["cuda-toolkit"]
+    for name, version in wanted.items():
+        assert lock.get(name) == version, f"lock pins {name} {lock.get(name)}, cuda-toolkit asks {version}"
