@@ -324,6 +324,29 @@ def test_the_scratch_folder_is_removed_and_killed_runs_folders_swept(small_cohor
     assert sorted(p.name for p in tmp.iterdir()) == ["someone-elses"]
 
 
+def test_a_live_runs_scratch_folder_is_never_swept_whatever_its_pid(small_cohort, aot_artifact, tmp_path):
+    """Two containers sharing TMPDIR can both be PID 2: a folder is swept only when its owner lock can be
+    taken. A live owner's (its .owner flocked by a running process) stays; an abandoned one goes."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    live, gone = tmp / "eva-engine-run-live", tmp / "eva-engine-run-gone"
+    for d in (live, gone):
+        d.mkdir()
+        (d / ".owner").write_bytes(b"")
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time\n"
+                               "f = open(sys.argv[1]); fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True)\n"
+                               "time.sleep(600)", str(live / ".owner")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        out = tmp_path / "p.i32"
+        r = run_abi(small_cohort / "manifest.tsv", small_cohort, out, aot_artifact, env={"TMPDIR": str(tmp)})
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert sorted(p.name for p in tmp.iterdir()) == ["eva-engine-run-live"]
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_an_unusable_tmpdir_is_one_warning_and_the_run_still_answers(small_cohort, aot_artifact, tmp_path):
     """The AOT graph is loaded from the artifact in place: a run needs no TMPDIR, and says it has none."""
     afile = tmp_path / "not-a-folder"

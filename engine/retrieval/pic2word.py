@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -172,9 +171,14 @@ def _batch_rows(step: int, n: int, cfg: Pic2WordConfig) -> torch.Tensor:
 
 
 def _save(path: Path, blob: dict) -> None:
-    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
-    torch.save(blob, tmp)
-    os.replace(tmp, path)
+    """The checkpoint through engine.io.write_atomic: a locked temp file of a unique name, then a rename."""
+    import io
+
+    from engine.io import write_atomic
+
+    buf = io.BytesIO()
+    torch.save(blob, buf)
+    write_atomic(path, buf.getvalue())
 
 
 def train(towers, emb: np.ndarray, cfg: Pic2WordConfig, ckpt_dir: Path, key: dict,

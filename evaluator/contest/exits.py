@@ -1,7 +1,10 @@
 """Every exit path of scripts/run: what a run holds and releases, signals, the fast exit.
 
 A run holds the reserved OUTPUT's temp file (evaluator.contest.output) and its scratch
-folder TMPDIR/eva-engine-run-<pid> (whatever a library writes there stays in it). `Held`
+folder TMPDIR/eva-engine-run-<random> (whatever a library writes there stays in it), made with
+a unique name and held under a flock on its `.owner` file while the run lives: a folder is swept
+as a killed run's only when that lock can be taken (a lock dies with its process), never by a
+PID that another PID namespace may reuse. `Held`
 releases both on every exit path; SIGTERM, SIGHUP and SIGINT become a `Signalled` exit
 (128 + signal) inside `signals_exit()`, so a terminated run releases them too. `exit_now`
 leaves without interpreter teardown (torch/DALI finalizers cost seconds on the clock).
@@ -18,34 +21,72 @@ from pathlib import Path
 
 from evaluator.contest.output import Output, stale
 
-RUN_DIR_PREFIX = "eva-engine-run-"          # TMPDIR/eva-engine-run-<pid>: this run's scratch folder
+RUN_DIR_PREFIX = "eva-engine-run-"          # TMPDIR/eva-engine-run-<random>: this run's scratch folder
+OWNER = ".owner"                            # its lock file, flocked by the run while it lives
 SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 
 
-def private_tmpdir(prog: str) -> Path | None:
-    """TMPDIR/eva-engine-run-<pid>, made the process's TMPDIR and removed by Held.release;
-    folders of killed runs are removed first. None, said on stderr, when TMPDIR is not writable
-    (an artifact that needs it then fails to load)."""
+def private_tmpdir(prog: str) -> tuple[Path, int] | None:
+    """(TMPDIR/eva-engine-run-<random>, the fd holding its owner lock), made the process's TMPDIR and
+    removed by Held.release; killed runs' folders are removed first. None, said on stderr, when
+    TMPDIR is not writable (an artifact that needs it then fails to load)."""
     from engine import settings
 
     base = settings.tmpdir()
     try:
         for p in base.iterdir():
-            if stale(p.name, RUN_DIR_PREFIX):
+            if p.name.startswith(RUN_DIR_PREFIX) and _abandoned(p):
                 shutil.rmtree(p, ignore_errors=True)
     except OSError:
         pass
-    d = base / f"{RUN_DIR_PREFIX}{os.getpid()}"
     try:
-        shutil.rmtree(d, ignore_errors=True)
-        d.mkdir(mode=0o700)
+        d, fd = _owned_folder(base)
     except OSError as e:
         print(f"{prog}: warning: TMPDIR {base} is not writable ({e.strerror or e}); continuing without a "
               "scratch folder", file=sys.stderr)
         return None
     os.environ.update(TMPDIR=str(d))   # C++ loaders and Python's tempfile read it when they need it
     tempfile.tempdir = None
-    return d
+    return d, fd
+
+
+def _owned_folder(base: Path) -> tuple[Path, int]:
+    """A new folder under `base` with a unique name, its OWNER file created and flocked (retried
+    when a sweeper took the folder between the two steps)."""
+    import fcntl
+
+    from engine.io import same_inode
+
+    while True:
+        d = Path(tempfile.mkdtemp(prefix=RUN_DIR_PREFIX, dir=base))   # 0700, a name no other run has
+        fd = os.open(d / OWNER, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            return d, fd                  # no flock on this filesystem: kept, and never swept
+        if same_inode(fd, d / OWNER):
+            return d, fd
+        os.close(fd)                      # swept before the lock was taken: a new folder
+
+
+def _abandoned(folder: Path) -> bool:
+    """A scratch folder whose run is gone: its OWNER lock can be taken. One without an OWNER (made
+    by an older run, named by its PID) is abandoned when that process no longer runs."""
+    import fcntl
+
+    try:
+        fd = os.open(folder / OWNER, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return stale(folder.name, RUN_DIR_PREFIX)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False                      # its owner holds it (or no flock here): alive, left alone
+    finally:
+        os.close(fd)
 
 
 class Held:
@@ -53,6 +94,10 @@ class Held:
 
     output: Output | None = None
     scratch: Path | None = None
+    scratch_lock: int | None = None     # the fd holding the scratch folder's OWNER lock
+
+    def hold_scratch(self, made: tuple[Path, int] | None) -> None:
+        self.scratch, self.scratch_lock = made if made is not None else (None, None)
 
     def release(self) -> None:
         if self.output is not None:
@@ -61,6 +106,9 @@ class Held:
             shutil.rmtree(self.scratch, ignore_errors=True)
             os.environ.update(TMPDIR=str(self.scratch.parent))   # the caller's TMPDIR again
             tempfile.tempdir = None
+        if self.scratch_lock is not None:
+            os.close(self.scratch_lock)   # after the folder is gone: a sweeper never sees it unlocked
+            self.scratch_lock = None
 
 
 class Signalled(SystemExit):

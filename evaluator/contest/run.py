@@ -132,7 +132,7 @@ def _run(argv, wall0: float, held: Held) -> int:
     rows = manifest.rows
     for line in manifest.blank_notes():
         print(f"{PROG}: {line}", file=sys.stderr)
-    held.scratch = private_tmpdir(PROG)
+    held.hold_scratch(private_tmpdir(PROG))
 
     try:   # the address-space limit is checked, an isolated decoder starts, torch imports, the artifact loads
         clf = engine.load(a.artifact, decoder=a.decoder, readers=a.readers, depth=a.depth, isolate=isolate,
