@@ -126,7 +126,7 @@ def _search_and_assemble(net, spec, checkpoint, backend, device, guard, auto, tm
     deadline = SearchDeadline(cfg.budget_s, bclock.clock, bclock, after)
     _say(f"autotune: measuring {', '.join(cfg.precisions)} x batch {', '.join(map(str, cfg.batch_sizes))} x "
          f"{', '.join(cfg.backends)} on {device_name(device)} (budget {cfg.budget_s:.0f} s"
-         + (f", cut to the {deadline.left():.0f} s the deadline leaves)" if deadline.left() < cfg.budget_s else ")")
+         + (f", cut to the {deadline.left():.0f} s the deadline leaves)" if deadline.left() < cfg.budget_s - 0.5 else ")")
          + (f"; skipped: {'; '.join(f'{k}: {v}' for k, v in skipped.items())}" if skipped else ""))
     m = Measurer(net, spec, device, pixels, ref, work, guard.budget, guard.safety, guard.recheck_batch)
     disk = WorkDisk(work, 3 * _weight_bytes(net))
