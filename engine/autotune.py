@@ -372,11 +372,27 @@ class Run:
         return True
 
     def _keep_best(self) -> None:
-        """Only the KEEP best that hold keep their files (the build verifies no more)."""
-        _effective_rates(self.trials, self.recheck_rate)
-        for t in [t for t in rank(self.trials) if t.candidate.name in self.handles][KEEP:]:
+        """Only the KEEP best that hold keep their files (the build verifies no more). A candidate is
+        not dropped on one timing: one about to lose its files gets a second (the better of two
+        decides) and, when that brings it within RETIME of the best, is timed interleaved with it.
+        (Guarded candidates never lead the loop's retiming, and one judged before a faster candidate
+        arrived was never timed against it: this is where their first timing is checked.)"""
+        for t in self._ranked()[KEEP:]:
+            best = self._ranked()[0]
+            if len(t.timings) >= 2 or best is t:
+                continue
+            if not self.timer.room(1) or not self.timer.again(t):
+                continue
+            if max(t.timings) >= best.images_per_s * (1 - RETIME):
+                self.timer.interleave([best, t])
+        for t in self._ranked()[KEEP:]:
             self.handles.pop(t.candidate.name)
             self._tidy(_key(t.candidate))
+
+    def _ranked(self) -> list[Trial]:
+        """The ones that hold and keep their files, best first (effective rates brought up to date)."""
+        _effective_rates(self.trials, self.recheck_rate)
+        return [t for t in rank(self.trials) if t.candidate.name in self.handles]
 
     def _tidy(self, key: tuple) -> None:
         """Remove a compile's files once no candidate still to decide or kept uses them."""

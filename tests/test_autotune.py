@@ -460,3 +460,20 @@ def test_the_search_fits_a_disk_quota_of_three_compiles_by_removing_losers(tmp_p
     assert any(r.get("why", "").startswith("disk: needs about") for r in res2.table())
     assert "not compiled: needs about" in capsys.readouterr().err
     assert res2.ranked
+
+
+def test_a_guarded_candidate_disturbed_on_its_only_timing_is_timed_again_before_it_loses_its_files():
+    """Seen on a loaded machine: bf16/b16 (the best, truly) was timed first at a third of its rate,
+    b8 and b32 came after it, and b16 lost its files on that one timing (guarded candidates never lead
+    the loop's retiming). Now a second timing decides, and within reach it is timed interleaved."""
+    clock = Clock()
+    screen = {("bf16", 8): 8.0, ("bf16", 16): 9.5, ("bf16", 32): 7.6}
+    graph = {("bf16", 8, "eager", "default"): 19.0, ("bf16", 16, "eager", "default"): 21.0,
+             ("bf16", 32, "eager", "default"): 12.0}
+    m = FakeMeasurer(clock, screen, graph, fraction=0.004, recheck=5.0, first={"eager/bf16/b16": 7.0})
+    res = search(m, _cfg(precisions=("bf16",), batch_sizes=(8, 16, 32), backends=("eager",), compiled=()),
+                 clock=clock)
+    assert res.ranked[0].candidate.name == "eager/bf16/b16"
+    by = {t.candidate.batch_size: t for t in res.trials}
+    assert by[16].timings[0] == 7.0 and len(by[16].timings) >= 4      # retimed, interleaved with b8
+    assert "eager/bf16/b32" not in res.handles                           # the slow one still loses its files
