@@ -83,7 +83,8 @@ def build(spec: Spec, checkpoint: Path | None, out: Path, backend: str = backend
         bclock = BuildClock(auto.deadline_s if auto.deadline_s is not None else pre.build_deadline_s,
                             {"checkpoint": pre.checkpoint_estimate_s, "calibration": pre.calibration_estimate_s,
                              "recheck": pre.compile_estimate_s, "verify": pre.verify_estimate_s}, clock)
-        say(bclock.plan_line())
+        if checkpoint is None or Path(checkpoint).is_file():   # else load_model's one error line, no plan
+            say(bclock.plan_line())
     math = set_fp32_math()   # the calibration reference and the re-check graph: IEEE FP32 (ENGINE_TF32)
     with bclock.phase("checkpoint") if bclock else contextlib.nullcontext():
         net = load_model(spec, checkpoint) if be is None or be.NEEDS_WEIGHTS else None
