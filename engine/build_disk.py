@@ -6,7 +6,9 @@ folder when the build ends. Before each compile the free space there is checked 
 one compile needs: the largest growth a compile of this search caused, or before any, a first
 estimate (about three times the weights' bytes: the compiled object holds the weights once, its
 constants object once more, plus code). The folder's size is sampled after each compile; its
-peak is what the manifest records.
+peak is what the manifest records, beside the peak growth of the used bytes of the file system
+holding TMPDIR (what a compile still writes there: Triton's cache, a library's scratch; on a
+shared file system other writers count too).
 """
 from __future__ import annotations
 
@@ -24,13 +26,28 @@ def free_bytes(path: Path) -> int:
     return shutil.disk_usage(path).free
 
 
+def used_bytes(path: Path) -> int:
+    """Used bytes on the file system holding `path` (0 when it cannot be read)."""
+    try:
+        return shutil.disk_usage(path).used
+    except OSError:
+        return 0
+
+
 class WorkDisk:
     """The work folder's size before and after each compile, and whether one more fits.
     `free` and `size` are injectable (tests simulate a quota)."""
 
     def __init__(self, folder: Path, first_need: int, free: Callable[[Path], int] | None = None,
-                 size: Callable[[Path], int] | None = None):
+                 size: Callable[[Path], int] | None = None, tmpdir: Path | None = None,
+                 used: Callable[[Path], int] = used_bytes):
+        import tempfile
+
         self.folder, self.first_need = Path(folder), int(first_need)
+        self.tmpdir = Path(tmpdir if tmpdir is not None else tempfile.gettempdir())
+        self._used = used
+        self._tmp_start = used(self.tmpdir)
+        self.tmpdir_peak = 0      # the largest growth of TMPDIR's file system's used bytes, after each compile
         self._free = free if free is not None else free_bytes
         self._size = size if size is not None else tree_bytes
         self.largest = 0          # the largest growth of the folder over one compile
@@ -57,9 +74,11 @@ class WorkDisk:
         size = self._size(self.folder)
         self.largest = max(self.largest, size - self._before)
         self.peak = max(self.peak, size)
+        self.tmpdir_peak = max(self.tmpdir_peak, self._used(self.tmpdir) - self._tmp_start)
 
     def record(self) -> dict:
         return {"peak_bytes": self.peak, "largest_compile_bytes": self.largest, "first_estimate_bytes": self.first_need,
-                "skipped_for_space": self.skipped,
+                "skipped_for_space": self.skipped, "tmpdir": str(self.tmpdir),
+                "tmpdir_peak_growth_bytes": self.tmpdir_peak,
                 "measured": "size of the search's work folder (candidates' files and their Inductor caches), "
                             "sampled after each compile"}

@@ -444,10 +444,11 @@ def test_the_search_fits_a_disk_quota_of_three_compiles_by_removing_losers(tmp_p
     graph = {(p, b, "aot", "default"): 40.0 + b + (30 if p == "bf16" else 0) for p in ("fp32", "bf16")
              for b in (8, 16, 32)}
     m = FilesMeasurer(clock, screen, graph, work, size)
-    disk = WorkDisk(work, first_need=size, free=free)
+    disk = WorkDisk(work, first_need=size, free=free, tmpdir=work, used=tree_bytes)   # TMPDIR's use: the folder's
     res = search(m, _cfg(batch_sizes=(8, 16, 32)), clock=clock, disk=disk)
     assert len(m.compiled) == 6 and disk.skipped == 0
     assert disk.peak <= quota and disk.largest == size
+    assert disk.record()["tmpdir_peak_growth_bytes"] == disk.peak > 0
     left = sorted(p.name for p in work.iterdir())
     assert len(left) == KEEP and left == sorted(t.candidate.name.replace("/", "_") for t in res.ranked)
     assert res.ranked[0].candidate == Candidate("bf16", 32, "aot")
