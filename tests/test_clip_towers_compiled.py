@@ -206,3 +206,26 @@ def test_cuda_towers_are_measured_graphed_and_agree(tmp_path):
     assert float((got * want).sum(1).min()) >= 0.999
     loaded = tune.load_recorded(base, tmp_path, rec, print)
     assert torch.equal(loaded.encode_images(imgs).topk(5).indices, got.topk(5).indices)
+
+
+def test_a_resumed_build_keeps_its_recorded_towers(tmp_path, monkeypatch, capsys):
+    from evaluator.cir import build as cir_build
+
+    preset = tune.Preset(backends=("eager",), batches=(16,), precisions=("fp32",), sample=32, queries=8, rounds=1)
+    monkeypatch.setenv("CLIP_TOWERS", "auto")
+    monkeypatch.setitem(tune.PRESETS, "cpu", preset)
+    settings.reload()
+    args = build_args(tmp_path / "index", "--model-dir", str(clip_dirs()["open_clip"]), "--device", "cpu")
+    try:
+        assert cir_build.main(args, stop_after_chunks=2) != 0             # stopped, resumable
+        first = tune.read_resume(tmp_path / "index" / ".build")
+        assert first["image"]["choice"]["backend"] == "eager"
+
+        def refuse(*a, **k):
+            raise AssertionError("measured again")
+        monkeypatch.setattr(tune, "tune", refuse)
+        assert cir_build.main(args) == 0
+    finally:
+        settings.reload()
+    assert load_index(tmp_path / "index").meta["towers"] == first
+    assert "towers: the resumed build's choice" in capsys.readouterr().err

@@ -10,7 +10,9 @@ Then the build-time extras (engine.retrieval.extras), the top-k kernel compiled 
 GPU (kernels.topk.store_compiled), and one commit (engine.retrieval.index.commit). An index
 whose embeddings are up to date but whose extras or recorded method differ keeps its
 embeddings and redoes the rest. meta.json `model` records the CLIP that built it (its
-folder, absolute, and its digest), so a reader can find it again.
+folder, absolute, and its digest), so a reader can find it again. With CLIP_TOWERS=auto the
+gallery is embedded with towers measured and verified first (engine.clip.tune), recorded in
+meta.json `towers`, their compiled files in INDEX_DIR/towers-<tag>/.
 """
 from __future__ import annotations
 
@@ -145,7 +147,7 @@ class _Run:
 
         build_dir = self.index_dir / BUILD_DIR
         old = tune.read_resume(build_dir)
-        if old is not None and (self.index_dir / str(old.get("dir"))).is_dir():
+        if old is not None:
             towers = tune.load_recorded(self.towers, self.index_dir, old, _log)
             if towers is not self.towers:
                 _log(f"towers: the resumed build's choice ({old['dir']})")
