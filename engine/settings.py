@@ -188,7 +188,9 @@ def clip_text_trim() -> bool:
 
 
 def clip_towers() -> str | None:
-    return read("CLIP_TOWERS", choice("auto", "eager"), None)
+    from engine.backends import REFERENCE  # the off value: the reference backend's name
+
+    return read("CLIP_TOWERS", choice("auto", REFERENCE), None)
 
 
 def topk_backend() -> str:

@@ -1,9 +1,10 @@
 """Eager against AOT-compiled CLIP towers on this machine: images/s and texts/s, JSON out.
 
-    python -m engine.clip.bench --clip tiny                 # the generated corpus's tiny CLIP
+    python -m engine.clip.bench --clip CLIP_DIR             # a CLIP folder (e.g. the tests' tiny CLIP)
     python -m engine.clip.bench --clip ViT-L-14 --image-batch 8 --precisions fp32 bf16
 
-`--clip` is `tiny` or an open_clip architecture built with random weights (throughput only).
+`--clip` is a CLIP folder (engine.clip.load) or an open_clip architecture built with random
+weights (throughput only).
 Each tower is checked against the FP32 eager reference first (cosine per row), then timed:
 eager (ClipTowers, what runs without compiled towers: autocast precision, text trimmed to the
 batch's prompts) and aot alternate round by round (A/B/A/B), medians and spread reported;
@@ -26,17 +27,18 @@ PROMPTS = ("a photo of a red car", "make it blue and add stripes", "a dog on a b
 
 
 def _model(clip: str):
+    """(model, ClipSpec): a CLIP folder (engine.clip.load), else an open_clip architecture with random weights."""
     from engine.clip.spec import ClipSpec, image_spec_from_open_clip
 
-    if clip == "tiny":
-        from engine.clip.load import build_open_clip
-        from evaluator.synthetic.cir_corpus import TINY_CLIP as cfg
-        model = build_open_clip(cfg)
-    else:
-        import open_clip
+    if Path(clip).exists():
+        from engine.clip.load import load_clip
 
-        cfg = open_clip.get_model_config(clip)
-        model = open_clip.create_model(clip, pretrained=None).eval()
+        model, spec, _ = load_clip(clip)
+        return model, spec
+    import open_clip
+
+    cfg = open_clip.get_model_config(clip)
+    model = open_clip.create_model(clip, pretrained=None).eval()
     spec = ClipSpec(image=image_spec_from_open_clip(cfg, {}, clip), embed_dim=int(cfg["embed_dim"]),
                     context_length=int(cfg.get("text_cfg", {}).get("context_length", 77)), arch=clip)
     return model, spec
@@ -76,20 +78,20 @@ def bench(clip: str, image_batch: int, text_batch: int, precisions: list[str], r
             C.export_aot(C.make_graph(kind, model, spec, prec), C.example_input(kind, spec, batch, C.TEXT_LEN, "cpu"),
                          "cpu", d)
             compile_s = time.perf_counter() - t0
-            aot = C.tower_fn(kind, "aot", model, spec, prec, batch, dev, d)
+            aot = C.tower_fn(kind, C.AOT, model, spec, prec, batch, dev, d)
             run_aot = aot if kind == "image" else (lambda t, f=aot: f(t[:, :C.TEXT_LEN]))
             run_eager = eager.encode_images if kind == "image" else eager.encode_tokens
             cos = float((run_aot(x) * want[kind]).sum(1).min())
             run_eager(x)                                    # warm-up of both
-            rates: dict[str, list[float]] = {"eager": [], "aot": []}
+            rates: dict[str, list[float]] = {C.EAGER: [], C.AOT: []}
             for _ in range(rounds):                         # A/B alternating: shared-machine drift hits both
-                rates["eager"].append(_rate(run_eager, x, n))
-                rates["aot"].append(_rate(run_aot, x, n))
+                rates[C.EAGER].append(_rate(run_eager, x, n))
+                rates[C.AOT].append(_rate(run_aot, x, n))
             row = {"tower": kind, "precision": prec, "compile_s": round(compile_s, 1), "cos_min_vs_fp32": cos}
             for k, v in rates.items():
                 row[f"{k}_per_s_median"] = round(statistics.median(v), 2)
                 row[f"{k}_per_s_range"] = [round(min(v), 2), round(max(v), 2)]
-            row["aot_over_eager"] = round(row["aot_per_s_median"] / row["eager_per_s_median"], 3)
+            row[f"{C.AOT}_over_{C.EAGER}"] = round(row[f"{C.AOT}_per_s_median"] / row[f"{C.EAGER}_per_s_median"], 3)
             print(json.dumps(row), file=sys.stderr, flush=True)
             out["towers"].append(row)
     return out
@@ -97,7 +99,7 @@ def bench(clip: str, image_batch: int, text_batch: int, precisions: list[str], r
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--clip", default="tiny")
+    p.add_argument("--clip", required=True, help="a CLIP folder or an open_clip architecture name")
     p.add_argument("--image-batch", type=int, default=32)
     p.add_argument("--text-batch", type=int, default=64)
     p.add_argument("--precisions", nargs="+", default=["fp32"])

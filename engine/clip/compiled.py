@@ -23,10 +23,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from engine.backends import REFERENCE as EAGER
+from engine.backends.aot import NAME as AOT
 from engine.clip.towers import PRECISIONS, ClipTowers, _say_once, text_forward
 
 TEXT_LEN = 32          # static text length: CLIP prompts are ~10-20 tokens of 77
-BACKENDS = ("eager", "aot")
+BACKENDS = (EAGER, AOT)  # the registry's names (engine.backends); their tower forms are here
 
 
 class ImageGraph(torch.nn.Module):
@@ -146,9 +148,9 @@ def tower_fn(kind: str, backend: str, model, spec, precision: str, batch: int, d
              files_dir: Path | None, text_len: int = TEXT_LEN) -> Static:
     """A runnable tower: eager builds the graph module; aot loads the .so in `files_dir`.
     On CUDA the static batch is captured in a CUDA graph."""
-    if backend == "eager":
+    if backend == EAGER:
         fn = make_graph(kind, model, spec, precision).to(device)
-    elif backend == "aot":
+    elif backend == AOT:
         fn = load_aot(files_dir, device)
     else:
         raise ValueError(f"tower backend must be one of {BACKENDS}, got {backend!r}")

@@ -45,7 +45,7 @@ RECORD = "towers.json"   # INDEX_DIR/.build/towers.json: a resumed build's choic
 
 @dataclass(frozen=True)
 class Preset:
-    backends: tuple[str, ...] = ("eager", "aot")
+    backends: tuple[str, ...] = C.BACKENDS
     batches: tuple[int, ...] = (16, 32, 64)
     precisions: tuple[str, ...] | None = None   # None: those the device runs natively
     sample: int = 256                            # gallery images drawn for the check
@@ -70,7 +70,7 @@ class Candidate:
 
     def build(self, model, spec, device: torch.device, work: Path) -> tuple[C.Static, Path | None]:
         d = None
-        if self.backend == "aot":
+        if self.backend == C.AOT:
             d = work / self.name
             ex = C.example_input(self.tower, spec, self.batch, C.text_len_for(spec), str(device))
             C.export_aot(C.make_graph(self.tower, model, spec, self.precision), ex, device.type, d)
@@ -146,7 +146,7 @@ def choose(tower: str, cands: list[Candidate], model, spec, device: torch.device
     if best is None:
         log(f"{tower} tower: no candidate agrees with the FP32 eager reference "
             f"({'; '.join(r['candidate'] + ' ' + r['status'] for r in table)}): using eager fp32")
-        cand = Candidate(tower, "eager", "fp32", preset.batches[0])
+        cand = Candidate(tower, C.EAGER, "fp32", preset.batches[0])
         best = (cand, *cand.build(model, spec, device, work))
     cand, fn, files = best
     rec = {"backend": cand.backend, "precision": cand.precision, "batch": cand.batch, "fallback": best_rate < 0}
@@ -170,7 +170,7 @@ def tune(base, images: torch.Tensor, dest: Path, log, preset: Preset | None = No
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     record = {"mode": "auto", "device": dev.type, "text_len": text_len, "dir": dest.name,
-              "reference": {"backend": "eager", "precision": "fp32"}, "preset": asdict(preset),
+              "reference": {"backend": C.EAGER, "precision": "fp32"}, "preset": asdict(preset),
               "verify": {"sample_images": int(x.shape[0]), "image_queries": min(preset.queries, int(x.shape[0])),
                          "text_queries": len(PROMPTS), "top": min(TOP, int(x.shape[0])), "cos_min": COS_MIN}}
     fns = {}
@@ -197,7 +197,7 @@ def load_recorded(base, index_dir: Path, record: dict | None, say):
     or a recorded file is unusable (one line through `say` saying why)."""
     from engine import settings
 
-    if not isinstance(record, dict) or record.get("mode") != "auto" or settings.clip_towers() == "eager":
+    if not isinstance(record, dict) or record.get("mode") != "auto" or settings.clip_towers() == C.EAGER:
         return base
     if record.get("device") != base.device.type:
         say(f"the index's towers were chosen on {record.get('device')}, this run is on {base.device.type}: "
@@ -208,7 +208,7 @@ def load_recorded(base, index_dir: Path, record: dict | None, say):
         ch = (record.get(tower) or {}).get("choice") or {}
         files = None
         try:
-            if ch.get("backend") == "aot":
+            if ch.get("backend") == C.AOT:
                 files = index_dir / record["dir"] / tower
                 for name, digest in ch["files"].items():
                     if C.sha256_file(files / name) != digest:

@@ -46,6 +46,7 @@ def build(records, records_sha: str, towers, info: dict, method: dict, *, corpus
     `towers_mode`: auto measures the compiled CLIP towers and embeds with the chosen ones
     (engine.clip.tune); eager keeps `towers`; default CLIP_TOWERS, else auto on CUDA, eager on CPU."""
     from engine import settings as engine_settings
+    from engine.backends import REFERENCE
     from engine.decoders import default_decoder, make_decoder
     from engine.retrieval.index import BuildLock
 
@@ -59,7 +60,7 @@ def build(records, records_sha: str, towers, info: dict, method: dict, *, corpus
         run = _Run(records, records_sha, towers, info, method, corpus, index_dir, extras, dec, batch_size,
                    chunk_size, readers, confine_to_corpus, stop_after_chunks, t_start, t_loaded)
         run.towers_mode = towers_mode or engine_settings.clip_towers() or (
-            "auto" if towers.device.type == "cuda" else "eager")
+            "auto" if towers.device.type == "cuda" else REFERENCE)
         if run.towers_mode == "auto":    # the towers decide the rows: another mode is another build
             run.key["towers"] = "auto"
             run.store.key = run.key
@@ -99,7 +100,9 @@ class _Run:
         self.read = record_reader(corpus, [r.path for r in records], confine_to_corpus)
         self.saved = self.embedded = 0
         self.t_embed = 0.0
-        self.towers_mode, self.towers_record = "eager", {"mode": "eager"}
+        from engine.backends import REFERENCE
+
+        self.towers_mode, self.towers_record = REFERENCE, {"mode": REFERENCE}
 
     def build(self, force: bool) -> bool:
         from engine.retrieval.index import IndexLoadError, load_index, read_meta
