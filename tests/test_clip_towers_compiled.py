@@ -166,16 +166,23 @@ class _Planted(tune.Candidate):
         return C.Static(perturbed, self.batch), files
 
 
+class _Broken(tune.Candidate):
+    def build(self, model, spec, device, work):
+        raise RuntimeError("this candidate cannot build here")
+
+
 def test_planted_disagreeing_tower_is_refused_and_the_build_falls_back(tmp_path, monkeypatch, capsys):
     def cands(tower, device, preset):
         real = tune.Candidate(tower, "eager", "fp32", 16)
-        return [_Planted(tower, "eager", "fp32", 16)] if tower == "image" else [real]
+        return [_Planted(tower, "eager", "fp32", 16), _Broken(tower, "aot", "fp32", 32)] if tower == "image" \
+            else [real]
     monkeypatch.setattr(tune, "candidates", cands)
     preset = tune.Preset(backends=("eager",), batches=(16,), precisions=("fp32",), sample=48, queries=16, rounds=1)
     idx = _build(tmp_path / "index", monkeypatch, preset)
     rec = idx.meta["towers"]
-    (row,) = rec["image"]["table"]
+    row, broken = rec["image"]["table"]
     assert row["status"].startswith("refused") and row["cos_min"] < tune.COS_MIN
+    assert broken["status"] == "failed: RuntimeError: this candidate cannot build here"
     assert rec["image"]["choice"] == {"backend": "eager", "precision": "fp32", "batch": 16, "fallback": True}
     assert rec["text"]["choice"]["fallback"] is False and rec["text"]["table"][0]["status"] == "ok"
     err = capsys.readouterr().err

@@ -134,11 +134,11 @@ def choose(tower: str, cands: list[Candidate], model, spec, device: torch.device
         t0 = time.perf_counter()
         try:
             fn, files = cand.build(model, spec, device, work)
-        except Exception as e:  # noqa: BLE001 - a candidate that cannot build is a row of the table
+            row = _measure(cand, fn, x, ref, gallery_ref, preset.queries, k, preset.rounds)
+        except Exception as e:  # noqa: BLE001 - a candidate that cannot build or run is a row of the table
             table.append({"candidate": cand.name, "backend": cand.backend, "precision": cand.precision,
                           "batch": cand.batch, "status": f"failed: {type(e).__name__}: {str(e)[:200]}"})
             continue
-        row = _measure(cand, fn, x, ref, gallery_ref, preset.queries, k, preset.rounds)
         row["build_s"] = round(time.perf_counter() - t0, 2)
         table.append(row)
         if row["status"] == "ok" and row["per_s"] > best_rate:
