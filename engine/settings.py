@@ -36,6 +36,7 @@ on and 0, false, no, off for off (an empty value is the default).
 | CLIP_DEVICE | cpu/cuda[:N] | cuda if available | where the CLIP towers run |
 | CLIP_PRECISION | fp32/fp16/bf16 | fp16 on CUDA, else fp32 | CLIP autocast precision |
 | CLIP_TEXT_TRIM | 0/1 | 1 | run the text tower on the used positions only (0: all 77, the reference twin) |
+| CLIP_TOWERS | auto/eager | auto on CUDA, eager on the CPU | the index build measures eager/aot CLIP towers and records the one chosen, which query runs load (engine.clip.tune); eager: the off switch, at build and query time |
 | KERNELS_TOPK | auto/cupy/torch | auto | force the top-k kernel or its torch twin |
 | ENGINE_DEBUG | 0/1 | 0 | show the Python traceback of a user error (as `--debug` does) instead of one line |
 | OMP_WAIT_POLICY | passive/active | passive | OpenMP threads sleep between calls (busy-waiting ones starve the decoder threads on few cores); engine.threads passes it on |
@@ -184,6 +185,12 @@ def clip_precision() -> str | None:
 
 def clip_text_trim() -> bool:
     return read("CLIP_TEXT_TRIM", flag, True)
+
+
+def clip_towers() -> str | None:
+    from engine.backends import REFERENCE  # the off value: the reference backend's name
+
+    return read("CLIP_TOWERS", choice("auto", REFERENCE), None)
 
 
 def topk_backend() -> str:

@@ -10,7 +10,9 @@ Then the build-time extras (engine.retrieval.extras), the top-k kernel compiled 
 GPU (kernels.topk.store_compiled), and one commit (engine.retrieval.index.commit). An index
 whose embeddings are up to date but whose extras or recorded method differ keeps its
 embeddings and redoes the rest. meta.json `model` records the CLIP that built it (its
-folder, absolute, and its digest), so a reader can find it again.
+folder, absolute, and its digest), so a reader can find it again. With CLIP_TOWERS=auto the
+gallery is embedded with towers measured and verified first (engine.clip.tune), recorded in
+meta.json `towers`, their compiled files in INDEX_DIR/towers-<tag>/.
 """
 from __future__ import annotations
 
@@ -33,15 +35,18 @@ def model_record(info: dict) -> dict:
 def build(records, records_sha: str, towers, info: dict, method: dict, *, corpus: Path, index_dir: Path,
           extras, decoder: str = "auto", batch_size: int = 64, chunk_size: int = 4096, readers: int = 8,
           confine_to_corpus: bool = False, force: bool = False, stop_after_chunks: int = 0,
-          t_start: float | None = None, t_loaded: float | None = None) -> bool:
+          t_start: float | None = None, t_loaded: float | None = None, towers_mode: str | None = None) -> bool:
     """Embed every pending chunk of `records` (engine.retrieval.jsonl.Record), then commit the index.
 
     `info`: engine.clip.load's record of the CLIP in `towers`; `method`: the composition method
     recorded for the query runs (Method.to_dict()); `extras`: an ExtrasConfig. True when the index
     is committed or already up to date; False when stopped early as asked (`stop_after_chunks`, or
     the extras' training hook): resumable. IndexLoadError when stored chunks or the index in place
-    cannot be read; IndexBusyError when another build holds the index (one build per index)."""
+    cannot be read; IndexBusyError when another build holds the index (one build per index).
+    `towers_mode`: auto measures the compiled CLIP towers and embeds with the chosen ones
+    (engine.clip.tune); eager keeps `towers`; default CLIP_TOWERS, else auto on CUDA, eager on CPU."""
     from engine import settings as engine_settings
+    from engine.backends import REFERENCE
     from engine.decoders import default_decoder, make_decoder
     from engine.retrieval.index import BuildLock
 
@@ -54,6 +59,11 @@ def build(records, records_sha: str, towers, info: dict, method: dict, *, corpus
         dec.decode([None])   # an isolated decoder that cannot start gives way now: dec.name is what decodes
         run = _Run(records, records_sha, towers, info, method, corpus, index_dir, extras, dec, batch_size,
                    chunk_size, readers, confine_to_corpus, stop_after_chunks, t_start, t_loaded)
+        run.towers_mode = towers_mode or engine_settings.clip_towers() or (
+            "auto" if towers.device.type == "cuda" else REFERENCE)
+        if run.towers_mode == "auto":    # the towers decide the rows: another mode is another build
+            run.key["towers"] = "auto"
+            run.store.key = run.key
         return run.build(force)
 
 
@@ -90,6 +100,9 @@ class _Run:
         self.read = record_reader(corpus, [r.path for r in records], confine_to_corpus)
         self.saved = self.embedded = 0
         self.t_embed = 0.0
+        from engine.backends import REFERENCE
+
+        self.towers_mode, self.towers_record = REFERENCE, {"mode": REFERENCE}
 
     def build(self, force: bool) -> bool:
         from engine.retrieval.index import IndexLoadError, load_index, read_meta
@@ -108,6 +121,8 @@ class _Run:
             return reuse_embeddings(self.index_dir, self.corpus, old, self.towers, self.info, self.extras,
                                     self.ekey, self.method, idx)
         done = self.store.open(self.n_chunks, _log)
+        if self.towers_mode == "auto":
+            self._choose_towers()
         if done:
             _log(f"resuming: {len(done)} of {self.n_chunks} chunks already built")
         resumed = len(done)
@@ -123,6 +138,41 @@ class _Run:
                 raise IndexLoadError(f"the decoder kept changing while building ({self.dec.name} now); "
                                      "run the build again")
         return self._commit(resumed)
+
+    def _choose_towers(self) -> None:
+        """The CLIP towers this build embeds with (engine.clip.tune): a resumed build's recorded
+        choice, else measured now on a gallery sample; their files go to INDEX_DIR/towers-<tag>/."""
+        import uuid
+
+        from engine.clip import tune
+        from engine.retrieval.embed import embed_images
+        from engine.retrieval.index import BUILD_DIR
+
+        build_dir = self.index_dir / BUILD_DIR
+        old = tune.read_resume(build_dir)
+        if old is not None:
+            towers = tune.load_recorded(self.towers, self.index_dir, old, _log)
+            if towers is not self.towers:
+                _log(f"towers: the resumed build's choice ({old['dir']})")
+                self.towers, self.towers_record = towers, old
+                return
+        preset = tune.PRESETS.get(self.towers.device.type, tune.PRESETS["cuda"])
+        items = range(min(preset.sample, len(self.records)))
+        # the sample's decoded pixels: uint8 values pass the fp16 rows of embed_images exactly
+        s = self.towers.spec.image.input_size
+        pix = [b.emb.reshape(-1, s, s, 3) for b in embed_images(
+            self.read, items, self.dec, torch_flat, self.batch_size, self.readers) if len(b.emb)]
+        if not pix:
+            _log("towers: no readable image to measure them on; eager towers")
+            return
+        import numpy as np
+        import torch
+
+        images = torch.from_numpy(np.concatenate(pix).astype(np.uint8))
+        _log(f"towers: measuring the candidates on {len(images)} gallery images")
+        self.towers, self.towers_record = tune.tune(self.towers, images, self.index_dir / f"towers-{uuid.uuid4().hex[:12]}",
+                                                    _log)
+        tune.save_resume(build_dir, self.towers_record)
 
     def _drop_other_decoders(self) -> None:
         """Chunks decoded by another decoder than the one decoding now are rebuilt (one line):
@@ -195,7 +245,7 @@ class _Run:
         key = {**self.key, "decoder": dec.name}   # every chunk's decoder (_drop_other_decoders saw to it)
         meta = {"build_key": key, "model": model_record(self.info), "clip_spec": spec.to_dict(),
                 "method": self.method, "decoder": key["decoder"], "device": towers.device.type,
-                "precision": towers.precision,
+                "precision": towers.precision, "towers": self.towers_record,
                 "records": {"path": str(self.corpus / "records.jsonl"), "sha256": self.records_sha,
                             "usable": len(self.records)},
                 "corpus": str(self.corpus.resolve()), "confine_to_corpus": self.confine, "unreadable": failed,
@@ -228,7 +278,25 @@ def commit_with_extras(index_dir: Path, emb, ids: list, meta: dict, towers, info
     meta = {**meta, **extra_meta, "extras_key": ekey, "kernels": store_kernels(index_dir)}
     meta["timing"] = {**meta.get("timing", {}), "extras_s": round(time.perf_counter() - t0, 3)}
     commit(index_dir, emb, ids, meta, files)
+    drop_other_towers(index_dir, meta.get("towers"))
     return True
+
+
+def torch_flat(a):
+    """uint8 [m, S, S, 3] (numpy or torch) -> [m, S*S*3] as a torch tensor (a sample's pixels as rows)."""
+    import torch
+
+    t = torch.as_tensor(a)
+    return t.reshape(t.shape[0], -1)
+
+
+def drop_other_towers(index_dir: Path, record) -> None:
+    """Remove towers-* folders the committed meta.json does not name (an earlier build's, or an
+    unfinished one's); under the build lock, after the commit switched."""
+    keep = record.get("dir") if isinstance(record, dict) else None
+    for d in index_dir.glob("towers-*"):
+        if d.name != keep and d.is_dir():
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def store_kernels(index_dir: Path) -> dict:
@@ -258,7 +326,7 @@ def reuse_embeddings(index_dir: Path, corpus: Path, old: dict, towers, info: dic
         except IndexLoadError as e:
             raise IndexLoadError(f"{e}; pass --force to rebuild") from e
     _log(f"embeddings in {index_dir} are up to date; recomputing the extras only")
-    keep = ("build_key", "model", "clip_spec", "decoder", "device", "precision", "records", "corpus",
+    keep = ("build_key", "model", "clip_spec", "decoder", "device", "precision", "towers", "records", "corpus",
             "confine_to_corpus", "unreadable", "counts", "timing")
     meta = {k: old[k] for k in keep if k in old}
     meta["model"] = model_record(info)        # the same digest (the build key says so); where it is now

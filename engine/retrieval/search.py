@@ -107,7 +107,8 @@ def clip_for(index, clip_dir: str | os.PathLike | None = None, *, default_clip_d
     applied. The folder: engine.retrieval.index_clip.resolve (`clip_dir`, else CLIP_MODEL_DIR,
     else `default_clip_dir` when it exists, else the folder the index records when its digest
     matches). A CLIP other than the index's is a ClipLoadError ending in `mismatch_hint`, unless
-    `allow_model_mismatch` (then a warning through `say`)."""
+    `allow_model_mismatch` (then a warning through `say`). The towers the index records
+(meta.json `towers`, engine.clip.tune.load_recorded) are loaded, never compiled."""
     from engine import threads
     from engine.clip.load import ClipLoadError, load_clip
     from engine.clip.towers import ClipTowers
@@ -122,6 +123,10 @@ def clip_for(index, clip_dir: str | os.PathLike | None = None, *, default_clip_d
         say(f"warning: {msg}")
     towers = ClipTowers(model, spec, device, precision)
     threads.apply_torch(threads.budget(towers.device.type))
+    if not msg:   # the recorded towers hold the build's weights: only for the CLIP that built the index
+        from engine.clip.tune import load_recorded
+
+        towers = load_recorded(towers, Path(index.dir), index.meta.get("towers"), say)
     return towers, info
 
 

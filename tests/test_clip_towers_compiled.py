@@ -1,0 +1,238 @@
+"""Compiled CLIP towers (engine.clip.compiled, engine.clip.tune): measured and verified at index
+build, recorded in meta.json, loaded (never compiled) by the query run; a disagreeing candidate
+is refused. The AOT build compiles the tiny CLIP's two towers once (~40 s on two cores)."""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+from cir_helpers import build_args, clip_dirs, corpus, requests_of, workspace
+
+from engine import settings
+from engine.clip import compiled as C
+from engine.clip import tune
+from engine.clip.load import load_clip
+from engine.clip.towers import ClipTowers
+from engine.retrieval.index import load_index
+from engine.retrieval.jsonl import read_records
+
+# the tests' preset: one static batch, FP32 only, a 64-image sample (the CPU preset measures more)
+SMALL = tune.Preset(backends=("aot",), batches=(16,), precisions=("fp32",), sample=64, queries=16, rounds=1)
+
+
+def _build(index_dir, monkeypatch, preset=SMALL, mode="auto"):
+    from evaluator.cir import build as cir_build
+
+    monkeypatch.setenv("CLIP_TOWERS", mode)
+    monkeypatch.setitem(tune.PRESETS, "cpu", preset)
+    settings.reload()
+    try:
+        rc = cir_build.main(build_args(index_dir, "--model-dir", str(clip_dirs()["open_clip"]), "--device", "cpu"))
+    finally:
+        settings.reload()
+    assert rc == 0
+    return load_index(index_dir)
+
+
+@functools.cache
+def _aot_index():
+    """The index built with CLIP_TOWERS=auto and the aot-only preset: both towers compiled."""
+    mp = pytest.MonkeyPatch()
+    try:
+        return _build(workspace() / "index-towers-aot", mp)
+    finally:
+        mp.undo()
+
+
+def _tiny():
+    model, spec, _ = load_clip(clip_dirs()["open_clip"])
+    return model, spec
+
+
+def _sample_images(n=48):
+    """The corpus's first gallery images, resized to the tower's side: uint8 [n, S, S, 3]."""
+    from PIL import Image
+
+    _, spec = _tiny()
+    side = spec.image.input_size
+    files = sorted((corpus() / "images").rglob("*.jpg"))[:n]
+    return torch.as_tensor(np.stack([np.asarray(Image.open(p).convert("RGB").resize((side, side))) for p in files]))
+
+
+def _noflag(monkeypatch):
+    """Every compiler entry point raises: what runs after this compiles nothing."""
+    def refuse(*a, **k):
+        raise AssertionError("the compiler was called")
+    monkeypatch.setattr(torch.export, "export", refuse)
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", refuse)
+    monkeypatch.setattr(torch._inductor, "aot_compile", refuse)
+    monkeypatch.setattr(torch, "compile", refuse)
+
+
+def test_build_records_the_measured_table_and_choice():
+    idx = _aot_index()
+    rec = idx.meta["towers"]
+    assert rec["mode"] == "auto" and rec["device"] == "cpu" and rec["reference"] == {"backend": "eager",
+                                                                                     "precision": "fp32"}
+    assert idx.meta["build_key"]["towers"] == "auto"
+    for tower in ("image", "text"):
+        (row,) = rec[tower]["table"]
+        assert row["candidate"] == f"{tower}-aot-fp32-b16" and row["status"] == "ok"
+        assert row["per_s"] > 0 and row["cos_min"] >= tune.COS_MIN and row["top50_equal"] is True
+        ch = rec[tower]["choice"]
+        assert ch == {**ch, "backend": "aot", "precision": "fp32", "batch": 16, "fallback": False}
+        folder = idx.dir / rec["dir"] / tower
+        assert set(ch["files"]) == {p.name for p in folder.iterdir()} and "model.so" in ch["files"]
+        assert all(C.sha256_file(folder / n) == d for n, d in ch["files"].items())
+    first = [r.image_id for r in read_records(corpus() / "records.jsonl", print)[:64]]
+    readable = [i for i in first if not str(i).startswith("broken")]      # the sample: its readable images
+    assert rec["verify"]["sample_images"] == len(readable) < 64 and rec["verify"]["top"] == 50
+    assert [p.name for p in idx.dir.glob("towers-*")] == [rec["dir"]]   # nothing else left behind
+
+
+def test_compiled_towers_agree_with_eager_fp32(monkeypatch):
+    idx = _aot_index()
+    model, spec = _tiny()
+    base = ClipTowers(model, spec, "cpu", "fp32")
+    _noflag(monkeypatch)
+    towers = tune.load_recorded(base, idx.dir, idx.meta["towers"], print)
+    assert isinstance(towers, C.CompiledTowers) and towers.image_fn is not None and towers.text_fn is not None
+    imgs = _sample_images()
+    got, want = towers.encode_images(imgs), base.encode_images(imgs)          # 48 rows: 3 static batches
+    assert got.shape == want.shape and float((got * want).sum(1).min()) >= 0.999
+    q = slice(0, 8)
+    assert torch.equal((got[q] @ got.T).topk(20).indices, (want[q] @ want.T).topk(20).indices)
+    texts = list(tune.PROMPTS)
+    gt, wt = towers.encode_texts(texts), base.encode_texts(texts)
+    assert float((gt * wt).sum(1).min()) >= 0.999
+    assert torch.equal((gt @ want.T).topk(20).indices, (wt @ want.T).topk(20).indices)
+
+
+def test_long_prompt_runs_the_eager_text_tower(capsys):
+    idx = _aot_index()
+    model, spec = _tiny()
+    base = ClipTowers(model, spec, "cpu", "fp32")
+    towers = tune.load_recorded(base, idx.dir, idx.meta["towers"], print)
+    long = " ".join(["red stripes"] * 30)                     # ~60 tokens: past the graph's 32
+    got, want = towers.encode_texts([long, "a dog"]), base.encode_texts([long, "a dog"])
+    assert torch.allclose(got, want, atol=1e-5)
+    assert "longer than the compiled text tower's 32 tokens" in capsys.readouterr().err
+
+
+def test_query_run_loads_the_recorded_towers_without_compiling(monkeypatch, capsys):
+    import engine.retrieval
+
+    idx = _aot_index()
+    reqs = requests_of(corpus() / "requests.jsonl")[:12]
+    _noflag(monkeypatch)
+    searcher = engine.retrieval.open_index(idx.dir, clip_dirs()["open_clip"], device="cpu")
+    assert isinstance(searcher.towers, C.CompiledTowers)
+    calls = {"image": 0, "text": 0}
+    for tower in calls:
+        fn = getattr(searcher.towers, f"{tower}_fn")
+        monkeypatch.setattr(fn, "fn", _counting(fn.fn, calls, tower))
+    rows = searcher.search_many(reqs, k=10, method="slerp")
+    assert calls["text"] > 0                                   # the recorded text graph answered
+    monkeypatch.setenv("CLIP_TOWERS", "eager")                  # the off switch: eager towers
+    settings.reload()
+    try:
+        plain = engine.retrieval.open_index(idx.dir, clip_dirs()["open_clip"], device="cpu")
+    finally:
+        settings.reload()
+    assert type(plain.towers) is ClipTowers
+    ref = plain.search_many(reqs, k=10, method="slerp")
+    assert [[r["image_id"] for r in row[:3]] for row in rows] == [[r["image_id"] for r in row[:3]] for row in ref]
+
+
+def _counting(fn, calls, key):
+    def wrapped(x):
+        calls[key] += 1
+        return fn(x)
+    return wrapped
+
+
+class _Planted(tune.Candidate):
+    """A candidate whose rows are the eager ones pushed off by a fixed random direction."""
+
+    def build(self, model, spec, device, work):
+        fn, files = tune.Candidate(self.tower, "eager", self.precision, self.batch).build(model, spec, device, work)
+        g = torch.Generator().manual_seed(0)
+
+        def perturbed(x):
+            y = fn.fn(x)
+            return torch.nn.functional.normalize(y + 0.2 * torch.randn(y.shape, generator=g), dim=-1)
+        return C.Static(perturbed, self.batch), files
+
+
+class _Broken(tune.Candidate):
+    def build(self, model, spec, device, work):
+        raise RuntimeError("this candidate cannot build here")
+
+
+def test_planted_disagreeing_tower_is_refused_and_the_build_falls_back(tmp_path, monkeypatch, capsys):
+    def cands(tower, device, preset):
+        real = tune.Candidate(tower, "eager", "fp32", 16)
+        return [_Planted(tower, "eager", "fp32", 16), _Broken(tower, "aot", "fp32", 32)] if tower == "image" \
+            else [real]
+    monkeypatch.setattr(tune, "candidates", cands)
+    preset = tune.Preset(backends=("eager",), batches=(16,), precisions=("fp32",), sample=48, queries=16, rounds=1)
+    idx = _build(tmp_path / "index", monkeypatch, preset)
+    rec = idx.meta["towers"]
+    row, broken = rec["image"]["table"]
+    assert row["status"].startswith("refused") and row["cos_min"] < tune.COS_MIN
+    assert broken["status"] == "failed: RuntimeError: this candidate cannot build here"
+    assert rec["image"]["choice"] == {"backend": "eager", "precision": "fp32", "batch": 16, "fallback": True}
+    assert rec["text"]["choice"]["fallback"] is False and rec["text"]["table"][0]["status"] == "ok"
+    err = capsys.readouterr().err
+    assert sum("no candidate agrees with the FP32 eager reference" in ln for ln in err.splitlines()) == 1
+    assert not list(idx.dir.glob("towers-*"))                   # no compiled file chosen
+    # the off switch: eager towers, no record of a choice; the fallback's rows are theirs
+    plain = _build(tmp_path / "plain", monkeypatch, mode="eager")
+    assert plain.meta["towers"] == {"mode": "eager"} and "towers" not in plain.meta["build_key"]
+    assert plain.ids == idx.ids and np.abs(plain.emb.astype(np.float32) - idx.emb.astype(np.float32)).max() < 2e-3
+    model, spec = _tiny()
+    base = ClipTowers(model, spec, "cpu", "fp32")
+    assert tune.load_recorded(base, plain.dir, plain.meta["towers"], print) is base
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_towers_are_measured_graphed_and_agree(tmp_path):
+    """On CUDA: every candidate (eager/aot x native precisions) runs from a CUDA graph, is
+    measured and verified; the chosen towers agree with eager FP32."""
+    model, spec = _tiny()
+    base = ClipTowers(model, spec, "cuda", "fp32")
+    imgs = _sample_images(64)
+    preset = tune.Preset(batches=(16,), sample=64, queries=16, rounds=2)
+    towers, rec = tune.tune(base, imgs, tmp_path / "towers-x", print, preset)
+    assert rec["device"] == "cuda" and len(rec["image"]["table"]) >= 4
+    assert all("per_s" in row for row in rec["image"]["table"] + rec["text"]["table"])
+    got, want = towers.encode_images(imgs), base.encode_images(imgs)
+    assert float((got * want).sum(1).min()) >= 0.999
+    loaded = tune.load_recorded(base, tmp_path, rec, print)
+    assert torch.equal(loaded.encode_images(imgs).topk(5).indices, got.topk(5).indices)
+
+
+def test_a_resumed_build_keeps_its_recorded_towers(tmp_path, monkeypatch, capsys):
+    from evaluator.cir import build as cir_build
+
+    preset = tune.Preset(backends=("eager",), batches=(16,), precisions=("fp32",), sample=32, queries=8, rounds=1)
+    monkeypatch.setenv("CLIP_TOWERS", "auto")
+    monkeypatch.setitem(tune.PRESETS, "cpu", preset)
+    settings.reload()
+    args = build_args(tmp_path / "index", "--model-dir", str(clip_dirs()["open_clip"]), "--device", "cpu")
+    try:
+        assert cir_build.main(args, stop_after_chunks=2) != 0             # stopped, resumable
+        first = tune.read_resume(tmp_path / "index" / ".build")
+        assert first["image"]["choice"]["backend"] == "eager"
+
+        def refuse(*a, **k):
+            raise AssertionError("measured again")
+        monkeypatch.setattr(tune, "tune", refuse)
+        assert cir_build.main(args) == 0
+    finally:
+        settings.reload()
+    assert load_index(tmp_path / "index").meta["towers"] == first
+    assert "towers: the resumed build's choice" in capsys.readouterr().err
