@@ -241,9 +241,9 @@ def _main(argv: list[str] | None, stop_after_chunks: int, p2w_stop_after: int) -
 
 def _ray_build(cfg: BuildConfig, records, records_sha, towers, info, method: dict, t_start, t_loaded) -> int:
     """--ray: the same build with its chunks embedded on Ray actors (engine.retrieval.build_ray)."""
-    from engine.retrieval.index import IndexLoadError
-
     import importlib.util
+
+    from engine.retrieval.index import IndexLoadError
 
     if importlib.util.find_spec("ray") is None:
         _error("--ray needs Ray Data, which is not installed: pip install -r requirements/scale.txt")
