@@ -29,19 +29,25 @@ def _log(msg: str) -> None:
 
 def start_ray(workers: int, object_store_mb: int = 200):
     """Join RAY_ADDRESS's cluster, or start a small local Ray (its files under TMPDIR)."""
-    import ray
+    import logging
 
+    import ray
+    import ray.data
+
+    for name in ("ray", "ray.data"):     # Ray Data's INFO lines (its plan, its log folder) stay in its logs
+        logging.getLogger(name).setLevel(logging.WARNING)
+    ray.data.DataContext.get_current().enable_progress_bars = False   # ours: chunks done, images/s
     if ray.is_initialized():
         return ray
     from engine import settings as engine_settings
 
     if engine_settings.ray_address():          # ray.init reads RAY_ADDRESS itself
-        ray.init(log_to_driver=False, configure_logging=False)
+        ray.init(log_to_driver=False, logging_level=logging.WARNING)
     else:
         import tempfile
 
         ray.init(num_cpus=max(workers, 1), include_dashboard=False, log_to_driver=False,
-                 object_store_memory=object_store_mb * 1024 * 1024, configure_logging=False,
+                 object_store_memory=object_store_mb * 1024 * 1024, logging_level=logging.WARNING,
                  _temp_dir=os.path.join(tempfile.gettempdir(), "ray"))
     return ray
 
@@ -61,12 +67,14 @@ class ChunkEmbedder:
 
     def __init__(self, tower_args: tuple, key: dict, paths: list[str], ids: list[str], lines: list[int],
                  corpus: str, index_dir: str, decoder: str, batch_size: int, readers: int, confine: bool):
+        from engine import settings as engine_settings
         from engine.decoders import make_decoder
         from engine.retrieval.index import ChunkStore
         from engine.retrieval.jsonl import record_reader
 
         self.towers, _ = load_towers(*tower_args)
-        self.dec = make_decoder(decoder, self.towers.spec.image, batch_size, isolate=False)
+        self.dec = make_decoder(decoder, self.towers.spec.image, batch_size,
+                                isolate=engine_settings.decoder_isolate())
         self.store = ChunkStore(Path(index_dir), key)
         self.read = record_reader(Path(corpus), paths, confine)
         self.ids, self.lines, self.paths = ids, lines, paths
@@ -130,7 +138,8 @@ class _RayRun(gallery._Run):
         gpu = self.towers.device.type == "cuda"
         recs = self.records
         ds = ray.data.from_items(rows, override_num_blocks=len(rows)).map_batches(
-            ChunkEmbedder, batch_size=1, concurrency=self.workers,
+            ChunkEmbedder, batch_size=1, compute=ray.data.ActorPoolStrategy(size=self.workers),
+            max_restarts=0,    # a lost actor fails the build; the rerun resumes at its unfinished chunks
             **({"num_gpus": 1} if gpu else {"num_cpus": 1}),
             fn_constructor_kwargs=dict(
                 tower_args=self.tower_args, key=self.key, paths=[r.path for r in recs],
@@ -170,7 +179,8 @@ def build(records, records_sha: str, towers, info: dict, method: dict, *, corpus
     decoder_name = decoder if decoder != "auto" else (
         engine_settings.decoder() or default_decoder(towers.device.type))
     with BuildLock(index_dir):
-        dec = make_decoder(decoder_name, towers.spec.image, batch_size, isolate=False)
+        dec = make_decoder(decoder_name, towers.spec.image, batch_size, isolate=engine_settings.decoder_isolate())
+        dec.decode([None])   # an isolated decoder that cannot start gives way now: dec.name is what decodes
         run = _RayRun(records, records_sha, towers, info, method, corpus, index_dir, extras, dec, batch_size,
                       chunk_size, readers, confine_to_corpus, stop_after_chunks, t_start, t_loaded,
                       workers=workers, tower_args=tower_args)
