@@ -65,19 +65,21 @@ class ChunkEmbedder:
     """A Ray actor: towers and decoder loaded once; each row of a batch is one chunk to embed
     and save. Returns each chunk's record (chunk, sha256, decoder, rows)."""
 
-    def __init__(self, tower_args: tuple, key: dict, paths: list[str], ids: list[str], lines: list[int],
-                 corpus: str, index_dir: str, decoder: str, batch_size: int, readers: int, confine: bool):
+    def __init__(self, tower_args: tuple, key: dict, corpus: str, index_dir: str, decoder: str,
+                 batch_size: int, readers: int, confine: bool):
         from engine import settings as engine_settings
         from engine.decoders import make_decoder
         from engine.retrieval.index import ChunkStore
         from engine.retrieval.jsonl import record_reader
 
+        recs = read_own_records(Path(corpus), key)
         self.towers, _ = load_towers(*tower_args)
         self.dec = make_decoder(decoder, self.towers.spec.image, batch_size,
                                 isolate=engine_settings.decoder_isolate())
         self.store = ChunkStore(Path(index_dir), key)
-        self.read = record_reader(Path(corpus), paths, confine)
-        self.ids, self.lines, self.paths = ids, lines, paths
+        self.paths = [r.path for r in recs]
+        self.ids, self.lines = [r.image_id for r in recs], [r.line for r in recs]
+        self.read = record_reader(Path(corpus), self.paths, confine)
         self.batch_size, self.readers = batch_size, readers
 
     def __call__(self, batch: dict) -> dict:
@@ -115,6 +117,22 @@ class ChunkEmbedder:
         return {**rec, "chunk": chunk, "failed": len(failed)}
 
 
+def read_own_records(corpus: Path, key: dict) -> list:
+    """The actor's own copy of the records (the object store carries chunk numbers only),
+    checked against the build key: ValueError when records.jsonl changed since the driver read it."""
+    import hashlib
+
+    from engine.retrieval.jsonl import read_input, read_records
+
+    path = corpus / "records.jsonl"
+    sha = hashlib.sha256(read_input(path)).hexdigest()
+    recs = read_records(path, lambda msg: None)      # the driver has said its warnings once
+    if sha != key["records_sha256"] or len(recs) != key["records"]:
+        raise ValueError(f"{path} changed while the build ran (sha256 {sha[:12]}, {len(recs)} records); "
+                         "run the build again")
+    return recs
+
+
 def gallery_record(store, chunk: int) -> dict:
     import json
 
@@ -136,15 +154,11 @@ class _RayRun(gallery._Run):
         todo = chunks[:self.stop_after] if self.stop_after else chunks
         rows = [{"chunk": c, "lo": c * size, "hi": min((c + 1) * size, n)} for c in todo]
         gpu = self.towers.device.type == "cuda"
-        recs = self.records
         ds = ray.data.from_items(rows, override_num_blocks=len(rows)).map_batches(
             ChunkEmbedder, batch_size=1, compute=ray.data.ActorPoolStrategy(size=self.workers),
-            max_restarts=0,    # a lost actor fails the build; the rerun resumes at its unfinished chunks
             **({"num_gpus": 1} if gpu else {"num_cpus": 1}),
             fn_constructor_kwargs=dict(
-                tower_args=self.tower_args, key=self.key, paths=[r.path for r in recs],
-                ids=[r.image_id for r in recs], lines=[r.line for r in recs], corpus=str(self.corpus),
-                index_dir=str(self.index_dir), decoder=self.dec.name, batch_size=self.batch_size,
+                tower_args=self.tower_args, key=self.key, corpus=str(self.corpus), index_dir=str(self.index_dir), decoder=self.dec.name, batch_size=self.batch_size,
                 readers=self.readers, confine=self.confine))
         t0 = time.perf_counter()
         images = 0
