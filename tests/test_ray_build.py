@@ -3,6 +3,7 @@ in the same order, the same rows within FP16 rounding, the same search results; 
 mid-way and rerun equals an uninterrupted one. One local Ray (2 CPUs) serves the whole module."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -11,10 +12,23 @@ import time
 
 import numpy as np
 import pytest
+from cir_helpers import REPO, build_args, built_index, clip_dirs, corpus
 
-pytest.importorskip("ray", reason="ray is not installed (pip install -r requirements/scale.txt)")
+needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
+                               reason="ray is not installed (pip install -r requirements/scale.txt)")
 
-from cir_helpers import REPO, build_args, built_index, clip_dirs, corpus  # noqa: E402
+
+def test_ray_build_without_ray_is_one_clear_error(tmp_path, monkeypatch, capsys):
+    from evaluator.cir import build as cir_build
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
+    monkeypatch.setenv("CLIP_MODEL_DIR", str(clip_dirs()["open_clip"]))
+    monkeypatch.setenv("CLIP_DEVICE", "cpu")
+    assert cir_build.main([*build_args(tmp_path / "idx"), "--ray"]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("scripts/build.sh: error: --ray needs Ray Data") and "scale.txt" in last
+    assert not (tmp_path / "idx" / "meta.json").exists()
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +69,7 @@ def _same_index(a, b) -> None:
     assert len(ra) == len(reqs) and [[h["image_id"] for h in r] for r in ra] == [[h["image_id"] for h in r] for r in rb]
 
 
+@needs_ray
 def test_ray_build_gives_the_single_build_index(tmp_path, ray_address):
     p = _ray_build(tmp_path / "idx", {"RAY_ADDRESS": ray_address})
     _, err = p.communicate(timeout=150)
@@ -63,6 +78,7 @@ def test_ray_build_gives_the_single_build_index(tmp_path, ray_address):
     _same_index(built_index(), tmp_path / "idx")
 
 
+@needs_ray
 def test_a_killed_ray_build_resumes_to_the_same_index(tmp_path, ray_address):
     idx = tmp_path / "idx"
     p = _ray_build(idx, {"RAY_ADDRESS": ray_address})
