@@ -314,3 +314,8 @@ def env_help(names: tuple[str, ...], doc: str | None = None) -> dict[str, str]:
     """`documented()` rows for `names`, in that order (the `environment:` list of a command's --help)."""
     table = documented(doc)
     return {n: table[n] for n in names}
+
+
+def ray_address() -> str | None:
+    """RAY_ADDRESS: the Ray cluster a Ray gallery build joins (unset: a local Ray on this machine)."""
+    return read("RAY_ADDRESS", text, None)

@@ -9,7 +9,7 @@
 # Otherwise that test skips and says why.
 set -eu
 cd "$(dirname "$0")/.."
-python3 -m pip install -q -r requirements/lock.txt -r requirements/dev.txt -e '.[dev]'
+python3 -m pip install -q -r requirements/lock.txt -r requirements/scale.txt -r requirements/dev.txt -e '.[dev]'
 if [ "${INSTALL_SYSTEM_PACKAGES:-0}" = 1 ] || [ "${CI:-}" = true ]; then
     if command -v chromium >/dev/null 2>&1; then
         :

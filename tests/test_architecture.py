@@ -239,3 +239,18 @@ def test_the_retrieval_engine_lives_in_the_engine():
         again = _defined(path) & {"QueryPipeline", "ChunkStore", "Index", "Searcher", "commit_with_extras"}
         assert not again, f"{path.relative_to(REPO)} defines {sorted(again)}: that is engine/retrieval's work"
 
+
+
+def test_ray_is_imported_by_the_ray_build_only():
+    """Ray is an optional extra (requirements/scale.txt): one module imports it, where it is used."""
+    allowed = REPO / "engine" / "retrieval" / "build_ray.py"
+    users = []
+    for p in _source_files():
+        if p.suffix != ".py" or p.relative_to(REPO).parts[0] not in PACKAGES:
+            continue
+        for node in ast.walk(ast.parse(p.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            if any(n == "ray" or n.startswith("ray.") for n in names):
+                users.append(p)
+    assert users and set(users) == {allowed}, f"ray imported in {sorted(str(u.relative_to(REPO)) for u in users)}"

@@ -72,6 +72,8 @@ class BuildConfig:
     confine_to_corpus: bool = False      # records paths must be relative and stay inside the corpus folder
     stop_after_chunks: int = 0     # stop (resumably) after this many chunks; 0: never
     p2w_stop_after: int = 0        # stop (resumably) after this many Pic2Word steps; 0: never
+    ray: bool = False              # embed on Ray Data actors (engine.retrieval.build_ray; extra `scale`)
+    workers: int = 2               # Ray actors (one GPU each on CUDA, else one CPU each)
 
     def extras(self):
         from engine.retrieval.extras import ExtrasConfig
@@ -127,14 +129,17 @@ def parse_args(argv: list[str] | None) -> BuildConfig:
                         "folder, also through a symlink (default: follow them, as the reference's Image.open does)")
     p.add_argument("--allow-outside-corpus", action="store_true",
                    help="accepted for older scripts and ignored: following records paths is the default")
+    p.add_argument("--ray", action="store_true",
+                   help="embed on Ray Data actors: a local Ray, or the cluster at RAY_ADDRESS (pip install '.[scale]')")
+    p.add_argument("--workers", type=int, default=2, help="Ray actors, with --ray (one GPU each on CUDA)")
     p.add_argument("--debug", action="store_true", help="show the traceback of an error (also ENGINE_DEBUG=1)")
     a = p.parse_args(argv)
     del a.debug
     if a.allow_outside_corpus and a.confine_to_corpus:
         p.error("--allow-outside-corpus and --confine-to-corpus contradict each other")
     del a.allow_outside_corpus
-    if (a.batch_size is not None and a.batch_size < 1) or a.chunk_size < 1 or a.readers < 1:
-        p.error("--batch-size, --chunk-size and --readers must be >= 1")
+    if (a.batch_size is not None and a.batch_size < 1) or a.chunk_size < 1 or a.readers < 1 or a.workers < 1:
+        p.error("--batch-size, --chunk-size, --readers and --workers must be >= 1")
     if min(a.p2w_epochs, a.p2w_batch_size, a.p2w_ckpt_every, a.p2w_hidden) < 1 or min(a.p2w_steps, a.dba,
                                                                                         a.dba_chunk) < 0 \
             or a.p2w_warmup < -1:
@@ -229,12 +234,39 @@ def _main(argv: list[str] | None, stop_after_chunks: int, p2w_stop_after: int) -
     from engine.retrieval import gallery
     from engine.retrieval.index import IndexLoadError
 
+    if cfg.ray:
+        return _ray_build(cfg, records, records_sha, towers, info, method.to_dict(), t_start, t_loaded)
     try:
         done = gallery.build(records, records_sha, towers, info, method.to_dict(), corpus=cfg.corpus,
                              index_dir=cfg.index_dir, extras=cfg.extras(), decoder=cfg.decoder,
                              batch_size=cfg.batch_size, chunk_size=cfg.chunk_size, readers=cfg.readers,
                              confine_to_corpus=cfg.confine_to_corpus, force=cfg.force,
                              stop_after_chunks=cfg.stop_after_chunks, t_start=t_start, t_loaded=t_loaded)
+    except IndexLoadError as e:
+        _error(f"{e}")
+        return 2
+    return 0 if done else STOPPED
+
+
+def _ray_build(cfg: BuildConfig, records, records_sha, towers, info, method: dict, t_start, t_loaded) -> int:
+    """--ray: the same build with its chunks embedded on Ray actors (engine.retrieval.build_ray)."""
+    import importlib.util
+
+    from engine.retrieval.index import IndexLoadError
+
+    if importlib.util.find_spec("ray") is None:
+        _error("--ray needs Ray Data, which is not installed: pip install -r requirements/scale.txt")
+        return 2
+    from engine.retrieval import build_ray
+
+    tower_args = (str(info["dir"]), cfg.model_name, cfg.batch_size, str(towers.device), towers.precision)
+    try:
+        done = build_ray.build(records, records_sha, towers, info, method, corpus=cfg.corpus,
+                               index_dir=cfg.index_dir, extras=cfg.extras(), tower_args=tower_args,
+                               workers=cfg.workers, decoder=cfg.decoder, batch_size=cfg.batch_size,
+                               chunk_size=cfg.chunk_size, readers=cfg.readers,
+                               confine_to_corpus=cfg.confine_to_corpus, force=cfg.force,
+                               stop_after_chunks=cfg.stop_after_chunks, t_start=t_start, t_loaded=t_loaded)
     except IndexLoadError as e:
         _error(f"{e}")
         return 2

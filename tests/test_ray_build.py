@@ -1,0 +1,96 @@
+"""The Ray Data gallery build (scripts/build.sh --ray) gives the single build's index: the same ids
+in the same order, the same rows within FP16 rounding, the same search results; a build killed
+mid-way and rerun equals an uninterrupted one. One local Ray (2 CPUs) serves the whole module."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from cir_helpers import REPO, build_args, built_index, clip_dirs, corpus
+
+needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
+                               reason="ray is not installed (pip install -r requirements/scale.txt)")
+
+
+def test_ray_build_without_ray_is_one_clear_error(tmp_path, monkeypatch, capsys):
+    from evaluator.cir import build as cir_build
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
+    monkeypatch.setenv("CLIP_MODEL_DIR", str(clip_dirs()["open_clip"]))
+    monkeypatch.setenv("CLIP_DEVICE", "cpu")
+    assert cir_build.main([*build_args(tmp_path / "idx"), "--ray"]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("scripts/build.sh: error: --ray needs Ray Data") and "scale.txt" in last
+    assert not (tmp_path / "idx" / "meta.json").exists()
+
+
+@pytest.fixture(scope="module")
+def ray_address(tmp_path_factory):
+    """One local Ray for the module; the builds (in-process and subprocess) join it."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
+             object_store_memory=200 * 1024 * 1024)
+    addr = ray.get_runtime_context().gcs_address
+    yield addr
+    ray.shutdown()
+
+
+def _ray_build(index_dir, env_extra: dict, **popen) -> subprocess.Popen:
+    env = {**os.environ, "CLIP_MODEL_DIR": str(clip_dirs()["open_clip"]), "CLIP_DEVICE": "cpu",
+           "PYTHONPATH": str(REPO), **env_extra}
+    return subprocess.Popen([sys.executable, "-m", "evaluator.cir.build", *build_args(index_dir), "--ray",
+                             "--workers", "2"], env=env, cwd=REPO, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, **popen)
+
+
+def _same_index(a, b) -> None:
+    import json
+
+    from engine.retrieval import open_index
+    from engine.retrieval.index import load_index
+
+    ia, ib = load_index(a), load_index(b)
+    assert list(ia.ids) == list(ib.ids) and len(ia.ids) > 0
+    ea, eb = np.asarray(ia.emb, np.float32), np.asarray(ib.emb, np.float32)
+    assert ea.shape == eb.shape
+    np.testing.assert_allclose(ea, eb, atol=2e-3, rtol=0)      # FP16 rounding of unit rows
+    reqs = [json.loads(line) for line in (corpus() / "requests.jsonl").read_text().splitlines() if line.strip()]
+    clip = clip_dirs()["open_clip"]
+    ra = open_index(a, clip, device="cpu").search_many(reqs, 10)
+    rb = open_index(b, clip, device="cpu").search_many(reqs, 10)
+    assert len(ra) == len(reqs) and [[h["image_id"] for h in r] for r in ra] == [[h["image_id"] for h in r] for r in rb]
+
+
+@needs_ray
+def test_ray_build_gives_the_single_build_index(tmp_path, ray_address):
+    p = _ray_build(tmp_path / "idx", {"RAY_ADDRESS": ray_address})
+    _, err = p.communicate(timeout=150)
+    assert p.returncode == 0, err[-3000:]
+    assert "chunk 6/6 done" in err or "6/6" in err, err[-2000:]
+    _same_index(built_index(), tmp_path / "idx")
+
+
+@needs_ray
+def test_a_killed_ray_build_resumes_to_the_same_index(tmp_path, ray_address):
+    idx = tmp_path / "idx"
+    p = _ray_build(idx, {"RAY_ADDRESS": ray_address})
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(list((idx / ".build").glob("chunk-*.json"))) < 2:
+        time.sleep(0.05)
+    os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+    kept = len(list((idx / ".build").glob("chunk-*.json")))
+    assert 2 <= kept < 6 and not (idx / "meta.json").exists()
+    p = _ray_build(idx, {"RAY_ADDRESS": ray_address})
+    _, err = p.communicate(timeout=150)
+    assert p.returncode == 0, err[-3000:]
+    assert "resuming:" in err
+    _same_index(built_index(), idx)
