@@ -66,14 +66,17 @@ class ChunkEmbedder:
     and save. Returns each chunk's record (chunk, sha256, decoder, rows)."""
 
     def __init__(self, tower_args: tuple, key: dict, corpus: str, index_dir: str, decoder: str,
-                 batch_size: int, readers: int, confine: bool):
+                 batch_size: int, readers: int, confine: bool, towers_record: dict | None = None):
         from engine import settings as engine_settings
+        from engine.clip import tune
         from engine.decoders import make_decoder
         from engine.retrieval.index import ChunkStore
         from engine.retrieval.jsonl import record_reader
 
         recs = read_own_records(Path(corpus), key)
-        self.towers, _ = load_towers(*tower_args)
+        towers, _ = load_towers(*tower_args)
+        # the towers the driver measured and chose (engine.clip.tune), loaded without compiling
+        self.towers = tune.load_recorded(towers, Path(index_dir), towers_record, _log)
         self.dec = make_decoder(decoder, self.towers.spec.image, batch_size,
                                 isolate=engine_settings.decoder_isolate())
         self.store = ChunkStore(Path(index_dir), key)
@@ -158,8 +161,9 @@ class _RayRun(gallery._Run):
             ChunkEmbedder, batch_size=1, compute=ray.data.ActorPoolStrategy(size=self.workers),
             **({"num_gpus": 1} if gpu else {"num_cpus": 1}),
             fn_constructor_kwargs=dict(
-                tower_args=self.tower_args, key=self.key, corpus=str(self.corpus), index_dir=str(self.index_dir), decoder=self.dec.name, batch_size=self.batch_size,
-                readers=self.readers, confine=self.confine))
+                tower_args=self.tower_args, key=self.key, corpus=str(self.corpus), index_dir=str(self.index_dir),
+                decoder=self.dec.name, batch_size=self.batch_size, readers=self.readers, confine=self.confine,
+                towers_record=self.towers_record))
         t0 = time.perf_counter()
         images = 0
         for i, row in enumerate(ds.iter_rows(), 1):
@@ -181,9 +185,12 @@ class _RayRun(gallery._Run):
 def build(records, records_sha: str, towers, info: dict, method: dict, *, corpus: Path, index_dir: Path,
           extras, tower_args: tuple, workers: int = 2, decoder: str = "auto", batch_size: int = 64,
           chunk_size: int = 4096, readers: int = 8, confine_to_corpus: bool = False, force: bool = False,
-          stop_after_chunks: int = 0, t_start: float | None = None, t_loaded: float | None = None) -> bool:
+          stop_after_chunks: int = 0, t_start: float | None = None, t_loaded: float | None = None,
+          towers_mode: str | None = None) -> bool:
     """gallery.build on Ray: the same arguments, plus `tower_args` (load_towers' arguments, for
-    the actors) and `workers` (actors: one GPU each on CUDA, else one CPU each)."""
+    the actors) and `workers` (actors: one GPU each on CUDA, else one CPU each). The towers are
+    chosen as the single build chooses them (`towers_mode`, gallery.set_towers_mode), once, by the
+    driver; each actor loads the recorded choice."""
     from engine import settings as engine_settings
     from engine.decoders import default_decoder, make_decoder
     from engine.retrieval.index import BuildLock
@@ -198,4 +205,5 @@ def build(records, records_sha: str, towers, info: dict, method: dict, *, corpus
         run = _RayRun(records, records_sha, towers, info, method, corpus, index_dir, extras, dec, batch_size,
                       chunk_size, readers, confine_to_corpus, stop_after_chunks, t_start, t_loaded,
                       workers=workers, tower_args=tower_args)
+        gallery.set_towers_mode(run, towers_mode)
         return run.build(force)

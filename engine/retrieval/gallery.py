@@ -46,7 +46,6 @@ def build(records, records_sha: str, towers, info: dict, method: dict, *, corpus
     `towers_mode`: auto measures the compiled CLIP towers and embeds with the chosen ones
     (engine.clip.tune); eager keeps `towers`; default CLIP_TOWERS, else auto on CUDA, eager on CPU."""
     from engine import settings as engine_settings
-    from engine.backends import REFERENCE
     from engine.decoders import default_decoder, make_decoder
     from engine.retrieval.index import BuildLock
 
@@ -59,12 +58,22 @@ def build(records, records_sha: str, towers, info: dict, method: dict, *, corpus
         dec.decode([None])   # an isolated decoder that cannot start gives way now: dec.name is what decodes
         run = _Run(records, records_sha, towers, info, method, corpus, index_dir, extras, dec, batch_size,
                    chunk_size, readers, confine_to_corpus, stop_after_chunks, t_start, t_loaded)
-        run.towers_mode = towers_mode or engine_settings.clip_towers() or (
-            "auto" if towers.device.type == "cuda" else REFERENCE)
-        if run.towers_mode == "auto":    # the towers decide the rows: another mode is another build
-            run.key["towers"] = "auto"
-            run.store.key = run.key
+        set_towers_mode(run, towers_mode)
         return run.build(force)
+
+
+def set_towers_mode(run, towers_mode: str | None) -> None:
+    """The build's CLIP towers mode (auto: measured, engine.clip.tune; eager): `towers_mode`, else
+    CLIP_TOWERS, else auto on CUDA and eager on the CPU; auto is part of the build key (the towers
+    decide the rows: another mode is another build)."""
+    from engine import settings as engine_settings
+    from engine.backends import REFERENCE
+
+    run.towers_mode = towers_mode or engine_settings.clip_towers() or (
+        "auto" if run.towers.device.type == "cuda" else REFERENCE)
+    if run.towers_mode == "auto":
+        run.key["towers"] = "auto"
+        run.store.key = run.key
 
 
 def build_key(records, records_sha: str, towers, info: dict, chunk_size: int, confine_to_corpus: bool) -> dict:
