@@ -72,7 +72,7 @@ def _same_index(a, b) -> None:
 @needs_ray
 def test_ray_build_gives_the_single_build_index(tmp_path, ray_address):
     p = _ray_build(tmp_path / "idx", {"RAY_ADDRESS": ray_address})
-    _, err = p.communicate(timeout=150)
+    _, err = p.communicate(timeout=300)
     assert p.returncode == 0, err[-3000:]
     assert "chunk 6/6 done" in err or "6/6" in err, err[-2000:]
     _same_index(built_index(), tmp_path / "idx")
@@ -90,7 +90,7 @@ def test_a_killed_ray_build_resumes_to_the_same_index(tmp_path, ray_address):
     kept = len(list((idx / ".build").glob("chunk-*.json")))
     assert 2 <= kept < 6 and not (idx / "meta.json").exists()
     p = _ray_build(idx, {"RAY_ADDRESS": ray_address})
-    _, err = p.communicate(timeout=150)
+    _, err = p.communicate(timeout=300)
     assert p.returncode == 0, err[-3000:]
     assert "resuming:" in err
     _same_index(built_index(), idx)

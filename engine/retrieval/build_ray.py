@@ -182,28 +182,13 @@ class _RayRun(gallery._Run):
         return True
 
 
-def build(records, records_sha: str, towers, info: dict, method: dict, *, corpus: Path, index_dir: Path,
-          extras, tower_args: tuple, workers: int = 2, decoder: str = "auto", batch_size: int = 64,
-          chunk_size: int = 4096, readers: int = 8, confine_to_corpus: bool = False, force: bool = False,
-          stop_after_chunks: int = 0, t_start: float | None = None, t_loaded: float | None = None,
-          towers_mode: str | None = None) -> bool:
-    """gallery.build on Ray: the same arguments, plus `tower_args` (load_towers' arguments, for
-    the actors) and `workers` (actors: one GPU each on CUDA, else one CPU each). The towers are
-    chosen as the single build chooses them (`towers_mode`, gallery.set_towers_mode), once, by the
-    driver; each actor loads the recorded choice."""
-    from engine import settings as engine_settings
-    from engine.decoders import default_decoder, make_decoder
-    from engine.retrieval.index import BuildLock
+def build(records, records_sha: str, towers, info: dict, method: dict, *, tower_args: tuple, workers: int = 2,
+          **kwargs) -> bool:
+    """gallery.build on Ray: the same arguments (`kwargs`), plus `tower_args` (load_towers' arguments,
+    for the actors) and `workers` (actors: one GPU each on CUDA, else one CPU each). The towers are
+    chosen as the single build chooses them (gallery.set_towers_mode), once, by the driver; each
+    actor loads the recorded choice."""
+    import functools
 
-    t_start = time.perf_counter() if t_start is None else t_start
-    t_loaded = t_start if t_loaded is None else t_loaded
-    decoder_name = decoder if decoder != "auto" else (
-        engine_settings.decoder() or default_decoder(towers.device.type))
-    with BuildLock(index_dir):
-        dec = make_decoder(decoder_name, towers.spec.image, batch_size, isolate=engine_settings.decoder_isolate())
-        dec.decode([None])   # an isolated decoder that cannot start gives way now: dec.name is what decodes
-        run = _RayRun(records, records_sha, towers, info, method, corpus, index_dir, extras, dec, batch_size,
-                      chunk_size, readers, confine_to_corpus, stop_after_chunks, t_start, t_loaded,
-                      workers=workers, tower_args=tower_args)
-        gallery.set_towers_mode(run, towers_mode)
-        return run.build(force)
+    return gallery.build(records, records_sha, towers, info, method,
+                         make_run=functools.partial(_RayRun, workers=workers, tower_args=tower_args), **kwargs)

@@ -35,7 +35,8 @@ def model_record(info: dict) -> dict:
 def build(records, records_sha: str, towers, info: dict, method: dict, *, corpus: Path, index_dir: Path,
           extras, decoder: str = "auto", batch_size: int = 64, chunk_size: int = 4096, readers: int = 8,
           confine_to_corpus: bool = False, force: bool = False, stop_after_chunks: int = 0,
-          t_start: float | None = None, t_loaded: float | None = None, towers_mode: str | None = None) -> bool:
+          t_start: float | None = None, t_loaded: float | None = None, towers_mode: str | None = None,
+          make_run=None) -> bool:
     """Embed every pending chunk of `records` (engine.retrieval.jsonl.Record), then commit the index.
 
     `info`: engine.clip.load's record of the CLIP in `towers`; `method`: the composition method
@@ -44,7 +45,8 @@ def build(records, records_sha: str, towers, info: dict, method: dict, *, corpus
     the extras' training hook): resumable. IndexLoadError when stored chunks or the index in place
     cannot be read; IndexBusyError when another build holds the index (one build per index).
     `towers_mode`: auto measures the compiled CLIP towers and embeds with the chosen ones
-    (engine.clip.tune); eager keeps `towers`; default CLIP_TOWERS, else auto on CUDA, eager on CPU."""
+    (engine.clip.tune); eager keeps `towers`; default CLIP_TOWERS, else auto on CUDA, eager on CPU.
+    `make_run`: the build's run class (default _Run; engine.retrieval.build_ray embeds on Ray actors)."""
     from engine import settings as engine_settings
     from engine.decoders import default_decoder, make_decoder
     from engine.retrieval.index import BuildLock
@@ -56,8 +58,9 @@ def build(records, records_sha: str, towers, info: dict, method: dict, *, corpus
     with BuildLock(index_dir):
         dec = make_decoder(decoder_name, towers.spec.image, batch_size, isolate=engine_settings.decoder_isolate())
         dec.decode([None])   # an isolated decoder that cannot start gives way now: dec.name is what decodes
-        run = _Run(records, records_sha, towers, info, method, corpus, index_dir, extras, dec, batch_size,
-                   chunk_size, readers, confine_to_corpus, stop_after_chunks, t_start, t_loaded)
+        run = (make_run or _Run)(records, records_sha, towers, info, method, corpus, index_dir, extras, dec,
+                                 batch_size, chunk_size, readers, confine_to_corpus, stop_after_chunks, t_start,
+                                 t_loaded)
         set_towers_mode(run, towers_mode)
         return run.build(force)
 

@@ -234,44 +234,34 @@ def _main(argv: list[str] | None, stop_after_chunks: int, p2w_stop_after: int) -
     from engine.retrieval import gallery
     from engine.retrieval.index import IndexLoadError
 
-    if cfg.ray:
-        return _ray_build(cfg, records, records_sha, towers, info, method.to_dict(), t_start, t_loaded)
+    args = dict(corpus=cfg.corpus, index_dir=cfg.index_dir, extras=cfg.extras(), decoder=cfg.decoder,
+                batch_size=cfg.batch_size, chunk_size=cfg.chunk_size, readers=cfg.readers,
+                confine_to_corpus=cfg.confine_to_corpus, force=cfg.force, stop_after_chunks=cfg.stop_after_chunks,
+                t_start=t_start, t_loaded=t_loaded)
+    build = _ray_build(cfg, towers, info) if cfg.ray else gallery.build
+    if build is None:
+        return 2
     try:
-        done = gallery.build(records, records_sha, towers, info, method.to_dict(), corpus=cfg.corpus,
-                             index_dir=cfg.index_dir, extras=cfg.extras(), decoder=cfg.decoder,
-                             batch_size=cfg.batch_size, chunk_size=cfg.chunk_size, readers=cfg.readers,
-                             confine_to_corpus=cfg.confine_to_corpus, force=cfg.force,
-                             stop_after_chunks=cfg.stop_after_chunks, t_start=t_start, t_loaded=t_loaded)
+        done = build(records, records_sha, towers, info, method.to_dict(), **args)
     except IndexLoadError as e:
         _error(f"{e}")
         return 2
     return 0 if done else STOPPED
 
 
-def _ray_build(cfg: BuildConfig, records, records_sha, towers, info, method: dict, t_start, t_loaded) -> int:
-    """--ray: the same build with its chunks embedded on Ray actors (engine.retrieval.build_ray)."""
+def _ray_build(cfg: BuildConfig, towers, info):
+    """--ray: the build with its chunks embedded on Ray actors (engine.retrieval.build_ray), or None
+    (said in one line) when Ray is not installed."""
+    import functools
     import importlib.util
-
-    from engine.retrieval.index import IndexLoadError
 
     if importlib.util.find_spec("ray") is None:
         _error("--ray needs Ray Data, which is not installed: pip install -r requirements/scale.txt")
-        return 2
+        return None
     from engine.retrieval import build_ray
 
     tower_args = (str(info["dir"]), cfg.model_name, cfg.batch_size, str(towers.device), towers.precision)
-    try:
-        done = build_ray.build(records, records_sha, towers, info, method, corpus=cfg.corpus,
-                               index_dir=cfg.index_dir, extras=cfg.extras(), tower_args=tower_args,
-                               workers=cfg.workers, decoder=cfg.decoder, batch_size=cfg.batch_size,
-                               chunk_size=cfg.chunk_size, readers=cfg.readers,
-                               confine_to_corpus=cfg.confine_to_corpus, force=cfg.force,
-                               stop_after_chunks=cfg.stop_after_chunks, t_start=t_start, t_loaded=t_loaded)
-    except IndexLoadError as e:
-        _error(f"{e}")
-        return 2
-    return 0 if done else STOPPED
-
+    return functools.partial(build_ray.build, tower_args=tower_args, workers=cfg.workers)
 
 if __name__ == "__main__":
     sys.exit(main())
