@@ -214,9 +214,14 @@ def test_batch_size_auto_measures_and_records(tiny_checkpoint, tmp_path):
     rows = {r["batch_size"]: r for r in search["candidates"]}
     assert set(rows) == {8, 16, 32} and all(r["precision"] == "fp32" and r["backend"] == "eager" for r in rows.values())
     assert search["chosen"] == f"eager/fp32/b{meta['batch_size']}" and rows[meta["batch_size"]]["status"] == "chosen"
-    # the fastest on the graph, unless a simpler one ties (a smaller batch within TIE)
-    best = max(r["images_per_s"] for r in rows.values() if r.get("images_per_s"))   # a pruned batch is not timed
-    assert rows[meta["batch_size"]]["images_per_s"] >= best * (1 - search["tie"])
+    # the fastest on the graph, unless a simpler one ties: a smaller batch whose median is within TIE
+    # plus the spread of the two rows' timings (engine.autotune_retime.margin)
+    from engine.autotune_retime import spread
+
+    chosen = rows[meta["batch_size"]]
+    best = max((r for r in rows.values() if r.get("images_per_s")), key=lambda r: r["images_per_s"])
+    margin = search["tie"] + max(spread(best.get("timings", [])), spread(chosen.get("timings", [])))
+    assert best["images_per_s"] <= chosen["images_per_s"] * (1 + margin)
     assert all(r["status"] in ("chosen", "holds", "slower", "not compiled") for r in rows.values())
     assert search["verify"][-1]["ok"] and search["verify"][-1]["agreement"] >= 0.99
     with pytest.raises(SystemExit):     # auto measures the model: no checkpoint is a usage error
