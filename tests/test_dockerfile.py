@@ -183,16 +183,19 @@ def _norm(name: str) -> str:
 
 def test_dockerfile_installs_the_lock_ci_tests(df):
     """The image installs lock.txt, the file scripts/test.sh (CI) installs; test.sh adds only the
-    test tools, the image only the GPU extras."""
+    test tools and the optional scale-out extra (Ray, tested in CI, not in the image), the image only
+    the GPU extras."""
     image = {f for cmd in _pip_installs(df) for f in _requirement_files(cmd)}
     script = (REPO / "scripts" / "test.sh").read_text()
     ci = set(re.findall(r"-r (requirements/\S+)", script))
     assert "requirements/lock.txt" in image and "requirements/lock.txt" in ci
-    assert image - ci == {"requirements/gpu.txt"} and ci - image == {"requirements/dev.txt"}, (image, ci)
+    assert image - ci == {"requirements/gpu.txt"} and ci - image == {"requirements/dev.txt", "requirements/scale.txt"}, \
+        (image, ci)
     assert "./scripts/test.sh" in (REPO / ".ci" / "run").read_text()
     # the locks do not overlap: one version of each package
-    lock, dev, gpu = _lock("lock.txt"), _lock("dev.txt"), _lock("gpu.txt")
+    lock, dev, gpu, scale = _lock("lock.txt"), _lock("dev.txt"), _lock("gpu.txt"), _lock("scale.txt")
     assert not (set(lock) & set(dev)) and not (set(lock) & set(gpu)), "a package pinned in two locks"
+    assert not (set(lock) & set(scale)) and not (set(dev) & set(scale)), "a package pinned in two locks"
 
 
 def test_lock_pins_the_stack_the_suite_runs():

@@ -84,6 +84,8 @@ DOCUMENTED: dict[str, str] = {
     "[--gate 0.99] [--expect-rows N] [--json]": "agreement",
     "CLIP_MODEL_DIR=/task/models/clip scripts/build.sh --corpus DIR --index-dir INDEX": "cir-build",
     "scripts/run.sh --index-dir INDEX --queries requests.jsonl --output results.jsonl": "cir-run",
+    "scripts/build.sh --ray --workers N --corpus DIR --index-dir INDEX":
+        "skip: starts a Ray cluster; tests/test_ray_build.py runs it on a local Ray of 2 CPUs",
     "python -m evaluator.score_retrieval --results results.jsonl --labels "
     "labels.jsonl|circo_val.json|cap.rc2.val.json": "cir-score",
     "python -m evaluator.score_retrieval --results results.jsonl --labels labels.jsonl": "cir-score",
