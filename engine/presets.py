@@ -4,7 +4,7 @@ so changing a default precision, backend or batch size is one edit in this file.
 `python -m engine.presets` prints the table as docs/classification.md shows it (a test keeps
 the two equal).
 
-`auto` means measured on the build machine (engine.autotune): the precision, the batch size
+`auto` means measured on the build machine (engine.build.autotune): the precision, the batch size
 and the backend are the fastest candidate that holds the disagreement budget there.
 """
 from __future__ import annotations

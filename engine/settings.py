@@ -16,7 +16,7 @@ on and 0, false, no, off for off (an empty value is the default).
 | ENGINE_CUDA_GRAPHS | 0/1 | the artifact's (1) | replay the static batch from a captured CUDA graph (an auto build records whether that measured faster) |
 | ENGINE_TF32 | 0/1 | 0 | let FP32 matmuls and convolutions on CUDA use TF32 (0: IEEE FP32, as a frozen FP32 reference computes; 1: to match a reference that ran with TF32) |
 | ENGINE_GUARD | 0/1 | 1 | re-check near-ties of a guarded low-precision artifact in FP32 (0: raw answers) |
-| ENGINE_ARTIFACT_VERIFY | quick/size/sha256 | quick | at load: sizes + a sampled SHA-256 of each file, sizes only, or the full SHA-256 (engine.artifact) |
+| ENGINE_ARTIFACT_VERIFY | quick/size/sha256 | quick | at load: sizes + a sampled SHA-256 of each file, sizes only, or the full SHA-256 (engine.classify.artifact) |
 | ENGINE_PIPELINE_DEPTH | int >= 0 | 2 | decoded batches in flight ahead of inference |
 | ENGINE_READERS | int >= 1 | from ENGINE_THREADS | file reader threads (engine.threads) |
 | ENGINE_FAST_EXIT | 0/1 | 1 | leave without interpreter teardown once the output is synced |
@@ -29,7 +29,7 @@ on and 0, false, no, off for off (an empty value is the default).
 | ENGINE_READAHEAD_BYTES | int >= 1 | 268435456 (256 MiB) | encoded bytes read ahead of the decoder, and handed to it at once (a larger file is read alone) |
 | ENGINE_HW_DECODER_LOAD | 0..1 | 0.9 | share of JPEG decoding DALI's GPU decoder gives the hardware JPEG engine (DALI's own default) |
 | ENGINE_SLOW_DECODER_OK | 0/1 | 0 | let the build's self-check pass a CUDA artifact that would decode with anything but dali-gpu |
-| ONEDNN_MAX_CPU_ISA | oneDNN ISA name | (unset: the CPU's) | oneDNN's own limit on the instructions its GEMMs use, read to know whether bf16 is native here (engine.autotune_measure) |
+| ONEDNN_MAX_CPU_ISA | oneDNN ISA name | (unset: the CPU's) | oneDNN's own limit on the instructions its GEMMs use, read to know whether bf16 is native here (engine.build.measure) |
 | TMPDIR | path | /tmp | scratch space (a run keeps its own folder there and removes it on exit) |
 | CLIP_MODEL_DIR | path | (the caller's) | local CLIP folder or state-dict file |
 | CLIP_MODEL_NAME | str | (from the folder) | open_clip architecture of an OpenAI-style state dict |
@@ -261,7 +261,7 @@ def max_pixels() -> int:
 
 
 def readahead_bytes() -> int:
-    """Encoded bytes the pipeline's readers may hold ahead of the decoder (engine.pipeline)."""
+    """Encoded bytes the pipeline's readers may hold ahead of the decoder (engine.classify.pipeline)."""
     return read("ENGINE_READAHEAD_BYTES", int_at_least(1), 256 << 20)
 
 

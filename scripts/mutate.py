@@ -89,7 +89,7 @@ TARGETS = {
                        (("blank.append(no)", "pass"),)),
     "resolve": Target("engine/io.py", ("tests/test_manifest.py", "tests/test_input_rules.py"),
                       ("read_regular", "resolve_relative", "resolve_inside"), "input path resolution"),
-    "guard": Target("engine/guard.py", ("tests/test_guard.py", "tests/test_margin_guard_rules.py"), (), "the margin guard and its statistics",
+    "guard": Target("engine/classify/guard.py", ("tests/test_guard.py", "tests/test_margin_guard_rules.py"), (), "the margin guard and its statistics",
                     (("if self._rows:", "if len(self._rows) == self.batch:"),  # the last, partial call dropped
                      ("round(self.rechecked / self.images, 6)", "round(self.changed / self.images, 6)"))),
     "output": Target("evaluator/contest/output.py", ("tests/test_output_rules.py",), (), "the output reservation"),

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from conftest import REPO, run_abi
 
-from engine.artifact import load_artifact
+from engine.classify.artifact import load_artifact
+from engine.classify.runtime import load_runtime
 from engine.decoders import make_decoder
-from engine.runtime import load_runtime
 from evaluator.contest.manifest import read_manifest
 
 
@@ -372,7 +372,7 @@ def test_an_address_space_limit_below_the_need_is_one_line(small_cohort, eager_a
 
 
 def test_out_of_memory_while_classifying_is_one_line(small_cohort, eager_artifact, tmp_path, monkeypatch, capsys):
-    import engine.pipeline
+    import engine.classify.pipeline
     from evaluator.contest import run as run_mod
 
     for var in ("TMPDIR", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):   # main sets them
@@ -382,7 +382,7 @@ def test_out_of_memory_while_classifying_is_one_line(small_cohort, eager_artifac
     def exhausted(*a, **k):
         raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 123 bytes")
 
-    monkeypatch.setattr(engine.pipeline, "classify", exhausted)
+    monkeypatch.setattr(engine.classify.pipeline, "classify", exhausted)
     out = tmp_path / "p.i32"
     rc = run_mod.main([str(small_cohort / "manifest.tsv"), str(small_cohort), str(out),
                        "--artifact", str(eager_artifact)])

@@ -129,10 +129,10 @@ def test_adding_a_backend_is_one_file_and_one_entry(tmp_path, monkeypatch):
     import torch
 
     from engine import backends
-    from engine.artifact import load_artifact
     from engine.build import build
-    from engine.runtime import load_runtime
-    from engine.spec import Spec
+    from engine.classify.artifact import load_artifact
+    from engine.classify.runtime import load_runtime
+    from engine.classify.spec import Spec
 
     mod = tmp_path / "backend_seven.py"
     mod.write_text(
@@ -205,7 +205,7 @@ def test_bad_settings_are_one_clear_error(monkeypatch):
 RETRIEVAL_ENGINE = {
     "engine/retrieval/index.py": {"FORMAT", "BUILD_DIR", "EXTRA_FILES", "KERNEL_DIR", "Index", "ChunkStore",
                                   "load_index", "read_meta", "commit"},
-    "engine/retrieval/extras.py": {"ExtrasConfig", "extras_key", "build_extras"},
+    "engine/retrieval/index_extras.py": {"ExtrasConfig", "extras_key", "build_extras"},
     "engine/retrieval/gallery.py": {"build", "commit_with_extras", "store_kernels", "reuse_embeddings"},
     "engine/retrieval/query.py": {"QueryPipeline", "PipelineError"},
     "engine/retrieval/search.py": {"Searcher", "open_index"},
@@ -254,3 +254,21 @@ def test_ray_is_imported_by_the_ray_build_only():
             if any(n == "ray" or n.startswith("ray.") for n in names):
                 users.append(p)
     assert users and set(users) == {allowed}, f"ray imported in {sorted(str(u.relative_to(REPO)) for u in users)}"
+
+
+# the engine in folders by job: a few shared modules at its root, each job a package
+ENGINE_ROOT_MODULES = {"__init__", "cli", "io", "memory", "presets", "process_stats", "progress", "settings",
+                       "stdio", "threads"}
+ENGINE_PACKAGES = {"backends", "build", "classify", "clip", "decoders", "retrieval"}
+
+
+def test_engine_is_in_folders_by_job():
+    engine = REPO / "engine"
+    tracked = {p.relative_to(engine) for p in _source_files() if p.is_relative_to(engine) and p.suffix == ".py"}
+    root = {p.stem for p in tracked if len(p.parts) == 1}
+    packages = {p.parts[0] for p in tracked if len(p.parts) > 1}
+    assert len(root) - 1 <= 10, f"engine/ holds {len(root) - 1} modules at its root (at most 10): {sorted(root)}"
+    assert root == ENGINE_ROOT_MODULES, f"engine/'s root modules changed: {sorted(root ^ ENGINE_ROOT_MODULES)}"
+    assert packages == ENGINE_PACKAGES, f"engine/'s packages changed: {sorted(packages ^ ENGINE_PACKAGES)}"
+    for pkg in packages:
+        assert (engine / pkg / "__init__.py").is_file(), f"engine/{pkg}/ has no __init__.py"

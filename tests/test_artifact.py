@@ -1,4 +1,4 @@
-"""engine.artifact + engine.build: the manifest, its checks and the atomic build directory."""
+"""engine.classify.artifact + engine.build: the manifest, its checks and the atomic build directory."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,7 +17,8 @@ import torch
 from conftest import REPO, tiny_spec
 from safetensors.torch import save_file
 
-from engine.artifact import (
+from engine.build import build
+from engine.classify.artifact import (
     DIGEST_KEY,
     FORMAT,
     MANIFEST,
@@ -26,10 +27,9 @@ from engine.artifact import (
     manifest_digest,
     sample_sha256,
 )
-from engine.build import build
-from engine.checkpoint import create_model, load_model
-from engine.model import wrap
-from engine.runtime import load_runtime
+from engine.classify.checkpoint import create_model, load_model
+from engine.classify.model import wrap
+from engine.classify.runtime import load_runtime
 
 
 @pytest.fixture(scope="module")
@@ -296,7 +296,7 @@ def test_rebuild_replaces_atomically(tmp_path, ckpt):
 
 
 def test_failed_rebuild_keeps_the_old_artifact(tmp_path, ckpt, monkeypatch):
-    import engine.assemble
+    import engine.build.assemble
 
     out = tmp_path / "artifact"
     build(tiny_spec(), ckpt, out, backend="eager")
@@ -305,7 +305,7 @@ def test_failed_rebuild_keeps_the_old_artifact(tmp_path, ckpt, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(engine.assemble, "write_manifest", boom)   # the manifest, written last
+    monkeypatch.setattr(engine.build.assemble, "write_manifest", boom)   # the manifest, written last
     with pytest.raises(RuntimeError, match="disk full"):
         build(dataclasses.replace(tiny_spec(), batch_size=8), ckpt, out, backend="eager")
     assert _siblings(out) == ["artifact"]
@@ -381,8 +381,8 @@ def test_unpack_refuses_a_package_without_exactly_one_library(tmp_path):
 _LOAD_THEN = """
 import os, signal, sys, tempfile
 from pathlib import Path
-from engine.artifact import load_artifact
-from engine.runtime import load_runtime
+from engine.classify.artifact import load_artifact
+from engine.classify.runtime import load_runtime
 import numpy as np
 rt = load_runtime(load_artifact(sys.argv[1]))
 rt.run(np.zeros((rt.batch_size, 112, 112, 3), np.uint8))

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import tiny_spec
 
-from engine.autotune import Agreement, Candidate, SearchConfig, rank, search
+from engine.build.autotune import Agreement, Candidate, SearchConfig, rank, search
 
 
 class Clock:
@@ -211,7 +211,7 @@ def test_rank_orders_by_effective_rate():
 
 @pytest.mark.parametrize("cap, isa, bf16", [("AVX2", "", False), ("AVX512", "", True), ("AVX512", "AVX2", False)])
 def test_native_precisions_follow_the_cpu_capability_and_onednn_limit(monkeypatch, cap, isa, bf16):
-    from engine.autotune_measure import native_precisions
+    from engine.build.measure import native_precisions
 
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: cap)
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True, raising=False)
@@ -245,8 +245,9 @@ class _BuildFake(FakeMeasurer):
 
 
 def _auto_build(tmp_path, tiny_checkpoint, monkeypatch, verify_ok=lambda name: True, **plant):
-    from engine import autotune_measure, build_auto
     from engine.build import AutoConfig, GuardConfig, build
+    from engine.build import auto as build_auto
+    from engine.build import measure as autotune_measure
 
     real = autotune_measure.Measurer
     monkeypatch.setattr(autotune_measure, "Measurer", lambda *a, **k: _BuildFake(real, *a, **k, **plant))
@@ -293,8 +294,8 @@ def test_when_every_candidate_fails_the_build_is_eager_fp32_without_graphs(tmp_p
     assert meta["build"]["search"]["fallback"] and meta["build"]["search"]["chosen"] is None
     err = capsys.readouterr().err
     assert "WARNING: no measured candidate held" in err
-    from engine.artifact import load_artifact
-    from engine.runtime import load_runtime
+    from engine.classify.artifact import load_artifact
+    from engine.classify.runtime import load_runtime
 
     rt = load_runtime(load_artifact(tmp_path / "art"))
     assert rt.run(np.zeros((16, 112, 112, 3), np.uint8)).shape == (16,)
@@ -302,8 +303,8 @@ def test_when_every_candidate_fails_the_build_is_eager_fp32_without_graphs(tmp_p
 
 def test_the_re_check_rate_is_the_fp32_network_at_the_re_check_batch_measured_once(tiny_checkpoint, monkeypatch,
                                                                                    tmp_path):
-    from engine import autotune_measure
-    from engine.checkpoint import load_model
+    from engine.build import measure as autotune_measure
+    from engine.classify.checkpoint import load_model
     from engine.presets import preset
 
     spec = tiny_spec("squash", 16, "bf16")
@@ -372,7 +373,7 @@ def test_a_candidate_within_reach_of_the_leader_is_retimed_interleaved_and_the_t
     assert order == [16, 8, 16, 16, 16, 8, 16, 8, 16, 8]
     by = {t.candidate.batch_size: t for t in res.trials}
     assert by[8].status == "slower" and "median of 4" in by[8].why and len(by[16].timings) == 6
-    from engine.autotune import format_table
+    from engine.build.autotune import format_table
 
     table = format_table(res, "aot/fp32/b16")
     assert table.splitlines()[0].startswith("screen = eager images/s; graph = compiled images/s")
@@ -431,8 +432,8 @@ class FilesMeasurer(FakeMeasurer):
 def test_the_search_fits_a_disk_quota_of_three_compiles_by_removing_losers(tmp_path, capsys):
     """Six candidates of 1 MiB each under a 3.2 MiB quota: every loser's files go as it loses, only
     KEEP (2) that hold keep theirs, so every candidate is compiled and the best two are left."""
-    from engine.autotune import KEEP
-    from engine.build_disk import WorkDisk
+    from engine.build.autotune import KEEP
+    from engine.build.disk import WorkDisk
     from engine.io import tree_bytes
 
     size, work = 1 << 20, tmp_path / "work"

@@ -49,8 +49,10 @@ def _build(tmp_path, ckpt, monkeypatch, deadline, compile_s=1.0, verify_s=1.0, v
            load_s=0.0, calibration_s=0.0, env_fail=False):
     """engine.build's auto build of the tiny model (eager, counted as a compiling backend so the
     compile rules apply) on a fake clock; returns (manifest, clock, measurer, verified names)."""
-    from engine import assemble, autotune_measure, build_auto, checkpoint
-    from engine.build import AutoConfig, GuardConfig, build
+    from engine.build import AutoConfig, GuardConfig, assemble, build
+    from engine.build import auto as build_auto
+    from engine.build import measure as autotune_measure
+    from engine.classify import checkpoint
 
     clock, made = Clock(), []
     real = autotune_measure.Measurer
@@ -165,7 +167,7 @@ def test_a_backend_failing_for_a_reason_of_the_machine_is_compiled_once(tmp_path
 
 
 def test_a_disk_quota_of_about_three_compiles_still_gives_a_verified_artifact(tmp_path, tiny_checkpoint, monkeypatch):
-    from engine import build_disk
+    from engine.build import disk as build_disk
     from engine.io import tree_bytes
 
     one = tiny_checkpoint.stat().st_size               # one candidate's files: the FP32 weights, about

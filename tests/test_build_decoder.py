@@ -1,4 +1,4 @@
-"""The build's decoder choice (engine.build_decoder) and the end-to-end gate (engine.calibrate.
+"""The build's decoder choice (engine.build.decoder_choice) and the end-to-end gate (engine.build.calibrate.
 allowed_disagreements): a decoder whose own flips against PIL break the budget is replaced by the
 next one, PIL last, and the artifact records the one taken."""
 from __future__ import annotations
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from conftest import tiny_spec
 
-from engine import build_decoder
-from engine.calibrate import allowed_disagreements
+from engine.build import decoder_choice as build_decoder
+from engine.build.calibrate import allowed_disagreements
 
 
 def _binomial_cdf(k: int, n: int, p: float) -> float:
@@ -146,10 +146,10 @@ def flipping_decoder(monkeypatch):
 
 
 def test_a_decoder_kept_leaves_precision_the_rest_of_the_budget(tiny_checkpoint, flipping_decoder, monkeypatch):
-    from engine import build_auto
-    from engine.assemble import GuardConfig
-    from engine.calibrate import generated_pixels
-    from engine.checkpoint import load_model
+    from engine.build import auto as build_auto
+    from engine.build.assemble import GuardConfig
+    from engine.build.calibrate import generated_pixels
+    from engine.classify.checkpoint import load_model
 
     monkeypatch.setattr(sys.modules[__name__], "EVERY", 1000)     # the first of 100 images only: 100 basis points
     spec = tiny_spec("squash", 16)

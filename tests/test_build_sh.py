@@ -233,10 +233,10 @@ def test_build_sh_is_a_thin_wrapper_of_the_build_step():
 
 def test_the_contest_passes_its_guard_budget_and_calibration_check(read_only_checkpoint, tmp_path):
     from engine.build import parse_args
-    from engine.calibrate import DEFAULT_BUDGET
+    from engine.build.calibrate import DEFAULT_BUDGET
     from evaluator.contest import build_step, task
     from evaluator.contest.agreement import threshold
-    from evaluator.contest.dataset_flags import calibration_refusals
+    from evaluator.contest.eval_data_signs import calibration_refusals
 
     assert threshold(task.COHORT_IMAGES) == 9_900 and task.allowed_disagreements() == 100
     # the build's budget: the gate's 100 of 10,000 over a margin of 2, in basis points (decoder and precision)

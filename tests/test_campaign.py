@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from evaluator.evidence import campaign, provd
+from evaluator.evidence import campaign, sha256_manifest
 from evaluator.evidence.runs import Workload
 
 REPO = Path(__file__).resolve().parent.parent
@@ -150,20 +150,20 @@ def test_passing_campaign_is_promoted_and_verifies(passing, capsys):
     assert set(doc["role_rules"]) >= {"score-bearing", "performance-bearing", "systems-only", "deferred", "rejected"}
     assert doc["model"]["name"] == "eva02_tiny_test" and doc["model"]["checkpoint_sha256"] == "ab" * 32
     assert doc["model"]["build_command"] == "/x/engine/build.py --model eva02_tiny_test --out artifact"
-    assert doc["model"]["artifact_manifest_sha256"] == provd.sha256_file(out / "inputs" / "artifact_manifest.json")
+    assert doc["model"]["artifact_manifest_sha256"] == sha256_manifest.sha256_file(out / "inputs" / "artifact_manifest.json")
     assert doc["dataset"]["split"] == "test-split" and doc["dataset"]["version"] == "v1"
     assert doc["dataset"]["coverage"] == {"what": "manifest rows answered by the reference (reference.i32)",
                                           "answered": ROWS, "rows": ROWS, "complete": True}
     assert set(doc["scheduling"]) >= {"decoder", "pipeline_depth", "reader_threads", "cuda_graphs", "thread_budget"}
-    assert doc["evidence"]["sha256"] == json.loads((out / provd.MANIFEST_NAME).read_text())["evidence_sha256"]
+    assert doc["evidence"]["sha256"] == json.loads((out / sha256_manifest.MANIFEST_NAME).read_text())["evidence_sha256"]
     assert doc["bundle"]["bundled"] is True and doc["bundle"]["path"] == "inputs/artifact"
     assert doc["device"] == {"requested": "cpu", "executed": "cpu", "backend": "fake"}
     assert doc["source"]["git_sha"] and doc["source"]["dirty"] is False
     assert len(doc["system"]["fingerprint_sha256"]) == 64
     assert doc["attachments"][0]["benchmarks"] == [{"name": "tests/x.py::test_topk", "median_s": 0.0012}]
     assert (out / "report.html").is_file() and (out / "inputs" / "manifest.tsv").is_file()
-    assert campaign.main(["verify", str(out / provd.MANIFEST_NAME)]) == 0
-    listed = {e["path"] for e in json.loads((out / provd.MANIFEST_NAME).read_text())["files"]}
+    assert campaign.main(["verify", str(out / sha256_manifest.MANIFEST_NAME)]) == 0
+    listed = {e["path"] for e in json.loads((out / sha256_manifest.MANIFEST_NAME).read_text())["files"]}
     assert {"disclosure.json", "report.html", "runs/run-05/predictions.i32", "runs/run-05/timing.json",
             "inputs/artifact_manifest.json", "inputs/reference.i32", "attachments/01-bench.json",
             "inputs/artifact/manifest.json", "inputs/artifact/weights.bin"} <= listed
@@ -175,7 +175,7 @@ def test_passing_campaign_is_promoted_and_verifies(passing, capsys):
 
 def test_cli_entry_point_verifies(passing):
     proc = subprocess.run([sys.executable, "-m", "evaluator.campaign", "verify",
-                           str(passing[1] / provd.MANIFEST_NAME)], cwd=REPO, capture_output=True, text=True)
+                           str(passing[1] / sha256_manifest.MANIFEST_NAME)], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert "OK" in proc.stdout and "signature" not in (proc.stdout + proc.stderr).lower()
 
@@ -211,7 +211,7 @@ def test_tampered_byte_in_campaign_folder_fails_verify(passing, tmp_path, capsys
     data = bytearray(target.read_bytes())
     data[0] ^= 1
     target.write_bytes(bytes(data))
-    assert campaign.main(["verify", str(copy / provd.MANIFEST_NAME)]) == 1
+    assert campaign.main(["verify", str(copy / sha256_manifest.MANIFEST_NAME)]) == 1
     assert "runs/run-02/predictions.i32: changed" in capsys.readouterr().err
 
 
@@ -230,7 +230,7 @@ def test_failed_run_invalidates_attempt(env, tmp_path):
     assert not (tmp_path / "out" / "runs" / "run-04").exists()  # stopped: never replaced or retried
     assert any(r.startswith("attempt invalidated: run 3 failed") for r in doc["promotion"]["reasons"])
     assert doc["promotion"]["promoted"] is False
-    assert campaign.main(["verify", str(tmp_path / "out" / provd.MANIFEST_NAME)]) == 0
+    assert campaign.main(["verify", str(tmp_path / "out" / sha256_manifest.MANIFEST_NAME)]) == 0
 
 
 def test_wrong_answers_fail_the_gate(env, tmp_path):
@@ -352,4 +352,4 @@ def test_real_eva02_min_campaign(tmp_path):
     assert rc == 0, doc["failed_runs"]
     assert doc["result_role"] == "functional" and doc["quality"]["shown_as_quality"] is False
     assert doc["runs"][0]["timing_report"]["stages"] is not None
-    assert campaign.main(["verify", str(out / provd.MANIFEST_NAME)]) == 0
+    assert campaign.main(["verify", str(out / sha256_manifest.MANIFEST_NAME)]) == 0

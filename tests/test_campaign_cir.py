@@ -15,7 +15,7 @@ from cir_helpers import check_abi, read_rows, requests_of
 from engine.retrieval.index import commit
 from engine.retrieval.jsonl import read_records
 from evaluator.cir.score import load_label_files, load_results, score
-from evaluator.evidence import campaign, provd
+from evaluator.evidence import campaign, sha256_manifest
 
 GALLERY = [100_000 + i if i % 2 == 0 else f"dev-{i}" for i in range(60)]  # int and str ids, as CIRCO/CIRR
 
@@ -162,8 +162,8 @@ def test_min_campaign_runs_verifies_and_is_functional_only(min_campaign):
     assert doc["dataset"]["generated_markers"] and doc["dataset"]["generated_markers"][0].endswith("GENERATED.json")
     assert doc["digests"]["before"] == doc["digests"]["after"]
     assert doc["model"]["layout"] == "open_clip" and len(doc["model"]["model_digest"]) == 64
-    assert campaign.main(["verify", str(out / provd.MANIFEST_NAME)]) == 0
-    listed = {e["path"] for e in json.loads((out / provd.MANIFEST_NAME).read_text())["files"]}
+    assert campaign.main(["verify", str(out / sha256_manifest.MANIFEST_NAME)]) == 0
+    listed = {e["path"] for e in json.loads((out / sha256_manifest.MANIFEST_NAME).read_text())["files"]}
     assert {"disclosure.json", "report.html", "inputs/queries.jsonl", "inputs/labels-01.jsonl",
             "inputs/index_meta.json", "inputs/index_build.log", "runs/run-05/results.jsonl",
             "runs/run-05/report.json", "runs/run-05/score.json"} <= listed
@@ -237,7 +237,7 @@ def test_gate_violation_invalidates_the_attempt(fake_inputs, configure, tmp_path
     assert doc["quality"]["gate_passed"] is False and doc["promotion"]["promoted"] is False
     assert any(r.startswith("attempt invalidated: run 2 failed: ") for r in doc["promotion"]["reasons"])
     assert words in (out / "report.html").read_text().replace("&#x27;", "'")
-    assert campaign.main(["verify", str(out / provd.MANIFEST_NAME)]) == 0
+    assert campaign.main(["verify", str(out / sha256_manifest.MANIFEST_NAME)]) == 0
 
 
 def test_max_campaign_is_score_and_performance_bearing(fake_inputs, configure, tmp_path):
@@ -257,7 +257,7 @@ def test_max_campaign_is_score_and_performance_bearing(fake_inputs, configure, t
     assert doc["model"]["build_command"].startswith("scripts/build.sh --corpus ")
     html = (out / "report.html").read_text()
     assert "raw (quality result)" in html and ">promoted<" in html
-    assert campaign.main(["verify", str(out / provd.MANIFEST_NAME)]) == 0
+    assert campaign.main(["verify", str(out / sha256_manifest.MANIFEST_NAME)]) == 0
 
 
 def test_quality_that_differs_across_runs_is_noted(fake_inputs, configure, tmp_path):

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from test_campaign import REPO, make_prepared, make_source_repo, max_args, write_config
 
-from evaluator.evidence import campaign, conditions, disclosure, provd
+from evaluator.evidence import campaign, conditions, disclosure, sha256_manifest
 from evaluator.evidence.runs import PROFILES
 from evaluator.evidence.workloads import WORKLOADS, eva02
 
@@ -158,7 +158,7 @@ def test_max_with_the_generated_test_checkpoint_is_never_promoted(setup, tmp_pat
               metadata={"made_from": json.dumps("generated images (procedural renders); no ImageNet data")})
     am = prepared / "artifact" / "manifest.json"
     meta = json.loads(am.read_text())
-    meta["checkpoint"] = {"path": str(ckpt), "sha256": provd.sha256_file(ckpt), "bytes": ckpt.stat().st_size}
+    meta["checkpoint"] = {"path": str(ckpt), "sha256": sha256_manifest.sha256_file(ckpt), "bytes": ckpt.stat().st_size}
     am.write_text(json.dumps(meta))
     out = tmp_path / "out"
     assert campaign.main(max_args(prepared, source, out)) == 0
@@ -216,7 +216,7 @@ def test_interrupted_attempt_leaves_a_record(setup, tmp_path, sig):
     assert "attempt INVALID (interrupted: stopped by" in stdout and "median" not in stdout
     html = (out / "report.html").read_text()
     assert "Invalid attempt</b>: interrupted: stopped by" in html and "median / min / max" not in html
-    assert campaign.main(["verify", str(out / provd.MANIFEST_NAME)]) == 0
+    assert campaign.main(["verify", str(out / sha256_manifest.MANIFEST_NAME)]) == 0
     # the run that was under way was killed with its process group: nothing of it keeps running
     running = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert str(source / "scripts" / "run") not in running
@@ -241,7 +241,7 @@ def test_a_crash_of_the_campaign_is_recorded(setup, tmp_path, monkeypatch, capsy
     assert doc["attempt"]["runs_completed"] == 1 and doc["attempt"]["valid"] is False
     assert not any(k in doc["primary_metric"] for k in AGGREGATES)
     assert "recording it as invalid" in capsys.readouterr().err
-    assert campaign.main(["verify", str(out / provd.MANIFEST_NAME)]) == 0
+    assert campaign.main(["verify", str(out / sha256_manifest.MANIFEST_NAME)]) == 0
 
 
 # ---------------------------------------------------------------- bundling and the evidence digest
@@ -254,16 +254,16 @@ def test_unbundled_artifact_is_listed_by_digest_and_rechecked_with_external(setu
     doc = load(out)
     assert doc["bundle"]["bundled"] is False and doc["bundle"]["files"] == 2
     assert doc["bundle"]["rebuild"] == "python -m engine.build --model eva02_tiny_test --out artifact"
-    manifest = json.loads((out / provd.MANIFEST_NAME).read_text())
+    manifest = json.loads((out / sha256_manifest.MANIFEST_NAME).read_text())
     assert {e["path"] for e in manifest["external"]} == {"manifest.json", "weights.bin"}
     assert not (out / "inputs" / "artifact").exists()
     capsys.readouterr()
-    assert campaign.main(["verify", str(out / provd.MANIFEST_NAME)]) == 0
+    assert campaign.main(["verify", str(out / sha256_manifest.MANIFEST_NAME)]) == 0
     assert "2 external files listed by digest only" in capsys.readouterr().out
-    assert campaign.main(["verify", str(out / provd.MANIFEST_NAME), "--external", str(prepared / "artifact")]) == 0
+    assert campaign.main(["verify", str(out / sha256_manifest.MANIFEST_NAME), "--external", str(prepared / "artifact")]) == 0
     assert "2 external files match" in capsys.readouterr().out
     (prepared / "artifact" / "weights.bin").write_bytes(b"\x01" * 256)
-    assert campaign.main(["verify", str(out / provd.MANIFEST_NAME), "--external", str(prepared / "artifact")]) == 1
+    assert campaign.main(["verify", str(out / sha256_manifest.MANIFEST_NAME), "--external", str(prepared / "artifact")]) == 1
     assert "external weights.bin: changed (sha256 differs" in capsys.readouterr().err
 
 
@@ -273,10 +273,10 @@ def test_package_keeps_the_artifact_and_verifies_after_extraction(setup, tmp_pat
     campaign.main(max_args(prepared, source, out, 2))
     archive = tmp_path / "camp.tar.gz"
     assert campaign.main(["package", str(out), "--out", str(archive)]) == 0
-    folder = provd.extract(archive, tmp_path / "elsewhere")
+    folder = sha256_manifest.extract(archive, tmp_path / "elsewhere")
     assert (folder / "inputs" / "artifact" / "weights.bin").read_bytes() == b"\x00" * 256
-    assert provd.verify(folder / provd.MANIFEST_NAME).ok
-    listed = {e["path"] for e in json.loads((folder / provd.MANIFEST_NAME).read_text())["files"]}
+    assert sha256_manifest.verify(folder / sha256_manifest.MANIFEST_NAME).ok
+    listed = {e["path"] for e in json.loads((folder / sha256_manifest.MANIFEST_NAME).read_text())["files"]}
     assert {"inputs/artifact/weights.bin", "inputs/artifact/manifest.json"} <= listed
 
 
@@ -284,24 +284,24 @@ def test_evidence_digest_is_recorded_beside_the_listing_and_checked(setup, tmp_p
     prepared, source = setup(sleeps=[0.01])
     out = tmp_path / "out"
     campaign.main(max_args(prepared, source, out, 1))
-    doc, manifest = load(out), json.loads((out / provd.MANIFEST_NAME).read_text())
-    assert doc["evidence"]["sha256"] == manifest["evidence_sha256"] == provd.evidence_digest(out)
-    assert manifest["listing_sha256"] == provd.listing_sha256(manifest["files"])
+    doc, manifest = load(out), json.loads((out / sha256_manifest.MANIFEST_NAME).read_text())
+    assert doc["evidence"]["sha256"] == manifest["evidence_sha256"] == sha256_manifest.evidence_digest(out)
+    assert manifest["listing_sha256"] == sha256_manifest.listing_sha256(manifest["files"])
     assert doc["evidence"]["sha256"] in (out / "report.html").read_text()
     # a disclosure edited to claim other evidence, then re-digested, still fails verify
     doc["evidence"]["sha256"] = "0" * 64
     disclosure.write(doc, out / "disclosure.json")
     for e in manifest["files"]:
         if e["path"] == "disclosure.json":
-            e["sha256"], e["bytes"] = provd.sha256_file(out / "disclosure.json"), (out / "disclosure.json").stat().st_size
-    manifest["listing_sha256"] = provd.listing_sha256(manifest["files"])
-    (out / provd.MANIFEST_NAME).write_text(json.dumps(manifest))
-    assert campaign.main(["verify", str(out / provd.MANIFEST_NAME)]) == 1
+            e["sha256"], e["bytes"] = sha256_manifest.sha256_file(out / "disclosure.json"), (out / "disclosure.json").stat().st_size
+    manifest["listing_sha256"] = sha256_manifest.listing_sha256(manifest["files"])
+    (out / sha256_manifest.MANIFEST_NAME).write_text(json.dumps(manifest))
+    assert campaign.main(["verify", str(out / sha256_manifest.MANIFEST_NAME)]) == 1
     assert "disclosure.json: records evidence sha256 " + "0" * 64 in capsys.readouterr().err
     # and a listing edited by hand no longer matches its own digest
     manifest["files"][0]["sha256"] = "1" * 64
-    (out / provd.MANIFEST_NAME).write_text(json.dumps(manifest))
-    problems = provd.verify(out / provd.MANIFEST_NAME).problems
+    (out / sha256_manifest.MANIFEST_NAME).write_text(json.dumps(manifest))
+    problems = sha256_manifest.verify(out / sha256_manifest.MANIFEST_NAME).problems
     assert any("listing_sha256 does not match its own listing" in p for p in problems)
 
 

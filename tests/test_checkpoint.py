@@ -1,4 +1,4 @@
-"""engine.checkpoint: local weights only, every format and wrapper, errors that name what differs."""
+"""engine.classify.checkpoint: local weights only, every format and wrapper, errors that name what differs."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,7 +11,13 @@ import torch
 from conftest import tiny_spec
 from safetensors.torch import save_file
 
-from engine.checkpoint import CheckpointError, create_model, filter_state_dict, load_model, read_state_dict
+from engine.classify.checkpoint import (
+    CheckpointError,
+    create_model,
+    filter_state_dict,
+    load_model,
+    read_state_dict,
+)
 
 
 def _detached(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -283,14 +283,14 @@ def test_a_generator_refusing_a_setting_leaves_no_folder_behind(module, tmp_path
 
 
 def test_campaign_verify_takes_the_folder_and_usage_errors_say_error(tmp_path):
-    from evaluator.evidence import provd
+    from evaluator.evidence import sha256_manifest
 
     folder = tmp_path / "camp"
     folder.mkdir()
     (folder / "a.txt").write_text("evidence\n")
     r = _py("-m", "evaluator.campaign", "verify", str(folder))
     assert "holds no campaign.provd.json" in _one_error_line(r, "verify")
-    provd.write_manifest(folder, {"sha": "0" * 40, "dirty": False})
+    sha256_manifest.write_manifest(folder, {"sha": "0" * 40, "dirty": False})
     r = _py("-m", "evaluator.campaign", "verify", str(folder))
     assert r.returncode == 0 and r.stdout.startswith("verify: OK"), r.stderr[-2000:]
     (folder / "a.txt").write_text("changed\n")

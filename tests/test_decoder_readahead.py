@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from engine.pipeline import ReadAhead, decoded_batches
+from engine.classify.pipeline import ReadAhead, decoded_batches
 
 
 class Recorder:

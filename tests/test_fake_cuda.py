@@ -26,7 +26,7 @@ from torch._subclasses.fake_tensor import (
     unset_fake_temporarily,
 )
 
-from engine.artifact import Artifact
+from engine.classify.artifact import Artifact
 
 S = 112     # tiny input size: 8 x 8 patches
 B = 4       # static batch of the fakes
@@ -64,7 +64,7 @@ def fake_cuda(monkeypatch):
 def _artifact(tmp_path, precision: str, guard: bool, batch: int = B) -> Artifact:
     """A cuda eager artifact of a 2-block tiny EVA-02 (random weights: only devices matter here)."""
     from engine.backends import eager
-    from engine.checkpoint import create_model
+    from engine.classify.checkpoint import create_model
 
     spec = dataclasses.replace(tiny_spec("squash", batch, precision),
                                model_kwargs={"depth": 2})
@@ -88,8 +88,8 @@ def _probe(fn, seen: list):
 
 def test_calibration_feeds_the_low_precision_graph_on_its_device(fake_cuda, tmp_path):
     """engine.build's guard calibration classifies host pixels with the graph the run executes."""
-    from engine import calibrate
     from engine.backends import eager
+    from engine.build import calibrate
 
     art = _artifact(tmp_path, "bf16", guard=True)
     low = eager.load(art, torch.device("cuda"))
@@ -129,7 +129,7 @@ def test_eager_backend_runs_every_policy_on_cuda_and_takes_any_input_device(fake
         assert [(o.device.type, o.dtype, tuple(o.shape)) for o in outs] == \
             [("cuda", torch.int32, (B,))] + ([("cuda", torch.float32, (B,))] if precision != "fp32" else [])
     if precision == "fp8":
-        from engine.precision import Fp8Linear
+        from engine.classify.precision import Fp8Linear
 
         layer = next(m for m in fn.fn.modules() if isinstance(m, Fp8Linear))
         assert layer.weight.device.type == "cuda" and layer.weight.dtype == torch.float8_e4m3fn
@@ -151,7 +151,7 @@ class _Event:
 
 def _fake_guard(recheck, monkeypatch, rows=(1, 3)):
     """A CUDA guard whose host read of the margins (the one value-dependent step) names `rows`."""
-    from engine.guard import Guard
+    from engine.classify.guard import Guard
 
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a: self)   # no pinned memory without a GPU
     guard = Guard(recheck, 0.5, batch=4, device="cuda", make_event=_Event,
@@ -190,7 +190,7 @@ def test_runtime_cuda_branch_uploads_replays_graphs_and_guards_on_the_device(fak
     import contextlib
 
     from engine.backends import eager
-    from engine.runtime import Runtime
+    from engine.classify.runtime import Runtime
 
     class Stream:
         def wait_stream(self, other):

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 from conftest import run_abi, tiny_spec
 
-from engine.artifact import load_artifact
-from engine.runtime import load_runtime
+from engine.classify.artifact import load_artifact
+from engine.classify.runtime import load_runtime
 from evaluator.contest.agreement import agreement
 from evaluator.contest.manifest import read_manifest
 from evaluator.contest.reference import reference_top1

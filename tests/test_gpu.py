@@ -64,9 +64,9 @@ def test_cuda_artifacts_agree_with_the_fp32_reference(cohort, tiny_checkpoint, t
 
 
 def test_cuda_graph_replay_equals_plain_launches(tiny_checkpoint, tmp_path):
-    from engine.artifact import load_artifact
     from engine.build import build
-    from engine.runtime import load_runtime
+    from engine.classify.artifact import load_artifact
+    from engine.classify.runtime import load_runtime
 
     art = tmp_path / "art"
     build(tiny_spec("squash", 16), tiny_checkpoint, art, backend="eager", device="cuda")
@@ -83,11 +83,11 @@ def test_cuda_graph_replay_equals_plain_launches(tiny_checkpoint, tmp_path):
 def test_tensorrt_artifact_builds_loads_and_agrees(tiny_checkpoint, tmp_path):
     """The trt backend end to end on the GPU: build (guarded bf16), load through the runtime, classify."""
     pytest.importorskip("torch_tensorrt", reason="torch_tensorrt is not installed: no TensorRT artifact is tested")
-    from engine.artifact import load_artifact
     from engine.build import build
-    from engine.checkpoint import load_model
-    from engine.model import wrap
-    from engine.runtime import load_runtime
+    from engine.classify.artifact import load_artifact
+    from engine.classify.checkpoint import load_model
+    from engine.classify.model import wrap
+    from engine.classify.runtime import load_runtime
 
     spec = tiny_spec("squash", 16, "bf16")
     art = tmp_path / "art"

@@ -145,7 +145,7 @@ class HostRuntime:
 
 
 def _classify(decoder, blobs, log):
-    from engine.pipeline import classify
+    from engine.classify.pipeline import classify
 
     rt = HostRuntime(log)
     res = classify(lambda i: blobs[i], len(blobs), decoder, rt, readers=2, depth=0)
@@ -226,8 +226,8 @@ def test_the_abi_captures_cuda_graphs_only_after_the_decoder_is_built(tmp_path, 
     before the capture starts."""
     import time
 
+    import engine.classify.runtime as runtime
     import engine.decoders as decoders
-    import engine.runtime as runtime
     from engine.build import build
     from evaluator.contest import run as contest_run
 
@@ -274,9 +274,9 @@ def _flags() -> tuple[bool, bool]:
 
 def test_the_runtime_runs_fp32_without_tf32_and_reports_it(tmp_path, tf32_on, monkeypatch):
     from engine import backends
-    from engine.artifact import load_artifact
     from engine.build import build
-    from engine.runtime import load_runtime
+    from engine.classify.artifact import load_artifact
+    from engine.classify.runtime import load_runtime
 
     build(tiny_spec("squash", B), None, tmp_path / "art", backend="null")
     seen = []
@@ -299,8 +299,7 @@ def test_the_runtime_runs_fp32_without_tf32_and_reports_it(tmp_path, tf32_on, mo
 
 def test_the_build_calibrates_against_fp32_without_tf32_and_records_it(tmp_path, tiny_checkpoint, tf32_on,
                                                                          monkeypatch):
-    from engine import calibrate
-    from engine.build import GuardConfig, build
+    from engine.build import GuardConfig, build, calibrate
 
     meta = build(tiny_spec("squash", B), None, tmp_path / "null", backend="null")
     assert meta["fp32_math"] == {"tf32_matmul": False, "tf32_conv": False}
@@ -326,7 +325,7 @@ def test_the_build_calibrates_against_fp32_without_tf32_and_records_it(tmp_path,
 
 
 def test_the_reference_runs_fp32_without_tf32(tmp_path, tf32_on, monkeypatch):
-    from engine import checkpoint
+    from engine.classify import checkpoint
     from evaluator.contest import reference
 
     seen = []

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.guard import Guard
+from engine.classify.guard import Guard
 
 S = 2          # pixels are [B, 2, 2, 3]: only the first byte matters
 TAU = 0.5

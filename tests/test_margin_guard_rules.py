@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.guard import Guard
+from engine.classify.guard import Guard
 
 
 def fp32(x: torch.Tensor) -> torch.Tensor:   # [R, 2, 2, 3] uint8 -> int32 [R]

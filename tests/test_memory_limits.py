@@ -124,7 +124,7 @@ def test_load_without_torch_names_the_interpreter_not_the_memory(eager_artifact)
 
 def test_scripts_run_passes_at_its_need_and_is_refused_just_below(small_cohort, eager_artifact, tmp_path,
                                                                    monkeypatch):
-    from engine.classifier import need_bytes_for
+    from engine.classify.classifier import need_bytes_for
 
     need = need_bytes_for(eager_artifact, _threads(monkeypatch))     # dali-cpu runs in a child: not here
     m = small_cohort / "manifest.tsv"

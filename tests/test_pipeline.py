@@ -1,4 +1,4 @@
-"""engine.pipeline.classify with fake decoder and runtime: order, padding, failures, errors, no hangs."""
+"""engine.classify.pipeline.classify with fake decoder and runtime: order, padding, failures, errors, no hangs."""
 from __future__ import annotations
 
 import random
@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from engine.pipeline import Result, classify
+from engine.classify.pipeline import Result, classify
 
 BSZ = 16
 S = 2  # fake image side: the pipeline never looks at the pixels
@@ -352,7 +352,7 @@ def test_quiet_streams_swallow_write_failures_and_stay_transparent(tmp_path):
     import subprocess
     import sys
 
-    from engine.streams import QuietStream
+    from engine.stdio import QuietStream
 
     full = open("/dev/full", "w")
     q = QuietStream(full)
@@ -367,7 +367,7 @@ def test_quiet_streams_swallow_write_failures_and_stay_transparent(tmp_path):
     inner = io.TextIOWrapper(io.BytesIO(), encoding="latin-1")
     assert QuietStream(inner).encoding == "latin-1" and QuietStream(inner).buffer is inner.buffer
     # fds 0-2 closed at start: they are reopened on /dev/null, so a file opened later never becomes fd 2
-    code = ("import os, sys; sys.path.insert(0, sys.argv[1]); from engine.streams import safe_std_streams; "
+    code = ("import os, sys; sys.path.insert(0, sys.argv[1]); from engine.stdio import safe_std_streams; "
             "safe_std_streams(); fd = os.open(sys.argv[2], os.O_WRONLY | os.O_CREAT); print('x', file=sys.stderr); "
             "os.write(fd, str(fd).encode())")
     from conftest import REPO

@@ -9,12 +9,12 @@ import torch
 from conftest import tiny_spec
 from torch import nn
 
-from engine.calibrate import choose_tau, folder_pixels, generated_pixels
-from engine.checkpoint import load_model
-from engine.guard import Guard
-from engine.model import Top1Model, wrap
-from engine.precision import Fp32Linear, Fp32Norm, LowPrecisionLinear, _fold_qkv_bias, apply_policy
-from engine.spec import Spec
+from engine.build.calibrate import choose_tau, folder_pixels, generated_pixels
+from engine.classify.checkpoint import load_model
+from engine.classify.guard import Guard
+from engine.classify.model import Top1Model, wrap
+from engine.classify.precision import Fp32Linear, Fp32Norm, LowPrecisionLinear, _fold_qkv_bias, apply_policy
+from engine.classify.spec import Spec
 
 
 def test_policy_puts_gemms_low_and_keeps_norms_head_and_patch_embed_fp32(tiny_checkpoint):
@@ -150,7 +150,7 @@ def test_choose_tau_keeps_the_estimate_under_the_budget():
 def test_calibration_images_generated_and_from_a_folder(tmp_path):
     from PIL import Image
 
-    from evaluator.contest.dataset_flags import calibration_refusals
+    from evaluator.contest.eval_data_signs import calibration_refusals
 
     spec = tiny_spec()
     px, rec = generated_pixels(spec, 20)
@@ -178,7 +178,7 @@ def test_calibration_images_generated_and_from_a_folder(tmp_path):
 def test_projection_fusion_is_exact_on_an_eva02_large_layout():
     import timm
 
-    from engine.fuse import FusedSwiGLU, fuse_projections
+    from engine.classify.fuse import FusedSwiGLU, fuse_projections
 
     torch.manual_seed(0)
     net = timm.create_model("eva02_large_patch14_448", pretrained=False, depth=2, embed_dim=64, num_heads=4,
@@ -215,8 +215,8 @@ def test_batch_size_auto_measures_and_records(tiny_checkpoint, tmp_path):
     assert set(rows) == {8, 16, 32} and all(r["precision"] == "fp32" and r["backend"] == "eager" for r in rows.values())
     assert search["chosen"] == f"eager/fp32/b{meta['batch_size']}" and rows[meta["batch_size"]]["status"] == "chosen"
     # the fastest on the graph, unless a simpler one ties: a smaller batch whose median is within TIE
-    # plus the spread of the two rows' timings (engine.autotune_retime.margin)
-    from engine.autotune_retime import spread
+    # plus the spread of the two rows' timings (engine.build.retime.margin)
+    from engine.build.retime import spread
 
     chosen = rows[meta["batch_size"]]
     best = max((r for r in rows.values() if r.get("images_per_s")), key=lambda r: r["images_per_s"])
@@ -252,7 +252,7 @@ def test_reference_path_never_blocks_on_a_fifo(tmp_path):
 def test_tau_from_natural_photos_for_a_budget_is_below_the_worst_case_rule_on_renders(tiny_checkpoint):
     """The default calibration (photo crops, a disagreement budget) against renders with the
     worst-case rule (tau = 2 x the largest margin error seen): a smaller tau, fewer re-checks."""
-    from engine.calibrate import classify, margin_errors, photo_pixels
+    from engine.build.calibrate import classify, margin_errors, photo_pixels
 
     spec = tiny_spec(batch_size=16, precision="bf16")
     net = load_model(spec, tiny_checkpoint)

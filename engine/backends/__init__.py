@@ -7,7 +7,7 @@ A backend module declares everything the rest of the kit needs to know about it:
     COMPILED          suffixes of those files that are compiled code (the rehearsal's
                       no-JIT check and provenance ask this)
     NEEDS_WEIGHTS     False when it builds without a checkpoint
-    COMPILES          True when save() compiles (engine.autotune times that, and budgets for it)
+    COMPILES          True when save() compiles (engine.build.autotune times that, and budgets for it)
     AUTO              True when `--backend auto` may measure it (the null backend answers class 0)
     OPTIONS           (optional) compile options save(..., options=) takes, "default" first
     unavailable(device) -> str | None   (optional) why it cannot build here (None: it can)
@@ -15,7 +15,7 @@ A backend module declares everything the rest of the kit needs to know about it:
     load(artifact, device) -> fn      run time: fn(uint8 [B, S, S, 3]) -> int32 top-1 [B], or with
                                       margin (artifact.meta["guard"]) (top-1 [B], FP32 margin [B]);
                                       fn takes a batch on any device and runs on `device`
-                                      (engine.model.OnDevice), its outputs on `device`
+                                      (engine.classify.model.OnDevice), its outputs on `device`
 
 Adding a backend is one file here and one entry in BACKENDS.
 """

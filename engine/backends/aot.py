@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
+from engine.classify.model import OnDevice, export_top1
 from engine.io import tree_bytes
-from engine.model import OnDevice, export_top1
 
 NAME = "aot"
 DIR = "aot"
@@ -38,7 +38,7 @@ PACKAGE_MODEL_DIR = ("data", "aotinductor", "model")   # where a .pt2 keeps the 
 SOURCES = (".cpp", ".h", ".hpp", ".cu", ".c")            # the package's C++ sources: not needed to load
 
 
-OPTIONS = ("default", "max-autotune")   # compile options engine.autotune may time against each other
+OPTIONS = ("default", "max-autotune")   # compile options engine.build.autotune may time against each other
 
 
 def inductor_configs(device: str, options: str = "default") -> dict:

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from engine import settings
-from engine.checkpoint import CheckpointError, check_state_dict, filter_state_dict, read_state_dict
+from engine.classify.checkpoint import CheckpointError, check_state_dict, filter_state_dict, read_state_dict
 from engine.clip.spec import ClipSpec, image_spec_from_hf, image_spec_from_open_clip
 
 OPEN_CLIP_WEIGHTS = ("open_clip_model.safetensors", "open_clip_pytorch_model.safetensors",

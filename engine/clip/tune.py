@@ -80,7 +80,7 @@ class Candidate:
 
 def candidates(tower: str, device: str, preset: Preset) -> list[Candidate]:
     """Every candidate of `tower` on `device` under `preset`."""
-    from engine.autotune_measure import native_precisions
+    from engine.build.measure import native_precisions
 
     precs = preset.precisions or tuple(native_precisions(device)[0])
     precs = tuple(p for p in precs if p in ("fp32", "bf16", "fp16"))

@@ -11,8 +11,8 @@ import importlib
 import sys
 import threading
 
+from engine.classify.spec import Spec
 from engine.decoders.registry import DECODERS, FALLBACK, NEEDS
-from engine.spec import Spec
 
 __all__ = ["DECODERS", "FALLBACK", "NEEDS", "artifact_decoder", "default_decoder", "make_decoder", "planned_decoder",
            "runs_isolated", "slow_decoder_reason", "start_decoder", "start_problem"]
@@ -25,7 +25,7 @@ def default_decoder(device: str) -> str:
 
 def artifact_decoder(meta: dict) -> str:
     """The decoder an artifact's manifest names (the build measured it against PIL:
-    engine.build_decoder), else the fast one of its device."""
+    engine.build.decoder_choice), else the fast one of its device."""
     name = meta.get("decoder")
     return name if name in DECODERS else default_decoder(meta.get("device", "cpu"))
 

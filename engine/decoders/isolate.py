@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.spec import Spec
+from engine.classify.spec import Spec
 
 MAX_RESTARTS = 5
 NONE = 0xFFFFFFFF                    # length of a blob that was not read
@@ -304,7 +304,7 @@ def child_main() -> None:
     import importlib
     import inspect
 
-    from engine.streams import safe_std_streams
+    from engine.stdio import safe_std_streams
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)      # Ctrl-C is the parent's to handle
     proto = os.fdopen(os.dup(1), "wb", buffering=0)   # the protocol keeps the real stdout

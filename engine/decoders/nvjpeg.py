@@ -1,7 +1,7 @@
 """GPU decode through torchvision's nvJPEG binding, for machines without DALI (`nvjpeg`).
 
 Decode on the GPU (`torchvision.io.decode_jpeg(device="cuda")`), then an antialiased
-bicubic resize and the crop on the GPU, with sizes and offsets from engine.geometry.
+bicubic resize and the crop on the GPU, with sizes and offsets from engine.classify.geometry.
 Images the GPU decoder does not take (other formats, CMYK, truncated) or rejects go to
 the PIL reference on the CPU and are uploaded; nothing stalls on them.
 """
@@ -11,10 +11,10 @@ import sys
 
 import torch
 
+from engine.classify.geometry import window
+from engine.classify.gpu_streams import upload
+from engine.classify.spec import Spec
 from engine.decoders.route import route
-from engine.geometry import window
-from engine.gpu_streams import upload
-from engine.spec import Spec
 
 _MODES = {"bicubic": "bicubic", "bilinear": "bilinear", "nearest": "nearest"}
 
@@ -45,8 +45,8 @@ class NvjpegDecoder:
         from torchvision.io import ImageReadMode, decode_jpeg
 
         from engine import settings
+        from engine.classify.gpu_streams import producer_stream
         from engine.decoders.isolate import reference_decoder
-        from engine.gpu_streams import producer_stream
         from engine.threads import budget
 
         self._decode_jpeg, self._rgb = decode_jpeg, ImageReadMode.RGB
@@ -54,7 +54,7 @@ class NvjpegDecoder:
         # the decoder's own stream (the pipeline makes it current and hands each batch over with an
         # event), and a landing stream that only ever holds torchvision's outputs: torchvision
         # allocates them on the caller's stream but writes them from its own stream without waiting
-        # for the caller, so a block freed there must carry no queued reader (engine.gpu_streams)
+        # for the caller, so a block freed there must carry no queued reader (engine.classify.gpu_streams)
         self.stream = producer_stream()
         self._landing = producer_stream()
         # every chroma-subsampled JPEG (most photos) takes this path: the whole CPU budget decodes,

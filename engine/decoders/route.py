@@ -15,8 +15,8 @@ import io
 import re
 from dataclasses import dataclass
 
+from engine.classify.spec import Spec
 from engine.decoders.pil import checked_window, failure
-from engine.spec import Spec
 
 # modes the fast decoders take (DALI's decode is bit-exact with PIL for them). Not CMYK/YCCK: PIL reads
 # every 4-component JPEG as Adobe-inverted CMYK, whatever its markers say, while DALI inverts only

@@ -53,8 +53,8 @@ def embed_images(read: Callable[[int], bytes], items: Sequence[int], decoder, en
                  batch_size: int, readers: int = 8, depth: int = 2) -> Iterator[EmbeddedBatch]:
     """Yield EmbeddedBatch for `items` in order. `read(item)` returns encoded bytes or raises;
     `encode(uint8 [m, S, S, 3]) -> [m, D]` unit rows (torch, any device)."""
-    from engine.gpu_streams import upload
-    from engine.pipeline import decoded_batches, in_thread, take_batch
+    from engine.classify.gpu_streams import upload
+    from engine.classify.pipeline import decoded_batches, in_thread, take_batch
 
     items = list(items)
     log = DecoderLog(decoder)

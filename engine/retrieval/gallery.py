@@ -6,7 +6,7 @@ unfinished chunk, each kept chunk checked against its sha256. Each chunk records
 decoder that decoded it (an isolated decoder may give way to PIL); chunks of another
 decoder than the one decoding now are rebuilt, so meta.json `decoder` and its `build_key`
 name the decoder of every row. Images no decoder can read are listed in meta.json and left out.
-Then the build-time extras (engine.retrieval.extras), the top-k kernel compiled for this
+Then the build-time extras (engine.retrieval.index_extras), the top-k kernel compiled for this
 GPU (kernels.topk.store_compiled), and one commit (engine.retrieval.index.commit). An index
 whose embeddings are up to date but whose extras or recorded method differ keeps its
 embeddings and redoes the rest. meta.json `model` records the CLIP that built it (its
@@ -96,8 +96,8 @@ class _Run:
 
     def __init__(self, records, records_sha, towers, info, method, corpus, index_dir, extras, dec, batch_size,
                  chunk_size, readers, confine_to_corpus, stop_after_chunks, t_start, t_loaded):
-        from engine.retrieval.extras import extras_key
         from engine.retrieval.index import ChunkStore
+        from engine.retrieval.index_extras import extras_key
         from engine.retrieval.jsonl import record_reader
 
         self.records, self.records_sha, self.towers, self.info = records, records_sha, towers, info
@@ -276,9 +276,9 @@ class _Run:
 
 
 def commit_with_extras(index_dir: Path, emb, ids: list, meta: dict, towers, info: dict, extras, ekey: dict) -> bool:
-    """Compute the extras (engine.retrieval.extras), then commit; False when the training hook fires."""
-    from engine.retrieval.extras import build_extras
+    """Compute the extras (engine.retrieval.index_extras), then commit; False when the training hook fires."""
     from engine.retrieval.index import BUILD_DIR, commit
+    from engine.retrieval.index_extras import build_extras
     from engine.retrieval.pic2word import Stopped
 
     t0 = time.perf_counter()

@@ -47,7 +47,7 @@ import numpy as np
 FORMAT = "cir-index/1"
 BUILD_DIR = ".build"
 LOCK_FILE = ".lock"
-EXTRA_FILES = ("pic2word", "text_bank", "dba")   # optional data files (engine.retrieval.extras)
+EXTRA_FILES = ("pic2word", "text_bank", "dba")   # optional data files (engine.retrieval.index_extras)
 KERNEL_DIR = "kernels"   # compiled kernels the query run loads instead of compiling (kernels.topk)
 # A unit FP32 row rounded to FP16 moves its norm by at most 2**-11 (~4.9e-4, round to nearest):
 # 1e-2 is 20 times that, and far below what a damaged row shows (0 for a zeroed row, NaN, 1e4).

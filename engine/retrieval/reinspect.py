@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.spec import Spec
+from engine.classify.spec import Spec
 
 VIEWS = ("mirror", "squash", "zoom80", "squash-mirror", "zoom80-mirror")
 ZOOM = 0.8   # zoom80: the share of the short side kept

@@ -11,7 +11,7 @@ reference), embeds in batches, and writes the index described in engine.retrieva
 (engine.retrieval.gallery does the work). Chunked and resumable: a killed build restarts at
 its first unfinished chunk. Images no decoder can read are listed in meta.json and left out.
 Build-time extras (gallery mean, `--mapping pic2word`, gallery-derived text bank, DBA):
-engine.retrieval.extras. Env:
+engine.retrieval.index_extras. Env:
 CLIP_MODEL_DIR, CLIP_MODEL_NAME, CLIP_DEVICE, CLIP_PRECISION, CIR_METHOD. main()'s
 stop_after_chunks / p2w_stop_after end a build early, as a kill would (resumable).
 """
@@ -55,7 +55,7 @@ class BuildConfig:
     text_weight: float | None = None
     prompt: str | None = None
     force: bool = False
-    mapping: str = "none"          # none | pic2word (engine.retrieval.extras)
+    mapping: str = "none"          # none | pic2word (engine.retrieval.index_extras)
     p2w_epochs: int = 20
     p2w_steps: int = 0
     p2w_batch_size: int = 256
@@ -76,7 +76,7 @@ class BuildConfig:
     workers: int = 2               # Ray actors (one GPU each on CUDA, else one CPU each)
 
     def extras(self):
-        from engine.retrieval.extras import ExtrasConfig
+        from engine.retrieval.index_extras import ExtrasConfig
         from engine.retrieval.pic2word import Pic2WordConfig
 
         p2w = Pic2WordConfig(hidden=self.p2w_hidden, epochs=self.p2w_epochs, steps=self.p2w_steps,
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None, stop_after_chunks: int = 0, p2w_stop_aft
 
 
 def _main(argv: list[str] | None, stop_after_chunks: int, p2w_stop_after: int) -> int:
-    from engine.streams import safe_std_streams
+    from engine.stdio import safe_std_streams
 
     safe_std_streams()   # diagnostics are best effort: a broken stderr never fails the build
     cfg = parse_args(argv)

@@ -158,7 +158,7 @@ def interrupt_ends(prog: str, kept: str):
 
 
 def _main(argv: list[str] | None, on_row) -> int:
-    from engine.streams import safe_std_streams
+    from engine.stdio import safe_std_streams
 
     safe_std_streams()   # diagnostics are best effort: a broken stderr never fails the call
     cfg = parse_args(argv)

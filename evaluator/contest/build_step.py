@@ -36,7 +36,7 @@ FLAG = {"ENGINE_MODEL": "--model", "ENGINE_PRECISION": "--precision", "ENGINE_BA
         "ENGINE_CROP_PCT": "--crop-pct", "ENGINE_MODEL_KWARGS": "--model-kwargs",
         "ENGINE_CHECKPOINT": "--checkpoint", "ENGINE_ARTIFACT": "--out", "ENGINE_DEVICE": "--device"}
 KNOB = {flag: knob for knob, flag in FLAG.items()}
-CALIBRATION_CHECK = "evaluator.contest.dataset_flags:calibration_refusals"
+CALIBRATION_CHECK = "evaluator.contest.eval_data_signs:calibration_refusals"
 # seconds the deadline keeps after engine.build for the one-image check through scripts/run (a process
 # start, the artifact's load, one image) and engine.build's own process start
 SELFCHECK_RESERVE_S = 90.0
@@ -140,7 +140,7 @@ def build_device(knob: str) -> str:
 def stack() -> str:
     """The stack the artifact is built with, as its manifest records it (a run on another torch refuses it)."""
     try:
-        from engine.artifact import versions
+        from engine.classify.artifact import versions
 
         v = versions()
     except Exception:  # noqa: BLE001 - said on the line; the build then fails with the reason

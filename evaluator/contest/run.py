@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 import engine
-from engine.classifier import LoadError
+from engine.classify.classifier import LoadError
 from engine.io import read_regular, resolve_relative
 from engine.memory import exhaustion_line, import_failure
 from engine.process_stats import process_start, start_offset
@@ -76,7 +76,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """scripts/run: 0 with OUTPUT written, 2 with one `run: error:` line and no OUTPUT."""
-    from engine.streams import safe_std_streams
+    from engine.stdio import safe_std_streams
 
     safe_std_streams()
     wall0 = process_start()

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.io import sha256_file
-from evaluator.evidence import conditions, disclosure, fingerprint, provd, report_html
+from evaluator.evidence import conditions, disclosure, fingerprint, report_html, sha256_manifest
 from evaluator.evidence.runs import (
     PROFILES,
     REPO_ROOT,
@@ -227,9 +227,9 @@ def _bundle(att: Attempt) -> tuple[dict | None, list[dict], dict]:
     if att.prep is None or att.prep.bundle is None or not att.prep.bundle[0].is_dir():
         return None, [], {}
     src, rel, rebuild = att.prep.bundle
-    record = provd.bundle(src, att.out, rel, att.args.bundle_limit_mb * 2**20, rebuild)
+    record = sha256_manifest.bundle(src, att.out, rel, att.args.bundle_limit_mb * 2**20, rebuild)
     external = record.pop("external")
-    roles = {f"{rel}/{p}": "bundled" for p in provd.list_files(att.out / rel)} if record["bundled"] else {}
+    roles = {f"{rel}/{p}": "bundled" for p in sha256_manifest.list_files(att.out / rel)} if record["bundled"] else {}
     return record, external, roles
 
 
@@ -259,14 +259,14 @@ def _record(att: Attempt) -> dict:
         conditions_before=att.conditions_before or conditions_after, conditions_after=conditions_after,
         started_utc=att.started or _now(), finished_utc=_now(), config_note=a.config_note,
         attachments=attachments, interrupted=att.interrupted, scheduling=att.scheduling or scheduling_environment(),
-        operator_power=a.power, evidence={"sha256": provd.evidence_digest(out), "covers": provd.EVIDENCE_COVERS},
+        operator_power=a.power, evidence={"sha256": sha256_manifest.evidence_digest(out), "covers": sha256_manifest.EVIDENCE_COVERS},
         bundle=bundle,
     )
     doc = disclosure.build(facts)
     disclosure.write(doc, out / "disclosure.json")
     (out / "report.html").write_text(report_html.render(doc))
     roles |= {"disclosure.json": "disclosure", "report.html": "report"}
-    provd.write_manifest(out, att.git_before or git_after, roles, external=external)
+    sha256_manifest.write_manifest(out, att.git_before or git_after, roles, external=external)
     return doc
 
 
@@ -311,7 +311,7 @@ def cmd_run(a: RunArgs) -> int:
     print(summary_line(doc))
     for reason in promo["reasons"]:
         print(f"  - {reason}")
-    print(f"campaign: wrote {a.out / 'disclosure.json'}, report.html, {provd.MANIFEST_NAME} "
+    print(f"campaign: wrote {a.out / 'disclosure.json'}, report.html, {sha256_manifest.MANIFEST_NAME} "
           f"(evidence sha256 {doc['evidence']['sha256']})")
     if signum is not None:
         return 128 + signum
@@ -322,13 +322,13 @@ def cmd_run(a: RunArgs) -> int:
 
 def cmd_verify(path: Path, external: Path | None = None) -> int:
     if path.is_dir():                       # the evidence folder: its listing is inside
-        if not (path / provd.MANIFEST_NAME).is_file():
-            print(f"verify: error: {path} holds no {provd.MANIFEST_NAME}: pass an evidence folder written by "
+        if not (path / sha256_manifest.MANIFEST_NAME).is_file():
+            print(f"verify: error: {path} holds no {sha256_manifest.MANIFEST_NAME}: pass an evidence folder written by "
                   "`campaign run`, or its campaign.provd.json", file=sys.stderr)
             return 2
-        path = path / provd.MANIFEST_NAME
+        path = path / sha256_manifest.MANIFEST_NAME
     try:
-        result = provd.verify(path, external)
+        result = sha256_manifest.verify(path, external)
     except (OSError, ValueError) as exc:
         print(f"verify: error: {path}: {exc}", file=sys.stderr)
         return 2
@@ -343,20 +343,20 @@ def cmd_verify(path: Path, external: Path | None = None) -> int:
     if result.external_unchecked:
         extra += (f"; {result.external_unchecked} external files listed by digest only (not bundled: "
                   "re-check them with --external DIR)")
-    print(f"verify: OK: {result.checked} files match their SHA-256 digests ({provd.INTEGRITY}); "
+    print(f"verify: OK: {result.checked} files match their SHA-256 digests ({sha256_manifest.INTEGRITY}); "
           f"evidence sha256 {result.evidence_sha256}{extra}")
     return 0
 
 
 def cmd_package(folder: Path, out: Path) -> int:
-    manifest = folder / provd.MANIFEST_NAME
+    manifest = folder / sha256_manifest.MANIFEST_NAME
     if not manifest.is_file():
         print(f"package: {manifest}: missing", file=sys.stderr)
         return 1
     if cmd_verify(manifest) != 0:
         print("package: refusing to pack a folder that does not verify", file=sys.stderr)
         return 1
-    print(f"package: wrote {provd.package(folder, out)}")
+    print(f"package: wrote {sha256_manifest.package(folder, out)}")
     return 0
 
 
@@ -364,7 +364,7 @@ def cmd_render(path: Path, out: Path | None) -> int:
     doc = json.loads(path.read_text())
     target = out or path.parent / "report.html"
     html = report_html.render(doc)
-    manifested = (target.parent / provd.MANIFEST_NAME).is_file() and target.is_file()
+    manifested = (target.parent / sha256_manifest.MANIFEST_NAME).is_file() and target.is_file()
     if manifested and target.read_text() != html:
         print(f"render: warning: {target} differs from the digested one; {target.parent} will no longer "
               "verify (use --out to render elsewhere)", file=sys.stderr)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from engine.backends import compiled_suffixes
 from engine.io import package_versions, sha256_file
-from evaluator.contest.dataset_flags import content_flags, name_flags
+from evaluator.contest.eval_data_signs import content_flags, name_flags
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("torch", "torchvision", "timm", "numpy", "pillow", "safetensors", "nvidia-dali-cuda130",
@@ -90,7 +90,7 @@ def versions() -> dict[str, str]:
 
 
 def provenance(artifact: Path, checkpoint: Path | None, repo: Path | None, extra: list[Path]) -> dict:
-    from engine.artifact import load_artifact
+    from engine.classify.artifact import load_artifact
 
     art = load_artifact(artifact, verify="size")  # sizes here; every digest is recomputed below
     meta = art.meta
@@ -133,7 +133,7 @@ def provenance(artifact: Path, checkpoint: Path | None, repo: Path | None, extra
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine.artifact import ArtifactError
+    from engine.classify.artifact import ArtifactError
     from engine.cli import error, guard, parser
 
     prog = "python -m evaluator.provenance"

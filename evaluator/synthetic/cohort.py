@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.build.renders import Template, render, templates
 from engine.io import write_atomic
 from engine.progress import Progress
-from engine.renders import Template, render, templates
 
 TINY_MODEL = "eva02_tiny_patch14_224"
 TINY_KWARGS = {"depth": 4}
@@ -153,9 +153,9 @@ def make_tiny_checkpoint(path: Path, seed: int = 0, classes: int = 100, renders:
     import torch
     from PIL import Image
 
-    from engine.checkpoint import create_model
+    from engine.classify.checkpoint import create_model
+    from engine.classify.spec import resolve_spec
     from engine.decoders.pil import _timm_transform
-    from engine.spec import resolve_spec
 
     torch.manual_seed(seed)
     kwargs = TINY_KWARGS if model_kwargs is None else model_kwargs

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 from conftest import REPO, run_abi, tiny_spec
 
-from engine.artifact import load_artifact
+from engine.classify.artifact import load_artifact
+from engine.classify.runtime import load_runtime
 from engine.decoders import make_decoder
-from engine.runtime import load_runtime
 from evaluator.synthetic.cohort import TINY_INPUT, TINY_KWARGS, TINY_MODEL
 
 ROUNDS = 3

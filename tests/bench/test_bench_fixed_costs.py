@@ -64,8 +64,8 @@ def child(mode: str, artifact: Path, packages: list[Path]) -> dict:
     import torch
 
     from engine import backends
-    from engine.artifact import load_artifact
-    from engine.runtime import recheck_view
+    from engine.classify.artifact import load_artifact
+    from engine.classify.runtime import recheck_view
     t.append(time.perf_counter())
     art = load_artifact(artifact)
     t.append(time.perf_counter())

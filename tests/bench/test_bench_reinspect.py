@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
+from engine.classify.spec import Spec
 from engine.retrieval.reinspect import ReinspectBudget, Reinspector, view_groups
-from engine.spec import Spec
 
 pytest.importorskip("pytest_benchmark")
 pytest.importorskip("nvidia.dali")

@@ -25,7 +25,7 @@ from pathlib import Path
 from engine.io import sha256_file
 from engine.retrieval.jsonl import is_id
 from evaluator.cir.task import TOP_K
-from evaluator.evidence import provd
+from evaluator.evidence import sha256_manifest
 from evaluator.evidence.runs import (
     Prepared,
     RunArgs,
@@ -185,7 +185,7 @@ def _corpus_dir(index_dir: Path) -> Path | None:
 
 
 def _path_digest(path: Path) -> str:
-    return sha256_file(path) if path.is_file() else provd.tree_digest(path)["sha256"]
+    return sha256_file(path) if path.is_file() else sha256_manifest.tree_digest(path)["sha256"]
 
 
 def input_digests(inputs: CirInputs) -> dict[str, str]:
@@ -193,7 +193,7 @@ def input_digests(inputs: CirInputs) -> dict[str, str]:
     out = {"queries": sha256_file(inputs.queries)}
     out |= {f"labels_{i:02d}": sha256_file(p) for i, p in enumerate(inputs.labels, 1)}
     out |= {"index_meta": sha256_file(inputs.index_dir / "meta.json"),
-            "index_tree": provd.tree_digest(inputs.index_dir)["sha256"], "clip": _path_digest(inputs.clip_dir)}
+            "index_tree": sha256_manifest.tree_digest(inputs.index_dir)["sha256"], "clip": _path_digest(inputs.clip_dir)}
     return out
 
 

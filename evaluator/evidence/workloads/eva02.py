@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.io import sha256_file
-from evaluator.evidence import provd
+from evaluator.evidence import sha256_manifest
 from evaluator.evidence.runs import (
     Prepared,
     RunArgs,
@@ -218,7 +218,7 @@ def input_digests(inputs: RunInputs) -> dict[str, str]:
         "images": images_sha256(inputs),
         "artifact_manifest": sha256_file(inputs.artifact / "manifest.json")
         if (inputs.artifact / "manifest.json").is_file() else "MISSING",
-        "artifact_tree": provd.tree_digest(inputs.artifact)["sha256"],
+        "artifact_tree": sha256_manifest.tree_digest(inputs.artifact)["sha256"],
     }
 
 

@@ -137,10 +137,10 @@ def share_copy(net: nn.Module) -> nn.Module:
 
 
 def apply_policy(net: nn.Module, precision: str, copy: bool = True) -> nn.Module:
-    """`net` (FP32, eval) with its projections fused (engine.fuse, exact) and the policy for
+    """`net` (FP32, eval) with its projections fused (engine.classify.fuse, exact) and the policy for
     `precision` applied; fp32 applies only the fusion. `copy=True`: on a share_copy of `net`
     (the caller's model keeps its layers); `copy=False`: on `net` itself (a fresh load)."""
-    from engine.fuse import fuse_projections
+    from engine.classify.fuse import fuse_projections
 
     net = (share_copy(net) if copy else net).float().eval()
     fuse_projections(net)

@@ -1,25 +1,25 @@
 """`engine.build ... auto`: measure the candidates here, build the fastest that holds, verify it end
 to end, and fall back to what is known to work.
 
-First the decoder (engine.build_decoder): the device's fast one unless its own flips against
+First the decoder (engine.build.decoder_choice): the device's fast one unless its own flips against
 PIL break the disagreement budget, then the next, PIL last; precision gets the budget it
-leaves. After the search (engine.autotune) ranks the candidates that hold that budget, the
+leaves. After the search (engine.build.autotune) ranks the candidates that hold that budget, the
 first is assembled into the artifact (its compiled graph reused from the search, the guard's
 re-check graph added below fp32, the decoder recorded) and run through `scripts/run` with
 that decoder on the calibration images written as JPEGs; its answers are counted against
 FP32 on PIL's pixels, beside the decoder's own flips, and the total must be within the gate
-the budget allows on that many images (engine.calibrate.allowed_disagreements, the preset's
+the budget allows on that many images (engine.build.calibrate.allowed_disagreements, the preset's
 verify_alpha). A candidate that fails that is one stderr line, and the next is tried; when
 none is left, the build is the plain eager FP32 path without CUDA graphs (with the chosen
 decoder), said loudly. The manifest's `build.search` records every candidate measured, the
 verification and the choice; `build.decoder` the decoders measured.
 
-One deadline covers it all (engine.build_clock): the search spends what the calibration reference
+One deadline covers it all (engine.build.clock): the search spends what the calibration reference
 has left once the re-check graph and one verification are reserved at their estimates; a ranked
 candidate is assembled and verified only while its estimate fits, and when none was verified in
 time the build is the eager FP32 path (the manifest's `fallback` says why, `clock` what each phase
 planned and took). The search's work folder holds every candidate's files and Inductor cache, a
-loser's removed as it loses (engine.build_disk: its size, free space and peak).
+loser's removed as it loses (engine.build.disk: its size, free space and peak).
 """
 from __future__ import annotations
 
@@ -35,12 +35,13 @@ from pathlib import Path
 
 import numpy as np
 
-from engine import assemble as parts
-from engine import autotune, backends
+from engine import backends
+from engine.build import assemble as parts
+from engine.build import autotune
+from engine.classify.spec import Spec
 from engine.presets import preset
-from engine.spec import Spec
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _say(msg: str) -> None:
@@ -49,7 +50,7 @@ def _say(msg: str) -> None:
 
 def search_config(spec: Spec, backend: str, device: str, auto) -> tuple[autotune.SearchConfig, dict]:
     """The candidates `auto` measures on this machine, and what it skips (with why)."""
-    from engine.autotune_measure import importable_backends, native_precisions
+    from engine.build.measure import importable_backends, native_precisions
 
     pre = preset(device)
     skipped: dict[str, str] = {}
@@ -80,10 +81,10 @@ def search_config(spec: Spec, backend: str, device: str, auto) -> tuple[autotune
 def build_measured(net, spec: Spec, checkpoint, backend: str, device: str, guard, auto, tmp: Path, extra: dict,
                    t0: float, bclock=None):
     """Search, assemble the best candidate in `tmp`, verify it, all inside `bclock`'s deadline (an
-    engine.build_clock.BuildClock; None: the device preset's, from now); returns (spec, backend, manifest)."""
-    from engine import calibrate
-    from engine.build_clock import BuildClock
-    from engine.model import wrap
+    engine.build.clock.BuildClock; None: the device preset's, from now); returns (spec, backend, manifest)."""
+    from engine.build import calibrate
+    from engine.build.clock import BuildClock
+    from engine.classify.model import wrap
 
     pre = preset(device)
     bclock = bclock or BuildClock(pre.build_deadline_s, {"recheck": pre.compile_estimate_s,
@@ -104,8 +105,9 @@ def build_measured(net, spec: Spec, checkpoint, backend: str, device: str, guard
 
 def _choose_decoder(net, spec: Spec, device: str, pixels, guard, extra: dict) -> tuple:
     """(guard with precision's share of the budget, extra naming the decoder): the first decoder
-    whose own flips leave precision a budget (engine.build_decoder); ENGINE_DECODER pins the first."""
-    from engine import build_decoder, settings
+    whose own flips leave precision a budget (engine.build.decoder_choice); ENGINE_DECODER pins the first."""
+    from engine import settings
+    from engine.build import decoder_choice as build_decoder
 
     choice = build_decoder.for_build(net, spec, device, pixels, guard.budget, preset(device).verify_images,
                                      first=settings.decoder())
@@ -117,9 +119,9 @@ def _choose_decoder(net, spec: Spec, device: str, pixels, guard, extra: dict) ->
 
 def _search_and_assemble(net, spec, checkpoint, backend, device, guard, auto, tmp, extra, t0, cfg,
                          skipped, pixels, origin, ref, work, bclock):
-    from engine.autotune_measure import Measurer
-    from engine.build_clock import SearchDeadline
-    from engine.build_disk import WorkDisk
+    from engine.build.clock import SearchDeadline
+    from engine.build.disk import WorkDisk
+    from engine.build.measure import Measurer
 
     low = guard.enabled and any(p != "fp32" for p in cfg.precisions)
     after = (("recheck",) if low else ()) + (("verify",) if auto.verify else ())
@@ -165,7 +167,7 @@ def _verify_in_order(result, net, spec, checkpoint, device, guard, auto, tmp, ex
                      verify, bclock, work):
     """Assemble and verify the ranked candidates in order while the deadline allows one more; the first
     that passes is the artifact: (spec, backend, manifest), or None when none did in time."""
-    from engine.autotune_measure import own_inductor_cache
+    from engine.build.measure import own_inductor_cache
 
     pre = preset(device)
     for trial in result.ranked:
@@ -232,8 +234,8 @@ def _assemble(c, net, cspec, checkpoint, device, tmp, guard, extra, t0, saved, g
 
 def _rewrite(tmp: Path, meta: dict, result, verify: list, clock: dict) -> dict:
     """manifest.json again, its search record now with the final table, the verification and the clock."""
-    from engine.artifact import DIGEST_KEY, write_manifest
-    from engine.spec import Spec as SpecType
+    from engine.classify.artifact import DIGEST_KEY, write_manifest
+    from engine.classify.spec import Spec as SpecType
 
     own = ("format", "spec", "backend", "device", "precision", "batch_size", "checkpoint", "files", "versions",
            "graph", DIGEST_KEY)
@@ -279,8 +281,9 @@ def verify_artifact(artifact: Path, net, spec: Spec, device: str, pixels: np.nda
     PIL's pixels (the reference). Two counts: the decoder's own flips (FP32 on its pixels against
     FP32 on PIL's) and the total (the artifact against FP32 on PIL's pixels); ok when the total is
     within calibrate.allowed_disagreements(the budget, n, alpha)."""
-    from engine import build_decoder, calibrate
-    from engine.model import wrap
+    from engine.build import calibrate
+    from engine.build import decoder_choice as build_decoder
+    from engine.classify.model import wrap
 
     name, budget = decoder["name"], decoder["budget_per_10k"]
     blobs = build_decoder.jpeg_blobs(pixels, count)

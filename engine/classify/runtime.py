@@ -13,9 +13,9 @@ import numpy as np
 import torch
 
 from engine import backends, settings
-from engine.artifact import Artifact
-from engine.guard import Guard
-from engine.spec import Spec
+from engine.classify.artifact import Artifact
+from engine.classify.guard import Guard
+from engine.classify.spec import Spec
 
 
 class UploadRing:
@@ -183,8 +183,8 @@ def load_runtime(artifact: Artifact, device: str | None = None, cuda_graphs: boo
                  guard: bool | None = None, capture: bool = True) -> Runtime:
     """The artifact's model, ready to run on its device (its backend from the registry).
     `capture=False`: the CUDA graphs are captured when the caller calls `capture_graphs()`.
-    FP32 math is set here for the process (engine.fp32: TF32 off unless ENGINE_TF32=1)."""
-    from engine.fp32 import set_fp32_math
+    FP32 math is set here for the process (engine.classify.tf32_off: TF32 off unless ENGINE_TF32=1)."""
+    from engine.classify.tf32_off import set_fp32_math
 
     dev = torch.device(device or artifact.device)
     if dev.type == "cuda" and not torch.cuda.is_available():

@@ -15,15 +15,15 @@ max-autotune, one level up:
    left (`Run`), time the compiled graph at steady state (warm-up excluded,
    synchronised clocks, median of several calls), then classify the calibration images: FP32
    candidates must agree with the FP32 graph, low-precision ones get their guard's tau
-   (engine.calibrate.choose_tau) and must hold the disagreement budget; a low-precision rate
+   (engine.build.calibrate.choose_tau) and must hold the disagreement budget; a low-precision rate
    counts its expected re-check cost;
 4. retime: a candidate within RETIME of the leader is timed again interleaved with it, and
-   every rate is the median of its timings (engine.autotune_retime); at the end the KEEP best
+   every rate is the median of its timings (engine.build.retime); at the end the KEEP best
    that hold are timed again interleaved;
 5. choice: the fastest that holds; a faster one replaces a simpler one (FP32 over guarded low
    precision, no extra compile options, fewer moving parts) only beyond TIE plus the spread.
 
-The measurements go through a `Measurer` (real: `engine.autotune_measure.Measurer`), so
+The measurements go through a `Measurer` (real: `engine.build.measure.Measurer`), so
 the search's logic is tested with fake timings. Everything measured lands in the table
 the manifest records; a candidate that fails to compile, capture or agree is one line on
 stderr and a row saying why, and a loser's files are removed as it loses.
@@ -37,10 +37,10 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from engine.autotune_retime import RETIME, ROUNDS, TIE, Timer, faster, margin  # noqa: F401 - TIE: a search rule
-from engine.autotune_table import LEGEND, format_table  # noqa: F401 - the table the build prints
-from engine.build_clock import SearchDeadline
-from engine.compile_failures import environmental
+from engine.build.clock import SearchDeadline
+from engine.build.compile_failures import environmental
+from engine.build.retime import RETIME, ROUNDS, TIE, Timer, faster, margin  # noqa: F401 - TIE: a search rule
+from engine.build.table import LEGEND, format_table  # noqa: F401 - the table the build prints
 
 PRUNE = 0.6         # a (precision, batch) screened under 60 % of the best is not compiled (unless it is
                     # its precision's best)
@@ -116,7 +116,7 @@ class Agreement:
 
 
 class Measurer(Protocol):
-    """The measuring side of the search (real: engine.autotune_measure; tests: fakes)."""
+    """The measuring side of the search (real: engine.build.measure; tests: fakes)."""
 
     def screen(self, precision: str, batch_size: int) -> float:
         """images/s of the eager policy network at this precision and batch."""
@@ -170,8 +170,8 @@ def _say(msg: str) -> None:
 def search(m: Measurer, cfg: SearchConfig, skipped: dict[str, str] | None = None,
            clock: Callable[[], float] = time.perf_counter, deadline=None, disk=None) -> SearchResult:
     """Screen, compile what could win within the time left, time (retiming what is within reach of the
-    leader), check agreement, confirm the leaders, rank. `deadline`: an engine.build_clock.SearchDeadline
-    (default: cfg.budget_s on `clock`); `disk`: an engine.build_disk.WorkDisk, checked before each compile."""
+    leader), check agreement, confirm the leaders, rank. `deadline`: an engine.build.clock.SearchDeadline
+    (default: cfg.budget_s on `clock`); `disk`: an engine.build.disk.WorkDisk, checked before each compile."""
     t0 = clock()
     deadline = deadline or SearchDeadline(cfg.budget_s, clock)
     trials: list[Trial] = []
@@ -239,7 +239,7 @@ def _key(c: Candidate) -> tuple:
 
 class Run:
     """One search's candidate loop. In the order a candidate meets them: a backend dropped after a
-    failure of the machine (engine.compile_failures) is not compiled again; a compile starts when FIT
+    failure of the machine (engine.build.compile_failures) is not compiled again; a compile starts when FIT
     x its estimate is left and the disk holds one more; after its first timing a candidate more than
     RETIME under the leader (the better of two timings, against a leader settled on SETTLED timings)
     is slower, one within RETIME is retimed interleaved with the leader and slower only beyond the

@@ -129,7 +129,7 @@ def decoded_batches(read, n, bsz, decoder, readers: int = 8, ahead_batches: int 
     stage) and `timeline` (decode intervals) are filled when given.
 
     A GPU decoder (one with a `stream`) does all its work for a batch on that stream, the
-    chunks' concatenation included; `ready` is the event after it (engine.gpu_streams), to be
+    chunks' concatenation included; `ready` is the event after it (engine.classify.gpu_streams), to be
     taken over by the consumer with `take_batch`. A host decoder's `ready` is None.
     """
     if max_bytes is None:
@@ -185,17 +185,17 @@ def _on_stream(stream):
 def _hand_over(stream):
     if stream is None:
         return None
-    from engine.gpu_streams import hand_over
+    from engine.classify.gpu_streams import hand_over
 
     return hand_over(stream)
 
 
 def take_batch(arr, ready):
     """The consumer's side of a decoded batch: on the device, wait for its producer's event and keep
-    it alive for this thread's stream (engine.gpu_streams.take_over); a host batch as it is."""
+    it alive for this thread's stream (engine.classify.gpu_streams.take_over); a host batch as it is."""
     if ready is None:
         return arr
-    from engine.gpu_streams import take_over
+    from engine.classify.gpu_streams import take_over
 
     return take_over(arr, ready)
 

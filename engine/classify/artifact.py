@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from engine import settings
+from engine.classify.spec import Spec
 from engine.io import package_versions, sha256_file
-from engine.spec import Spec
 
 FORMAT = "eva-engine-artifact/2"
 MANIFEST = "manifest.json"

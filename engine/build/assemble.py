@@ -2,7 +2,7 @@
 chosen on the calibration images, the FP32 re-check graph), then the manifest.
 
 engine.build decides what to build (a fixed spec, or the measured choice of
-engine.build_auto) and calls `assemble`; the timing helpers for the batch sizes live here too.
+engine.build.auto) and calls `assemble`; the timing helpers for the batch sizes live here too.
 """
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ import sys
 import time
 from pathlib import Path
 
-from engine import backends, calibrate
-from engine.artifact import Artifact, write_manifest
+from engine import backends
+from engine.build import calibrate
+from engine.classify.artifact import Artifact, write_manifest
+from engine.classify.spec import Spec
 from engine.io import sha256_file
 from engine.presets import preset
-from engine.spec import Spec
 
 RECHECK_DIR = "recheck"   # the guard's FP32 graph, built by the same backend, inside the artifact
 
@@ -42,7 +43,7 @@ def assemble(be, backend: str, net, spec: Spec, checkpoint: Path | None, device:
               chosen_guard: tuple | None = None) -> dict:
     """The artifact's files and manifest in `tmp`: the backend's graph (`saved`: its manifest extras,
     when the search already wrote its files there), below fp32 the guard, then manifest.json."""
-    from engine.precision import describe as describe_policy
+    from engine.classify.precision import describe as describe_policy
 
     guarded = guard.enabled and spec.precision != "fp32" and be.NEEDS_WEIGHTS
     extra = {**extra, "precision_policy": describe_policy(spec.precision)}
@@ -74,7 +75,7 @@ def build_guard(be, backend: str, net, spec: Spec, device: str, tmp: Path, cfg: 
     `chosen_guard`: (choose_tau's record, origin) when the search already chose tau with this graph."""
     import torch
 
-    from engine.model import wrap
+    from engine.classify.model import wrap
 
     t0 = time.perf_counter()
     view = Artifact(tmp, spec, backend, device, spec.precision, spec.batch_size, {}, {"guard": True})
@@ -153,8 +154,8 @@ def measure_batch_size(spec: Spec, checkpoint: Path | None, device: str, candida
     `net`: the FP32 network already loaded (else it is loaded from `checkpoint`)."""
     import torch
 
-    from engine.checkpoint import load_model
-    from engine.model import wrap
+    from engine.classify.checkpoint import load_model
+    from engine.classify.model import wrap
 
     net = net if net is not None else load_model(spec, checkpoint)
     rates = {}

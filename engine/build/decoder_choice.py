@@ -15,8 +15,8 @@ the search's agreement are held to that). One that breaks the budget, or cannot 
 stderr line. The artifact's manifest records the decoder (`decoder`), and `scripts/run`
 decodes with it.
 
-The end-to-end check of the artifact (engine.build_auto.verify_artifact) then holds the
-decoder's flips and precision's together to B, with engine.calibrate.allowed_disagreements.
+The end-to-end check of the artifact (engine.build.auto.verify_artifact) then holds the
+decoder's flips and precision's together to B, with engine.build.calibrate.allowed_disagreements.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from engine.calibrate import BASIS_POINTS
+from engine.build.calibrate import BASIS_POINTS
 from engine.decoders.registry import FALLBACK
 
 JPEG_QUALITY = 95            # the verification files: a camera's quality, PIL's encoder
@@ -136,7 +136,7 @@ class Choice:
                 "precision_budget_per_10k": round(self.precision_budget, 4), "tried": self.tried,
                 "rule": "the first decoder (fast first, PIL last) whose FP32 flips against FP32 on PIL's "
                         "pixels, in basis points, are under the budget; precision gets the rest "
-                        "(engine.build_decoder)"}
+                        "(engine.build.decoder_choice)"}
 
 
 def choose(names: Sequence[str], blobs: list[bytes], classify: Classify, budget: float,
@@ -183,8 +183,8 @@ def for_build(net, spec, device: str, pixels: np.ndarray, budget: float, count: 
     """The build's decoder: the first `count` calibration images (pixels [N, S, S, 3] uint8) as JPEG
     files, each decoder of `order(device, first)` against PIL under the FP32 graph of `net`.
     `make(name)`: (decoder, None) or (None, why not); default: `start` in this process."""
-    from engine import calibrate
-    from engine.model import wrap
+    from engine.build import calibrate
+    from engine.classify.model import wrap
 
     fp32 = wrap(net, dataclasses.replace(spec, precision="fp32"), device)
 

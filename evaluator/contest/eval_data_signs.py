@@ -74,9 +74,9 @@ def content_flags(path: Path) -> list[str]:
 
 
 def calibration_refusals(folder: Path, files: list[Path]) -> list[str]:
-    """engine.calibrate's folder check: `REL: flag` for every file of `folder` whose name, or
+    """engine.build.calibrate's folder check: `REL: flag` for every file of `folder` whose name, or
     (for a file that is not an image) whose content, looks like ImageNet validation data."""
-    from engine.calibrate import IMAGE_SUFFIXES
+    from engine.build.calibrate import IMAGE_SUFFIXES
 
     flags = []
     for p in files:

@@ -1,7 +1,7 @@
 """One deadline for the whole measured build, spent phase by phase.
 
 The build's phases run one after the other: the checkpoint load, the calibration reference
-(the FP32 graph on the calibration images), the search (engine.autotune), the guard's FP32
+(the FP32 graph on the calibration images), the search (engine.build.autotune), the guard's FP32
 re-check graph (a second compile, below FP32), the end-to-end verification. A `BuildClock`
 holds the deadline, the plan (estimated seconds per phase, printed first and recorded), what
 each phase measured (printed last and recorded), and `left()`. The search spends what is left

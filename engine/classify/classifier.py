@@ -11,12 +11,12 @@ Load, in this order (Classifier.__init__):
 1. a decoder that runs in a child process (engine.decoders.runs_isolated) is started from the
    artifact's manifest before torch is imported: it starts while torch loads;
 2. torch and the engine's modules are imported, the artifact is read and checked
-   (engine.artifact) and the thread budget of its device applied (engine.threads);
+   (engine.classify.artifact) and the thread budget of its device applied (engine.threads);
 3. any other decoder is built on a thread (a DALI GPU pipeline takes about a second) while
    the runtime loads, its CUDA graphs not yet captured;
 4. the decoder is waited for, then the graphs are captured: no other thread may touch the
    device during a capture (a DALI GPU pipeline allocates while it builds).
-Decode and infer: engine.pipeline reads, decodes and infers batches in overlap.
+Decode and infer: engine.classify.pipeline reads, decodes and infers batches in overlap.
 Answer: one int32 per item, in order. An item that cannot be read or decoded gets the
 prediction of a zero image (the pipeline keeps one in its slot) and is named in `last_failed`;
 classify and classify_bytes also say it on stderr, one line each.
@@ -94,8 +94,8 @@ def start_isolated_decoder(artifact: Path, name: str | None, isolate: bool, thre
     """The decoder started from the artifact's manifest before torch is imported, when it runs in
     a child process (engine.decoders.runs_isolated); None otherwise or if the manifest is unusable
     (load_artifact then says why). The Classifier keeps it only if the checked artifact agrees."""
+    from engine.classify.spec import Spec
     from engine.decoders import artifact_decoder, make_decoder, runs_isolated
-    from engine.spec import Spec
 
     try:
         with open(artifact / "manifest.json", "rb") as f:
@@ -114,7 +114,7 @@ class _Classification:
     """The last classify call: its item count, the pipeline's Result, its clock interval."""
 
     n: int
-    result: Any            # engine.pipeline.Result
+    result: Any            # engine.classify.pipeline.Result
     begin: float
     end: float
 
@@ -158,10 +158,10 @@ class Classifier:
             raise LoadError(import_failure("torch", e), "imports") from None
         import numpy as np
 
-        from engine.artifact import ArtifactError, load_artifact
+        from engine.classify.artifact import ArtifactError, load_artifact
+        from engine.classify.pipeline import Result
+        from engine.classify.runtime import load_runtime
         from engine.decoders import artifact_decoder, start_decoder
-        from engine.pipeline import Result
-        from engine.runtime import load_runtime
 
         self._t_imports = time.perf_counter()
         try:
@@ -194,7 +194,7 @@ class Classifier:
     def classify_read(self, read: Callable[[int], bytes], n: int) -> np.ndarray:
         """Top-1 of items 0..n-1: int32 [n]. `read(i)` (called on reader threads) returns item i's
         encoded bytes or raises; an item that fails is in `last_failed` {i: why}. Prints nothing."""
-        from engine.pipeline import classify
+        from engine.classify.pipeline import classify
 
         if self._closed:
             raise RuntimeError("the classifier is closed")

@@ -1,4 +1,4 @@
-"""The real measurements behind engine.autotune: what this machine runs natively, and each
+"""The real measurements behind engine.build.autotune: what this machine runs natively, and each
 candidate's compiled graph timed and checked against FP32 on the calibration images.
 
 Timing follows the usual rules: the graph is warmed up first (lazy inits, autotuned
@@ -16,11 +16,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine import backends, calibrate
-from engine.artifact import Artifact
-from engine.autotune import Agreement, Candidate
-from engine.model import wrap
-from engine.spec import Spec
+from engine import backends
+from engine.build import calibrate
+from engine.build.autotune import Agreement, Candidate
+from engine.classify.artifact import Artifact
+from engine.classify.model import wrap
+from engine.classify.spec import Spec
 
 MIN_CALLS, MIN_SECONDS, WARMUP = 3, 2.0, 2
 
@@ -122,7 +123,7 @@ class Handle:
 
 
 class Measurer:
-    """engine.autotune.Measurer on the real network: `pixels` [N, S, S, 3] are the calibration
+    """engine.build.autotune.Measurer on the real network: `pixels` [N, S, S, 3] are the calibration
     images, `ref` the FP32 graph's (top-1, margins) on them; compiled candidates are written
     under `workdir/<name>`."""
 
@@ -190,7 +191,7 @@ class Measurer:
     def time(self, h: Handle, c: Candidate) -> float:
         fn = h.fn
         if c.cuda_graphs:
-            from engine.runtime import _capture
+            from engine.classify.runtime import _capture
 
             fn, status = _capture(fn, self._shape(c.batch_size), torch.device(self.device))
             if status != "captured":

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.autotune_retime import RETIME, TIE
+from engine.build.retime import RETIME, TIE
 
 if TYPE_CHECKING:
-    from engine.autotune import SearchResult
+    from engine.build.autotune import SearchResult
 
 LEGEND = ("screen = eager images/s; graph = compiled images/s, the median of the timings listed; eff. = graph "
           "with the guard's re-check cost; agree = guarded top-1 agreement with the FP32 graph on the calibration "

@@ -6,7 +6,7 @@ Images (engine.build `--calibration-source`, `--calibration-images DIR`):
              a coffee cup, a rocket launch, a motorcycle, coins, a clock, ...: none is from
              ImageNet), each flipped at random, colour-jittered and JPEG-encoded with a fixed
              seed, then preprocessed by the PIL reference path of the spec;
-    renders  the procedural renders of engine.renders (a smoke check that a build is not
+    renders  the procedural renders of engine.build.renders (a smoke check that a build is not
              broken; they say little about photos' margins);
     DIR      a folder of the user's own images; the caller may pass a check (`refuse`, engine.build
              `--calibration-check`) whose reasons refuse the folder, e.g. that it holds evaluation data.
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.spec import Spec
+from engine.classify.spec import Spec
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff"}
 DEFAULT_COUNT = 256
@@ -120,8 +120,8 @@ def generated_pixels(spec: Spec, count: int = DEFAULT_COUNT, seed: int = 1) -> t
 
     from PIL import Image
 
+    from engine.build.renders import render, templates
     from engine.decoders.pil import decode_pil
-    from engine.renders import render, templates
 
     rng = np.random.default_rng(seed)
     temps = templates(100, seed + 1000)       # another world of templates than the test cohorts'
@@ -134,7 +134,7 @@ def generated_pixels(spec: Spec, count: int = DEFAULT_COUNT, seed: int = 1) -> t
         Image.fromarray(px).save(buf, "PNG")
         out[i] = decode_pil(buf.getvalue(), spec)
         h.update(out[i].tobytes())
-    return out, {"origin": f"procedural renders (engine.renders), seed {seed}", "count": count,
+    return out, {"origin": f"procedural renders (engine.build.renders), seed {seed}", "count": count,
                  "pixels_sha256": h.hexdigest()}
 
 
@@ -321,5 +321,5 @@ def choose_tau(low_top1: np.ndarray, margins: np.ndarray, ref_top1: np.ndarray, 
                              "tail": {"u": round(tail.u, 6), "p_u": round(tail.p_u, 6),
                                       "scale": round(tail.scale, 6)}},
             "rule": "smallest tau with safety x max(model, observed) disagreements, in basis points of the "
-                    "images, <= budget (engine.calibrate.choose_tau)",
+                    "images, <= budget (engine.build.calibrate.choose_tau)",
             "curve": curve}

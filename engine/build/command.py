@@ -8,11 +8,11 @@
         [--recheck-batch N|auto] [--run-images N] [--search-budget-s S] [--deadline-s S]
 
 Precision, backend and batch size default to the device's preset (engine/presets.py):
-`auto` there, measured on this machine (engine.build_auto). Below FP32 the network follows
-the mixed-precision policy (engine.precision) and the build is guarded by default
-(engine.guard): the low-precision graph also returns its top-1/top-2 margin, a second FP32
+`auto` there, measured on this machine (engine.build.auto). Below FP32 the network follows
+the mixed-precision policy (engine.classify.precision) and the build is guarded by default
+(engine.classify.guard): the low-precision graph also returns its top-1/top-2 margin, a second FP32
 graph of `--recheck-batch` images re-checks the rows under tau, and tau is chosen here on
-natural photos that are not evaluation data (engine.calibrate: scikit-image's bundled
+natural photos that are not evaluation data (engine.build.calibrate: scikit-image's bundled
 photos, or `--calibration-images DIR`) as the smallest threshold whose estimated
 disagreement rate, times a safety factor, stays under `--guard-budget` (in basis points of
 the images: 1 is 0.01 %). The build prints the budget, tau and the expected re-checked
@@ -21,7 +21,7 @@ builds the raw low-precision form.
 
 A measured build keeps one deadline (`--deadline-s`, the preset's `build_deadline_s`): it
 prints its plan (estimated seconds per phase) first and what each phase took last, and the
-manifest records both (engine.build_clock).
+manifest records both (engine.build.clock).
 
 The artifact is written into a temporary sibling directory and renamed into place, so
 an interrupted build never leaves a directory that looks complete.
@@ -40,15 +40,15 @@ import time
 from pathlib import Path
 
 from engine import backends
-from engine.assemble import RECHECK_DIR, GuardConfig, assemble, measure_batch_size  # noqa: F401 - re-exported
+from engine.build.assemble import RECHECK_DIR, GuardConfig, assemble, measure_batch_size  # noqa: F401 - re-exported
+from engine.classify.spec import CROP_MODES, PRECISIONS, Spec, resolve_spec
 from engine.io import share_tree_like_root
 from engine.presets import per_device, preset
-from engine.spec import CROP_MODES, PRECISIONS, Spec, resolve_spec
 
 
 @dataclasses.dataclass
 class AutoConfig:
-    """What `auto` leaves to the measurement (engine.autotune), and its limits."""
+    """What `auto` leaves to the measurement (engine.build.autotune), and its limits."""
     precision: bool = True                # measure the precisions (else the spec's)
     batch_size: bool = True               # measure the preset's batch sizes (else the spec's)
     backend: bool = True                  # measure the backends that import (else the build's)
@@ -62,13 +62,13 @@ def build(spec: Spec, checkpoint: Path | None, out: Path, backend: str = backend
           device: str = "cpu", guard: GuardConfig | None = None,
           auto: AutoConfig | None = None, clock=time.monotonic) -> dict:
     """Build the artifact for `spec` with `backend` (a name in engine.backends) and return its manifest.
-    `auto`: measure the candidates on this machine and build the fastest that holds (engine.autotune),
-    every phase inside one deadline kept on `clock` (engine.build_clock)."""
+    `auto`: measure the candidates on this machine and build the fastest that holds (engine.build.autotune),
+    every phase inside one deadline kept on `clock` (engine.build.clock)."""
     import torch
 
-    from engine.build_clock import BuildClock, say
-    from engine.checkpoint import load_model
-    from engine.fp32 import set_fp32_math
+    from engine.build.clock import BuildClock, say
+    from engine.classify.checkpoint import load_model
+    from engine.classify.tf32_off import set_fp32_math
 
     guard = guard or GuardConfig()
     be = backends.get(backend) if auto is None or not auto.backend else None
@@ -96,7 +96,7 @@ def build(spec: Spec, checkpoint: Path | None, out: Path, backend: str = backend
         extra = {"build": {"argv": sys.argv, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
                  "fp32_math": math}
         if auto is not None:
-            from engine import build_auto
+            from engine.build import auto as build_auto
 
             spec, backend, meta = build_auto.build_measured(net, spec, checkpoint, backend, device, guard, auto,
                                                             tmp, extra, t0, bclock)
@@ -141,7 +141,7 @@ def _positive_int(text: str) -> int:
 
 
 def _folder_check(text: str):
-    """MODULE:FUNCTION -> the function (engine.calibrate.FolderCheck), imported now."""
+    """MODULE:FUNCTION -> the function (engine.build.calibrate.FolderCheck), imported now."""
     import importlib
 
     module, _, name = text.partition(":")
@@ -166,7 +166,7 @@ def argument_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--precision", choices=PRECISIONS + ("auto",),
-                   help="auto: measured on this machine (engine.autotune): the fastest of the device's native "
+                   help="auto: measured on this machine (engine.build.autotune): the fastest of the device's native "
                         "precisions that holds the guard's disagreement budget (default: the device preset's, "
                         f"engine/presets.py: {per_device('precision')})")
     p.add_argument("--backend", choices=tuple(backends.BACKENDS) + ("auto",),

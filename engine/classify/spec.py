@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 CROP_MODES = ("center", "squash")
-PRECISIONS = ("fp32", "fp16", "bf16", "fp8")  # fp8: rowwise-scaled e4m3 GEMMs (engine.precision)
+PRECISIONS = ("fp32", "fp16", "bf16", "fp8")  # fp8: rowwise-scaled e4m3 GEMMs (engine.classify.precision)
 INTERPOLATIONS = ("bicubic", "bilinear", "nearest")
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.spec import Spec
+from engine.classify.spec import Spec
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,30 @@
+"""The build: a checkpoint becomes an artifact folder, its choices measured on this machine.
+
+    python -m engine.build ...          the command (engine.build.command: parse, build, report)
+
+    command.py        the flags and `build()`: one spec, or the measured choice, written atomically
+    auto.py           the measured build: decoder, search, assembly, end-to-end verification
+    autotune.py       the search: candidates, their timings and checks, the ranked table
+    measure.py, retime.py, table.py     one candidate timed; close ones retimed interleaved; the table
+    assemble.py       a chosen spec made into an artifact (graph, guard, re-check graph)
+    calibrate.py      the guard's tau from natural photos that are not evaluation data
+    decoder_choice.py the decoder kept only if its flips against PIL fit the budget
+    clock.py, disk.py, compile_failures.py   the build's deadline, its disk, a broken toolchain told apart
+    renders.py        procedural renders: generated cohorts, a test head's fit, the guard's smoke check
+
+Importing this package imports nothing heavy; `build`, `main`, `parse_args` and the other names
+of engine.build.command are loaded from it on first use.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_FROM_COMMAND = ("AutoConfig", "GuardConfig", "RECHECK_DIR", "argument_parser", "build", "main",
+                 "measure_batch_size", "parse_args")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _FROM_COMMAND:
+        return getattr(importlib.import_module("engine.build.command"), name)
+    raise AttributeError(f"module 'engine.build' has no attribute {name!r}")
