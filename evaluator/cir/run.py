@@ -68,7 +68,7 @@ class RunConfig:
 
 
 def parse_args(argv: list[str] | None) -> RunConfig:
-    from engine.cli import ArgumentParser
+    from engine.cli import ArgumentParser, corpus_flags, debug_flag
     from engine.retrieval.compose import method_help, prompt_help
 
     p = ArgumentParser(prog="scripts/run.sh", description=__doc__.split("\n\n")[0])
@@ -99,12 +99,8 @@ def parse_args(argv: list[str] | None) -> RunConfig:
                    help="corpus folder (records.jsonl) for re-inspection (env CIR_CORPUS; default: the index's)")
     p.add_argument("--bank-chunk", type=int, default=256,
                    help="requests per bank-statistics block (0: one [M, N] matrix, the reference twin)")
-    p.add_argument("--confine-to-corpus", action="store_true",
-                   help="for untrusted records: re-inspection refuses paths that are absolute or leave the corpus "
-                        "folder (default: follow them, as the build does; an index built confined stays confined)")
-    p.add_argument("--allow-outside-corpus", action="store_true",
-                   help="accepted for older scripts and ignored: following records paths is the default")
-    p.add_argument("--debug", action="store_true", help="show the traceback of an error (also ENGINE_DEBUG=1)")
+    corpus_flags(p, "re-inspection follows them, as the build does; an index built confined stays confined")
+    debug_flag(p)
     a = p.parse_args(argv)
     del a.debug
     if a.allow_outside_corpus and a.confine_to_corpus:
