@@ -74,6 +74,20 @@ def debug_flag(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
+def corpus_flags(p: argparse.ArgumentParser, unconfined: str) -> argparse.ArgumentParser:
+    """`p` with the confinement pair of a command that reads image files a records file names:
+    `--confine-to-corpus` (dest confine_to_corpus: for untrusted records) and
+    `--allow-outside-corpus` (dest allow_outside_corpus: accepted and ignored; given with the
+    other, the caller refuses them as contradictory). `unconfined`: what the command does with
+    records paths by default, in its own words."""
+    p.add_argument("--confine-to-corpus", action="store_true",
+                   help="for untrusted records: refuse (and name) paths that are absolute or leave the corpus "
+                        f"folder, also through a symlink (default: {unconfined})")
+    p.add_argument("--allow-outside-corpus", action="store_true",
+                   help="accepted for older scripts and ignored: following records paths is the default")
+    return p
+
+
 def one_line(e: BaseException) -> str:
     """The message of `e` on one line; an OSError names its file."""
     if isinstance(e, OSError) and e.strerror and e.filename is not None:

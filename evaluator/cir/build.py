@@ -87,7 +87,7 @@ class BuildConfig:
 
 
 def parse_args(argv: list[str] | None) -> BuildConfig:
-    from engine.cli import ArgumentParser
+    from engine.cli import ArgumentParser, corpus_flags, debug_flag
 
     p = ArgumentParser(prog="scripts/build.sh", description=__doc__.split("\n\n")[0])
     p.add_argument("--corpus", type=Path, required=True, help="folder with records.jsonl")
@@ -124,15 +124,11 @@ def parse_args(argv: list[str] | None) -> BuildConfig:
     x.add_argument("--dba-alpha", type=float, default=3.0)
     x.add_argument("--dba-chunk", type=int, default=1024,
                    help="gallery rows per DBA block (0: one [N, N] matrix, the reference twin)")
-    p.add_argument("--confine-to-corpus", action="store_true",
-                   help="for untrusted records: refuse (and name) paths that are absolute or leave the corpus "
-                        "folder, also through a symlink (default: follow them, as the reference's Image.open does)")
-    p.add_argument("--allow-outside-corpus", action="store_true",
-                   help="accepted for older scripts and ignored: following records paths is the default")
+    corpus_flags(p, "follow them, as the reference's Image.open does")
     p.add_argument("--ray", action="store_true",
                    help="embed on Ray Data actors: a local Ray, or the cluster at RAY_ADDRESS (pip install '.[scale]')")
     p.add_argument("--workers", type=int, default=2, help="Ray actors, with --ray (one GPU each on CUDA)")
-    p.add_argument("--debug", action="store_true", help="show the traceback of an error (also ENGINE_DEBUG=1)")
+    debug_flag(p)
     a = p.parse_args(argv)
     del a.debug
     if a.allow_outside_corpus and a.confine_to_corpus:

@@ -68,7 +68,7 @@ class RunConfig:
 
 
 def parse_args(argv: list[str] | None) -> RunConfig:
-    from engine.cli import ArgumentParser
+    from engine.cli import ArgumentParser, corpus_flags, debug_flag
     from engine.retrieval.compose import method_help, prompt_help
 
     p = ArgumentParser(prog="scripts/run.sh", description=__doc__.split("\n\n")[0])
@@ -99,12 +99,8 @@ def parse_args(argv: list[str] | None) -> RunConfig:
                    help="corpus folder (records.jsonl) for re-inspection (env CIR_CORPUS; default: the index's)")
     p.add_argument("--bank-chunk", type=int, default=256,
                    help="requests per bank-statistics block (0: one [M, N] matrix, the reference twin)")
-    p.add_argument("--confine-to-corpus", action="store_true",
-                   help="for untrusted records: re-inspection refuses paths that are absolute or leave the corpus "
-                        "folder (default: follow them, as the build does; an index built confined stays confined)")
-    p.add_argument("--allow-outside-corpus", action="store_true",
-                   help="accepted for older scripts and ignored: following records paths is the default")
-    p.add_argument("--debug", action="store_true", help="show the traceback of an error (also ENGINE_DEBUG=1)")
+    corpus_flags(p, "re-inspection follows them, as the build does; an index built confined stays confined")
+    debug_flag(p)
     a = p.parse_args(argv)
     del a.debug
     if a.allow_outside_corpus and a.confine_to_corpus:
@@ -162,117 +158,110 @@ def _main(argv: list[str] | None, on_row) -> int:
 
     safe_std_streams()   # diagnostics are best effort: a broken stderr never fails the call
     cfg = parse_args(argv)
-    from engine import threads
-
-    try:
-        os.environ.update(threads.library_env(threads.budget("cpu")))   # before torch sizes its pools
-    except ValueError as e:   # a bad ENGINE_THREADS / ENGINE_READERS
-        _error(f"{e}")
-        return 2
-    from engine.memory import RETRIEVAL_RUN
-    from evaluator.cir.limits import address_space_problem, clip_folder_guess
-
-    problem = address_space_problem(RETRIEVAL_RUN, "a query run", cfg.index_dir,
-                                    clip_folder_guess(cfg.model_dir, cfg.index_dir))
-    if problem:   # before torch loads: without room, glibc may abort a thread with nothing to catch
-        _error(problem)
-        return 2
+    problem = limits_problem(cfg)
+    if problem:
+        return _error(problem)
     t0 = time.perf_counter()
-    from engine.retrieval.compose import Method
+    from engine.clip.load import ClipLoadError
     from engine.retrieval.index import IndexLoadError, load_index
     from engine.retrieval.jsonl import read_requests, stderr_warn
-    from evaluator.cir import task
-    from evaluator.cir.jsonl import resume_rows
+    from engine.retrieval.query import PipelineError
+    from evaluator.cir import resume
 
     warn = stderr_warn("cir_run")
     problem = tmpdir_problem() or output_problem(cfg.output)
     if problem:
-        _error(f"{problem}")
-        return 2
+        return _error(f"{problem}")
     try:
         index = load_index(cfg.index_dir)
         requests = read_requests(cfg.queries, warn)
     except (IndexLoadError, OSError, ValueError) as e:
-        _error(f"{e}")
-        return 2
-    recorded = index.meta.get("method") or {}
+        return _error(f"{e}")
     try:
-        if cfg.method is None and cfg.text_weight is None and cfg.prompt is None and recorded:
-            method = task.check_method(Method(**recorded))   # the method recorded at build time
-        else:
-            method = task.method(cfg.method or (Method(**recorded).label if recorded else "slerp"),
-                                 cfg.text_weight, cfg.prompt)
+        method = chosen_method(cfg, index.meta.get("method") or {})
     except (TypeError, ValueError) as e:
-        _error(f"{e}")
-        return 2
-
-    from engine.clip.load import ClipLoadError
-    from engine.retrieval.query import PipelineError
-    from engine.retrieval.search import Searcher, clip_for
-
+        return _error(f"{e}")
     try:
-        towers, info = clip_for(index, cfg.model_dir, default_clip_dir=task.CLIP_DIR, device=cfg.device,
-                                precision=cfg.precision, model_name=cfg.model_name,
-                                allow_model_mismatch=cfg.allow_model_mismatch, say=_log,
-                                mismatch_hint="pass --allow-model-mismatch to run anyway")
-        searcher = Searcher(index, towers, info, cfg.corpus, cfg.confine_to_corpus, cfg.batch_size, cfg.bank_chunk,
-                            warn, task.MAX_REINSPECT, cfg.queries)
+        searcher = open_searcher(cfg, index, warn)
         pipe = searcher.pipeline(method, cfg.k)
         pipe.prepare(requests)
     except (ClipLoadError, OSError, PipelineError) as e:
-        _error(f"{e}")
-        return 2
+        return _error(f"{e}")
 
-    ident = run_identity(method, index, info, requests)
-    kept = None
-    if cfg.resume and cfg.output.exists() and cfg.output.stat().st_size:
-        why = resume_mismatch(cfg.output, cfg.index_dir, ident)
-        if why:
-            _error(f"{cfg.output} cannot be resumed: {why}; pass --fresh to start it afresh")
-            return 2
-        try:
-            kept = resume_rows(cfg.output, requests, {str(i): i for i in index.ids}, TOP_K, warn)
-        except (OSError, ValueError) as e:
-            _error(f"cannot read {cfg.output} to resume it: {e}; pass --fresh to overwrite it")
-            return 2
-    done = kept.done if kept else []
+    ident = resume.run_identity(method, index, searcher.info, requests)
     try:
-        out = open(cfg.output, "r+b" if kept is not None else "wb")
-    except OSError as e:
-        _error(f"cannot write {cfg.output}: {e.strerror or e}")
-        return 2
-    write_identity(cfg.output, cfg.index_dir, ident)   # before any row: a killed call keeps it too
+        kept = resume.kept_rows(cfg.output, cfg.index_dir, ident, requests, index.ids, warn) if cfg.resume else None
+        out = resume.open_output(cfg.output, kept)
+    except resume.ResumeError as e:
+        return _error(f"{e}")
+    resume.write_identity(cfg.output, cfg.index_dir, ident, _log)   # before any row: a killed call keeps it too
     with out:
-        if kept is not None:
-            body = b"".join(kept.rows)
-            if not kept.prefix:          # rows were dropped before others: rewrite the kept ones in place
-                out.seek(0)
-                out.write(body)
-            out.truncate(len(body))      # drop a torn last line and every row that is redone
-            out.seek(len(body))
-            out.flush()
-            os.fsync(out.fileno())
-            if done:
-                _log(f"resuming {cfg.output}: {len(done)} rows kept")
-        skip = set(done)
-        pending = [r for r in requests if str(r.query_id) not in skip]
+        done = resume.cut_to_kept(out, kept)
+        if done:
+            _log(f"resuming {cfg.output}: {len(done)} rows kept")
+        pending = [r for r in requests if str(r.query_id) not in done]
         t1 = time.perf_counter()
-        try:
-            n = answer(cfg, pipe, pending, out, on_row)
-        except OSError as e:   # a full disk: the one-line message names the output
-            from engine.io import naming
+        n = answer_naming_output(cfg, pipe, pending, out, on_row)
+    report(cfg, {"queries": len(requests), "answered": n, "resumed": len(done)}, method, searcher, pipe,
+           (t0, t1, time.perf_counter()))
+    return 0
 
-            raise naming(e, cfg.output) from e
-    t_end = time.perf_counter()
-    rate = n / (t_end - t1) if t_end > t1 else 0.0
-    summary = {"queries": len(requests), "answered": n, "resumed": len(done), "method": method.to_dict(),
-               "device": towers.device.type, "precision": towers.precision, "gallery": len(index.ids),
-               "setup_s": round(t1 - t0, 3), "query_s": round(t_end - t1, 3), "queries_per_s": round(rate, 2),
-               **pipe.report()}
+
+def limits_problem(cfg: RunConfig) -> str | None:
+    """Why the run cannot start in this process (a bad ENGINE_THREADS / ENGINE_READERS, too little
+    address space), checked before torch loads; sets the thread libraries' environment first."""
+    from engine import threads
+    from engine.memory import RETRIEVAL_RUN
+    from evaluator.cir.limits import address_space_problem, clip_folder_guess
+
+    try:
+        os.environ.update(threads.library_env(threads.budget("cpu")))   # before torch sizes its pools
+    except ValueError as e:
+        return f"{e}"
+    # before torch loads: without room, glibc may abort a thread with nothing to catch
+    return address_space_problem(RETRIEVAL_RUN, "a query run", cfg.index_dir,
+                                 clip_folder_guess(cfg.model_dir, cfg.index_dir))
+
+
+def chosen_method(cfg: RunConfig, recorded: dict):
+    """The composition method (engine.retrieval.compose.Method): the one the index records when
+    no --method, --text-weight or --prompt is given, else --method (default: the recorded
+    method's label, else slerp) with those options."""
+    from engine.retrieval.compose import Method
+    from evaluator.cir import task
+
+    if cfg.method is None and cfg.text_weight is None and cfg.prompt is None and recorded:
+        return task.check_method(Method(**recorded))   # the method recorded at build time
+    return task.method(cfg.method or (Method(**recorded).label if recorded else "slerp"), cfg.text_weight,
+                       cfg.prompt)
+
+
+def open_searcher(cfg: RunConfig, index, warn):
+    """engine.retrieval.search.Searcher over `index` with its CLIP (the task's folder as the default)."""
+    from engine.retrieval.search import Searcher, clip_for
+    from evaluator.cir import task
+
+    towers, info = clip_for(index, cfg.model_dir, default_clip_dir=task.CLIP_DIR, device=cfg.device,
+                            precision=cfg.precision, model_name=cfg.model_name,
+                            allow_model_mismatch=cfg.allow_model_mismatch, say=_log,
+                            mismatch_hint="pass --allow-model-mismatch to run anyway")
+    return Searcher(index, towers, info, cfg.corpus, cfg.confine_to_corpus, cfg.batch_size, cfg.bank_chunk,
+                    warn, task.MAX_REINSPECT, cfg.queries)
+
+
+def report(cfg: RunConfig, counts: dict, method, searcher, pipe, times: tuple[float, float, float]) -> None:
+    """The run summary (`counts`, then the method, the CLIP's device, the gallery, the timings from
+    `times` = (start, first row, end), the pipeline's own report): one stderr line, and the --report
+    file when asked."""
+    t0, t1, t_end = times
+    rate = counts["answered"] / (t_end - t1) if t_end > t1 else 0.0
+    towers = searcher.towers
+    summary = {**counts, "method": method.to_dict(), "device": towers.device.type, "precision": towers.precision,
+               "gallery": len(searcher.index.ids), "setup_s": round(t1 - t0, 3), "query_s": round(t_end - t1, 3),
+               "queries_per_s": round(rate, 2), **pipe.report()}
     _log(json.dumps(summary))
     if cfg.report is not None:
         cfg.report.write_text(json.dumps(summary, indent=2) + "\n")
-    return 0
 
 
 def tmpdir_problem() -> str | None:
@@ -298,68 +287,6 @@ def output_problem(path: Path) -> str | None:
     return None
 
 
-def requests_digest(requests) -> str:
-    """sha256 of the requests as parsed (id, reference, modification, shared concept; file order):
-    what a row answers. Line numbers, blank lines and JSON spacing do not count."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for r in requests:
-        h.update(json.dumps([r.query_id, r.reference, r.modification, r.shared_concept]).encode() + b"\n")
-    return h.hexdigest()
-
-
-def run_identity(method, index, info: dict, requests) -> dict:
-    """What decides an output's rows: the requests, the method, the index, the CLIP."""
-    return {"method": method.to_dict(), "method_label": method.label, "index_build_id": index.meta.get("build_id"),
-            "model_digest": info.get("digest"), "requests_sha256": requests_digest(requests),
-            "requests": len(requests)}
-
-
-def _identity_paths(output: Path, index_dir: Path) -> list[Path]:
-    """Where an output's identity is kept: beside it, else (a read-only folder) in the index dir."""
-    import hashlib
-
-    key = hashlib.sha256(str(output.resolve()).encode()).hexdigest()[:16]
-    return [output.with_name(output.name + ".run.json"), index_dir / ".runs" / f"{key}.json"]
-
-
-def write_identity(output: Path, index_dir: Path, ident: dict) -> None:
-    from engine.io import write_atomic
-
-    data = (json.dumps(ident, indent=1, sort_keys=True) + "\n").encode()
-    for i, path in enumerate(_identity_paths(output, index_dir)):
-        try:
-            path.parent.mkdir(exist_ok=True)
-            write_atomic(path, data)
-            return
-        except OSError as e:
-            if i:
-                _log(f"warning: cannot record which method writes {output} ({e.strerror or e}): "
-                     "a later call cannot check it before resuming")
-
-
-def resume_mismatch(output: Path, index_dir: Path, ident: dict) -> str | None:
-    """Why `output` must not be resumed with `ident` (None: it may)."""
-    for path in _identity_paths(output, index_dir):
-        if path.is_file():
-            try:
-                old = json.loads(path.read_text())
-            except (OSError, ValueError) as e:
-                return f"its record {path} is unreadable ({e})"
-            for key, what in (("method", "method"), ("index_build_id", "index"), ("model_digest", "CLIP")):
-                if old.get(key) != ident[key]:
-                    shown = "method_label" if key == "method" else key
-                    return f"it was written with another {what} ({old.get(shown)!r}, now {ident[shown]!r})"
-            if old.get("requests_sha256") != ident["requests_sha256"]:   # same ids may carry new requests
-                was = old.get("requests_sha256")
-                return (f"it answers other requests ({old.get('requests', '?')} requests, digest "
-                        f"{str(was)[:12] if was else 'not recorded'}; now {ident['requests']}, "
-                        f"{ident['requests_sha256'][:12]})")
-            return None
-    return "no record of the requests, method and index that wrote it"
-
-
 def answer(cfg: RunConfig, pipe, pending, out, on_row=None) -> int:
     """Write one row per pending request, batch by batch (engine.retrieval.query); returns the rows written."""
     written = 0
@@ -373,6 +300,16 @@ def answer(cfg: RunConfig, pipe, pending, out, on_row=None) -> int:
                 on_row(written)
         os.fsync(out.fileno())
     return written
+
+
+def answer_naming_output(cfg: RunConfig, pipe, pending, out, on_row=None) -> int:
+    """answer(), with an OSError (a full disk) naming the output in its one-line message."""
+    try:
+        return answer(cfg, pipe, pending, out, on_row)
+    except OSError as e:
+        from engine.io import naming
+
+        raise naming(e, cfg.output) from e
 
 
 if __name__ == "__main__":
