@@ -168,3 +168,15 @@ def test_python_m_engine_presets_prints_both_tables():
     assert classification == presets.markdown() and retrieval_table == retrieval.markdown()
     assert "| `guard_budget` | 10.0 | 10.0 |" in classification
     assert "| `dba_alpha` | 3.0 |" in retrieval_table and "| `image_batch` | cpu: 64, cuda: 256 |" in retrieval_table
+
+
+def test_the_build_help_says_what_each_option_does_and_prints_the_presets_values():
+    from engine.build import argument_parser
+
+    p = argument_parser()
+    text = " ".join(p.format_help().split())          # argparse wraps long help lines
+    for field in ("precision", "backend", "batch_size", "search_budget_s", "build_deadline_s", "recheck_batch",
+                  "guard_budget", "guard_safety", "calibration_count"):
+        assert presets.per_device(field) in text, field
+    for action in p._actions:
+        assert (action.help or "").strip(), f"{action.option_strings} has no help"
