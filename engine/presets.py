@@ -1,8 +1,9 @@
 """The build's defaults, one table per device (as gpt-fast's `transformer_configs` or MLPerf's
 `SUPPORTED_PROFILES`): `python -m engine.build`, `./build.sh` and the device check read them here,
-so changing a default precision, backend or batch size is one edit in this file.
-`python -m engine.presets` prints the table as docs/classification.md shows it (a test keeps
-the two equal).
+so changing a default precision, backend, batch size or guard budget is one edit in this file;
+no other module holds a literal default for a field of this table (tests/test_presets.py).
+The retrieval engine's table is engine/retrieval/presets.py. `python -m engine.presets` prints
+both, as docs/classification.md and docs/retrieval.md show them (a test keeps them equal).
 
 `auto` means measured on the build machine (engine.build.autotune): the precision, the batch size
 and the backend are the fastest candidate that holds the disagreement budget there.
@@ -12,9 +13,11 @@ from __future__ import annotations
 import dataclasses
 
 
-def _field(doc: str, **default):
-    """A preset field whose meaning the table (markdown()) prints beside its values."""
-    return dataclasses.field(metadata={"doc": doc}, **default)
+def _field(doc: str, names: tuple[str, ...] = (), **default):
+    """A preset field whose meaning the table (markdown()) prints beside its values. `names`: what
+    other code calls this default (`name` anywhere, `Owner.name` in that class or function only),
+    so that tests/test_presets.py finds a literal copy of it under either name."""
+    return dataclasses.field(metadata={"doc": doc, "names": names}, **default)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,13 +26,23 @@ class Preset:
     batch_sizes: tuple[int, ...] = _field("the candidates of `--batch-size auto`")
     static_batch_size: int = _field("a static batch where none is measured: the spec's until the search picks "
                                     "one, the eager FP32 fallback's, the device check's builds")
-    search_budget_s: float = _field("seconds for the whole auto search (screens, compiles, timings, agreement)")
+    search_budget_s: float = _field("seconds for the whole auto search (screens, compiles, timings, agreement)",
+                                    names=("budget_s",))
     options: tuple[str, ...] = _field("backend compile options the search tries (`default` first)")
     cuda_graphs: tuple[bool, ...] = _field("CUDA graph replay on / off, measured")
     precision: str = _field("`--precision` when none is given", default="auto")
     backend: str = _field("`--backend` when none is given", default="auto")
     batch_size: int | str = _field("`--batch-size` when none is given", default="auto")
     recheck_batch: int = _field("`--recheck-batch` when none is given: the guard's FP32 re-check graph", default=8)
+    guard_budget: float = _field("`--guard-budget` when none is given: disagreements with FP32 allowed, in basis "
+                                 "points of the images (1 is 0.01 %); the guard's tau keeps its estimate under it",
+                                 names=("GuardConfig.budget", "choose_tau.budget"), default=10.0)
+    guard_safety: float = _field("`--guard-safety` when none is given: the factor on the estimated disagreements "
+                                 "tau is chosen with", names=("GuardConfig.safety", "choose_tau.safety"),
+                                 default=2.0)
+    calibration_count: int = _field("`--calibration-count` when none is given: calibration images tau is chosen on",
+                                    names=("photo_pixels.count", "generated_pixels.count", "folder_pixels.count"),
+                                    default=256)
     verify_images: int = _field("images the chosen artifact classifies end to end through scripts/run, "
                                 "against FP32; each decoder's own flips are measured on them", default=256)
     verify_alpha: float = _field("the chance an artifact exactly at the disagreement budget fails that check: "
@@ -84,5 +97,13 @@ def per_device(field: str) -> str:
     return ", ".join(f"{d}: {getattr(p, field)}" for d, p in PRESETS.items())
 
 
+def tables() -> str:
+    """Both engines' tables, as the docs show them: this one (docs/classification.md), a blank
+    line, the retrieval engine's (docs/retrieval.md)."""
+    from engine.retrieval import presets as retrieval
+
+    return markdown() + "\n\n" + retrieval.markdown()
+
+
 if __name__ == "__main__":
-    print(markdown())
+    print(tables())

@@ -74,7 +74,8 @@ class FakeMeasurer:
 
 def _cfg(**k) -> SearchConfig:
     base = dict(precisions=("fp32", "bf16"), batch_sizes=(8, 16), backends=("aot",), device="cpu", budget_s=600,
-                compiled=("aot",), options_backends=("aot",))
+                options=("default",), cuda_graphs=(False,), compile_estimate_s=0.0, compiled=("aot",),
+                options_backends=("aot",))
     return SearchConfig(**{**base, **k})
 
 

@@ -233,14 +233,14 @@ def test_build_sh_is_a_thin_wrapper_of_the_build_step():
 
 def test_the_contest_passes_its_guard_budget_and_calibration_check(read_only_checkpoint, tmp_path):
     from engine.build import parse_args
-    from engine.build.calibrate import DEFAULT_BUDGET
+    from engine.presets import PRESETS
     from evaluator.contest import build_step, task
     from evaluator.contest.agreement import threshold
     from evaluator.contest.eval_data_signs import calibration_refusals
 
     assert threshold(task.COHORT_IMAGES) == 9_900 and task.allowed_disagreements() == 100
     # the build's budget: the gate's 100 of 10,000 over a margin of 2, in basis points (decoder and precision)
-    assert task.GATE_MARGIN == 2 and task.guard_budget() == 50 > DEFAULT_BUDGET
+    assert task.GATE_MARGIN == 2 and task.guard_budget() == 50 > max(p.guard_budget for p in PRESETS.values())
     knobs = {"ENGINE_MODEL": TINY_MODEL, "ENGINE_INPUT_SIZE": str(TINY_INPUT), "ENGINE_PRECISION": "bf16"}
     a = parse_args(build_step.engine_flags(knobs, read_only_checkpoint, tmp_path / "art", "cpu"))
     assert a.calibration_check is calibration_refusals and a.guard_budget == 50 and a.run_images == task.COHORT_IMAGES

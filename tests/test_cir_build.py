@@ -469,3 +469,59 @@ def test_malformed_files_in_the_index_dir_are_rebuilt_or_refused(tmp_path, capsy
     assert _build(d) == 0
     assert "Traceback" not in capsys.readouterr().err
     assert load_index(d).meta["count"] == load_index(built_index()).meta["count"]
+
+
+# scripts/build.sh's flags as they were written by hand before they were made from BuildConfig's
+# fields: (flag, dest, type, choices, default, required); a default None is "derived" (the device's
+# image batch, the CLIP's settings), the others are the retrieval table's
+BUILD_FLAGS = [
+    ("--corpus", "corpus", "Path", None, None, True), ("--index-dir", "index_dir", "Path", None, None, True),
+    ("--model-dir", "model_dir", "Path", None, None, False), ("--model-name", "model_name", None, None, None, False),
+    ("--decoder", "decoder", None, None, "auto", False), ("--batch-size", "batch_size", "int", None, None, False),
+    ("--chunk-size", "chunk_size", "int", None, 4096, False), ("--readers", "readers", "int", None, 8, False),
+    ("--device", "device", None, None, None, False), ("--precision", "precision", None, None, None, False),
+    ("--method", "method", None, None, "slerp", False), ("--text-weight", "text_weight", "float", None, None, False),
+    ("--prompt", "prompt", None, None, None, False), ("--force", "force", None, None, False, False),
+    ("--mapping", "mapping", None, ("none", "pic2word"), "none", False),
+    ("--p2w-epochs", "p2w_epochs", "int", None, 20, False), ("--p2w-steps", "p2w_steps", "int", None, 0, False),
+    ("--p2w-batch-size", "p2w_batch_size", "int", None, 256, False), ("--p2w-lr", "p2w_lr", "float", None, 1e-4, False),
+    ("--p2w-warmup", "p2w_warmup", "int", None, -1, False), ("--p2w-hidden", "p2w_hidden", "int", None, 512, False),
+    ("--p2w-seed", "p2w_seed", "int", None, 0, False), ("--p2w-ckpt-every", "p2w_ckpt_every", "int", None, 200, False),
+    ("--p2w-time-budget", "p2w_time_budget", "float", None, 2400.0, False),
+    ("--text-bank", "text_bank", "int", None, -1, False), ("--dba", "dba", "int", None, 0, False),
+    ("--dba-alpha", "dba_alpha", "float", None, 3.0, False), ("--dba-chunk", "dba_chunk", "int", None, 1024, False),
+    ("--confine-to-corpus", "confine_to_corpus", None, None, False, False),
+    ("--allow-outside-corpus", "allow_outside_corpus", None, None, False, False),
+    ("--ray", "ray", None, None, False, False), ("--workers", "workers", "int", None, 2, False),
+    ("--debug", "debug", None, None, False, False)]
+
+
+def test_the_build_flags_are_made_from_the_config_fields_and_keep_their_names_types_and_defaults(monkeypatch):
+    import argparse
+    import dataclasses
+
+    from engine.retrieval.presets import RETRIEVAL
+
+    seen = {}
+    parse = argparse.ArgumentParser.parse_args
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args",
+                        lambda self, *a, **k: seen.setdefault("parser", self) and parse(self, *a, **k))
+    cfg = cir_build.parse_args(["--corpus", "c", "--index-dir", "i"])
+    got = [(a.option_strings[0], a.dest, getattr(a.type, "__name__", None), a.choices, a.default, a.required)
+           for a in seen["parser"]._actions if a.dest != "help"]
+    assert sorted(got) == sorted(BUILD_FLAGS)
+    # each flag's default is its field's, the table's where the table holds one
+    fields = {f.name: f for f in dataclasses.fields(cir_build.BuildConfig)}
+    for _, dest, _, _, default, required in BUILD_FLAGS:
+        if dest in fields and not required:
+            assert fields[dest].default == default == getattr(cfg, dest), dest
+    assert (cfg.chunk_size, cfg.readers, cfg.p2w_hidden, cfg.p2w_time_budget, cfg.dba_alpha, cfg.workers) == (
+        RETRIEVAL.chunk_size, RETRIEVAL.image_readers, RETRIEVAL.p2w_hidden, RETRIEVAL.p2w_time_budget,
+        RETRIEVAL.dba_alpha, RETRIEVAL.ray_workers)
+    help_text = " ".join(seen["parser"].format_help().split())
+    assert "images per resumable chunk (default: 4096)" in help_text and "cpu 64, cuda 256" in help_text
+    monkeypatch.setenv("CIR_METHOD", "sum")
+    from engine import settings
+
+    monkeypatch.setattr(settings, "_cache", {})
+    assert cir_build.parse_args(["--corpus", "c", "--index-dir", "i"]).method == "sum"   # the env's, at parse time

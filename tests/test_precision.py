@@ -15,6 +15,7 @@ from engine.classify.guard import Guard
 from engine.classify.model import Top1Model, wrap
 from engine.classify.precision import Fp32Linear, Fp32Norm, LowPrecisionLinear, _fold_qkv_bias, apply_policy
 from engine.classify.spec import Spec
+from engine.presets import preset
 
 
 def test_policy_puts_gemms_low_and_keeps_norms_head_and_patch_embed_fp32(tiny_checkpoint):
@@ -100,7 +101,8 @@ def test_guard_restores_fp32_answers_on_planted_near_ties():
         calib = torch.from_numpy(np.random.default_rng(2).integers(0, 256, (64, size, size, 3), dtype=np.uint8))
         c_low, c_margin = low(calib)
         r_top1, r_margin = ref(calib)
-        chosen = choose_tau(c_low.numpy(), c_margin.numpy(), r_top1.numpy(), r_margin.numpy(), budget=10)
+        chosen = choose_tau(c_low.numpy(), c_margin.numpy(), r_top1.numpy(), r_margin.numpy(), budget=10,
+                            safety=preset("cpu").guard_safety)
         # every calibration disagreement is re-checked (one left would be 1,560 per 10,000)
         assert chosen["disagreements"] >= 1 and chosen["tau"] > chosen["largest_disagreeing_margin"]
         assert chosen["estimated_per_10k"] <= 10
@@ -116,6 +118,7 @@ def test_guard_restores_fp32_answers_on_planted_near_ties():
 
 
 def _choose(low, margins, ref, ref_margins=None, **kw):
+    kw = {"budget": preset("cpu").guard_budget, "safety": preset("cpu").guard_safety, **kw}   # the build's defaults
     ref_margins = np.asarray(margins if ref_margins is None else ref_margins, np.float32)
     return choose_tau(np.asarray(low), np.asarray(margins, np.float32), np.asarray(ref), ref_margins, **kw)
 
@@ -161,18 +164,18 @@ def test_calibration_images_generated_and_from_a_folder(tmp_path):
     for i in range(18):
         Image.fromarray(px[i]).save(good / f"img{i:03d}.jpg")
     (good / "notes.txt").write_text("not an image\n")
-    got, rec2 = folder_pixels(good, spec)
+    got, rec2 = folder_pixels(good, spec, 256)
     assert got.shape == (18, 112, 112, 3) and len(rec2["files_sha256"]) == 64
     bad = tmp_path / "val"
     bad.mkdir()
     for i in range(18):
         Image.fromarray(px[i]).save(bad / f"ILSVRC2012_val_{i + 1:08d}.JPEG")
-    assert len(folder_pixels(bad, spec)[0]) == 18         # the engine alone knows no evaluation data
+    assert len(folder_pixels(bad, spec, 256)[0]) == 18         # the engine alone knows no evaluation data
     with pytest.raises(ValueError, match="ImageNet validation"):   # the contest's check, as its build passes it
-        folder_pixels(bad, spec, refuse=calibration_refusals)
+        folder_pixels(bad, spec, 256, refuse=calibration_refusals)
     (good / "answers.txt").write_text("".join(f"ILSVRC2012_val_{i:08d}\t{i % 1000}\n" for i in range(1, 1100)))
     with pytest.raises(ValueError, match="answer table"):
-        folder_pixels(good, spec, refuse=calibration_refusals)
+        folder_pixels(good, spec, 256, refuse=calibration_refusals)
 
 
 def test_projection_fusion_is_exact_on_an_eva02_large_layout():

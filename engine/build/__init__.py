@@ -1,6 +1,6 @@
 """The build: a checkpoint becomes an artifact folder, its choices measured on this machine.
 
-    python -m engine.build ...          the command (engine.build.command: parse, build, report)
+    python -m engine.build ...          the command (engine.build.command: parse, plan, build, report)
 
     command.py        the flags and `build()`: one spec, or the measured choice, written atomically
     auto.py           the measured build: decoder, search, assembly, end-to-end verification

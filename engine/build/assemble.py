@@ -23,19 +23,27 @@ RECHECK_DIR = "recheck"   # the guard's FP32 graph, built by the same backend, i
 
 @dataclasses.dataclass
 class GuardConfig:
+    """The margin guard's settings; a None of calibration_count, safety, recheck_batch or budget is
+    the device preset's (engine/presets.py), filled in by `for_device` when the build starts."""
     enabled: bool = True                  # below fp32: re-check near-ties in FP32
     calibration_images: Path | None = None  # a folder of the user's images; None: calibration_source
-    calibration_count: int = calibrate.DEFAULT_COUNT
-    safety: float = calibrate.DEFAULT_SAFETY   # factor on the estimated disagreements
-    recheck_batch: int | str | None = None  # static batch of the FP32 re-check graph, "auto" (measured),
-                                            # None: the device preset's
+    calibration_count: int | None = None  # calibration images tau is chosen on
+    safety: float | None = None           # factor on the estimated disagreements
+    recheck_batch: int | str | None = None  # static batch of the FP32 re-check graph, "auto" (measured)
     recheck_backend: str | None = None    # backend of the re-check graph (default: the build's)
-    budget: float = calibrate.DEFAULT_BUDGET   # disagreements allowed, in basis points: tau keeps its estimate
-                                               # under it (under auto, what the decoder's flips leave of it)
+    budget: float | None = None           # disagreements allowed, in basis points: tau keeps its estimate
+                                          # under it (under auto, what the decoder's flips leave of it)
     calibration_source: str = "photos"    # photos (scikit-image's bundled photos) | renders
     smoke_count: int = 32                 # renders that check the low-precision graph is not broken
     calibration_check: calibrate.FolderCheck | None = None   # the caller's reasons to refuse calibration_images
     run_images: int | None = None         # images one run classifies: "auto" sizes the re-check calls for them
+
+    def for_device(self, device: str) -> GuardConfig:
+        """This config with every None that stands for the device preset's value filled in."""
+        pre = preset(device)
+        given = {"calibration_count": pre.calibration_count, "safety": pre.guard_safety,
+                 "recheck_batch": pre.recheck_batch, "budget": pre.guard_budget}
+        return dataclasses.replace(self, **{k: v for k, v in given.items() if getattr(self, k) is None})
 
 
 def assemble(be, backend: str, net, spec: Spec, checkpoint: Path | None, device: str, tmp: Path,
@@ -89,7 +97,7 @@ def build_guard(be, backend: str, net, spec: Spec, device: str, tmp: Path, cfg: 
         ref_top1, ref_margins = calibrate.classify(ref, pixels, 16, margin=True, device=device)
         chosen = calibrate.choose_tau(low_top1, margins, ref_top1, ref_margins, cfg.budget, cfg.safety)
     smoke = smoke_check(calibrate, low, ref, spec, device, cfg.smoke_count)
-    rbatch = cfg.recheck_batch if cfg.recheck_batch is not None else preset(device).recheck_batch
+    rbatch = cfg.for_device(device).recheck_batch
     rsweep = None
     if rbatch == "auto":
         rbatch, rsweep = measure_recheck_batch(net, spec, device, chosen["rechecked_fraction"], cfg.run_images)

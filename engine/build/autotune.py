@@ -138,16 +138,19 @@ class Measurer(Protocol):
 
 @dataclasses.dataclass
 class SearchConfig:
+    """What the search measures and within what: the preset's fields (batch_sizes, budget_s, options,
+    cuda_graphs, compile_estimate_s) have no defaults here; engine.build.auto.search_config fills them
+    from the device's preset (engine/presets.py)."""
     precisions: tuple[str, ...]     # to measure (native ones unless asked otherwise)
     batch_sizes: tuple[int, ...]
     backends: tuple[str, ...]       # that import on this machine
-    device: str = "cpu"
-    budget_s: float = 900.0         # the whole search: screens, compiles, timings, agreement
-    options: tuple[str, ...] = ("default",)   # compile options to try (each on the best FP32 candidate)
+    device: str
+    budget_s: float                 # the whole search: screens, compiles, timings, agreement
+    options: tuple[str, ...]        # compile options to try (each on the best FP32 candidate), "default" first
+    cuda_graphs: tuple[bool, ...]   # on CUDA: (True, False)
+    compile_estimate_s: float       # one compile's seconds before one is measured (0: the first always starts)
     options_backends: tuple[str, ...] = ()    # the backends that take those options
-    cuda_graphs: tuple[bool, ...] = (False,)  # on CUDA: (True, False)
     compiled: tuple[str, ...] = ()  # backends whose build compiles (budgeted by their compile time)
-    compile_estimate_s: float = 0.0  # one compile's seconds before one is measured (0: the first always starts)
 
 
 @dataclasses.dataclass

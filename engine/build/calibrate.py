@@ -32,7 +32,6 @@ import numpy as np
 from engine.classify.spec import Spec
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff"}
-DEFAULT_COUNT = 256
 MAX_FILE_BYTES = 64 << 20
 
 
@@ -87,7 +86,7 @@ def augmented_crop(px: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     return np.clip(img, 0, 255).astype(np.uint8)
 
 
-def photo_pixels(spec: Spec, count: int = DEFAULT_COUNT, seed: int = 1, names=PHOTOS) -> tuple[np.ndarray, dict]:
+def photo_pixels(spec: Spec, count: int, seed: int = 1, names=PHOTOS) -> tuple[np.ndarray, dict]:
     """([count, S, S, 3] uint8 augmented crops of scikit-image's photos through the reference
     preprocessing (each crop JPEG-encoded at quality 75-95 first, as the inputs are), record)."""
     import io
@@ -114,7 +113,7 @@ def photo_pixels(spec: Spec, count: int = DEFAULT_COUNT, seed: int = 1, names=PH
                  "pixels_sha256": h.hexdigest()}
 
 
-def generated_pixels(spec: Spec, count: int = DEFAULT_COUNT, seed: int = 1) -> tuple[np.ndarray, dict]:
+def generated_pixels(spec: Spec, count: int, seed: int = 1) -> tuple[np.ndarray, dict]:
     """([count, S, S, 3] uint8 renders through the reference preprocessing, record)."""
     import io
 
@@ -142,7 +141,7 @@ def generated_pixels(spec: Spec, count: int = DEFAULT_COUNT, seed: int = 1) -> t
 FolderCheck = Callable[[Path, list[Path]], list[str]]
 
 
-def folder_pixels(folder: Path, spec: Spec, count: int = DEFAULT_COUNT,
+def folder_pixels(folder: Path, spec: Spec, count: int,
                   refuse: FolderCheck | None = None) -> tuple[np.ndarray, dict]:
     """([n, S, S, 3] uint8 of the first `count` images of `folder`, sorted by path; record).
 
@@ -204,8 +203,6 @@ def classify(fn, pixels: np.ndarray, batch: int, margin: bool, device=None) -> t
 
 
 BASIS_POINTS = 1e4     # basis points in a rate of 1: budgets and estimates are rates x BASIS_POINTS (1 = 0.01 %)
-DEFAULT_BUDGET = 10.0  # basis points (0.1 % of the images)
-DEFAULT_SAFETY = 2.0
 TAIL_QUANTILE = 0.9   # margin errors above this quantile are modelled by an exponential tail
 
 
@@ -261,7 +258,7 @@ class ErrorTail:
 
 
 def choose_tau(low_top1: np.ndarray, margins: np.ndarray, ref_top1: np.ndarray, ref_margins: np.ndarray,
-               budget: float = DEFAULT_BUDGET, safety: float = DEFAULT_SAFETY) -> dict:
+               budget: float, safety: float) -> dict:
     """The smallest tau whose estimated disagreement rate, in basis points, stays under `budget`.
 
     The estimator. Rounding moves each logit a little; an image whose low-precision margin

@@ -43,7 +43,7 @@ from engine import backends
 from engine.build.assemble import RECHECK_DIR, GuardConfig, assemble, measure_batch_size  # noqa: F401 - re-exported
 from engine.classify.spec import CROP_MODES, PRECISIONS, Spec, resolve_spec
 from engine.io import share_tree_like_root
-from engine.presets import per_device, preset
+from engine.presets import PRESETS, per_device, preset
 
 
 @dataclasses.dataclass
@@ -70,7 +70,7 @@ def build(spec: Spec, checkpoint: Path | None, out: Path, backend: str = backend
     from engine.classify.checkpoint import load_model
     from engine.classify.tf32_off import set_fp32_math
 
-    guard = guard or GuardConfig()
+    guard = (guard or GuardConfig()).for_device(device)   # the device preset's where the caller left None
     be = backends.get(backend) if auto is None or not auto.backend else None
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda needs a CUDA GPU on the build machine")
@@ -161,10 +161,13 @@ def argument_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
 
     p = debug_flag(ArgumentParser(prog="python -m engine.build", description=__doc__.split("\n\n")[0],
                                   formatter_class=HelpFormatter, exit_on_error=exit_on_error))
-    p.add_argument("--model", required=True, help="timm name, e.g. eva02_large_patch14_448.mim_m38m_ft_in22k_in1k")
-    p.add_argument("--checkpoint", type=Path, help="local .safetensors / .pth / .bin (every backend but null needs one)")
-    p.add_argument("--out", required=True, type=Path)
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--model", required=True, help="timm name of the model (required), e.g. eva02_large_patch14_448.mim_m38m_ft_in22k_in1k")
+    p.add_argument("--checkpoint", type=Path,
+                   help="local .safetensors / .pth / .bin (every backend but null needs one; default: none)")
+    p.add_argument("--out", required=True, type=Path,
+                   help="the artifact folder to write (required); an existing one is replaced as a whole, atomically")
+    p.add_argument("--device", choices=tuple(PRESETS), default="cpu",
+                   help="the device the artifact runs on and is measured on; it picks the preset (engine/presets.py)")
     p.add_argument("--precision", choices=PRECISIONS + ("auto",),
                    help="auto: measured on this machine (engine.build.autotune): the fastest of the device's native "
                         "precisions that holds the guard's disagreement budget (default: the device preset's, "
@@ -188,27 +191,39 @@ def argument_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
                         "(default: the ones this device runs natively)")
     s.add_argument("--no-verify", dest="verify", action="store_false",
                    help="skip the chosen artifact's end-to-end check through scripts/run")
-    p.add_argument("--input-size", type=_positive_int)
-    p.add_argument("--crop-mode", choices=CROP_MODES)
-    p.add_argument("--crop-pct", type=float)
-    p.add_argument("--interpolation")
-    p.add_argument("--num-classes", type=int)
-    p.add_argument("--model-kwargs", type=json_object, help="extra timm constructor kwargs as JSON")
+    p.add_argument("--input-size", type=_positive_int,
+                   help="side S of the square network input (default: the model's timm pretrained cfg)")
+    p.add_argument("--crop-mode", choices=CROP_MODES,
+                   help="center: the short side resized to S / crop-pct, then the centre S x S; squash: resized to "
+                        "S x S directly (default: the model's timm pretrained cfg, else center)")
+    p.add_argument("--crop-pct", type=float,
+                   help="the centre crop's share of the resized short side, in (0, 1] (default: the model's timm "
+                        "pretrained cfg)")
+    p.add_argument("--interpolation",
+                   help="resize filter: bicubic, bilinear or nearest (default: the model's timm pretrained cfg)")
+    p.add_argument("--num-classes", type=int, help="classes of the head (default: the model's timm pretrained cfg)")
+    p.add_argument("--model-kwargs", type=json_object,
+                   help="extra timm constructor kwargs as JSON (default: none)")
     g = p.add_argument_group("margin guard (precisions below fp32)")
     g.add_argument("--no-guard", dest="guard", action="store_false", help="build the raw low-precision form")
     g.add_argument("--calibration-source", choices=("photos", "renders"), default="photos",
                    help="images to choose tau on: crops of scikit-image's bundled photos, or procedural renders")
     g.add_argument("--calibration-images", type=Path,
-                   help="folder of your own images (not evaluation data) to choose tau on, instead")
+                   help="folder of your own images (not evaluation data) to choose tau on, instead (default: none, "
+                        "--calibration-source)")
     g.add_argument("--calibration-check", type=_folder_check, metavar="MODULE:FUNCTION",
                    help="function(folder, files) -> reasons to refuse --calibration-images (e.g. it holds "
                         "evaluation data); none: the folder is taken as it is")
-    g.add_argument("--calibration-count", type=int, default=GuardConfig.calibration_count,
-                   help="calibration images used")
-    g.add_argument("--guard-budget", type=float, default=GuardConfig.budget, metavar="BP",
+    g.add_argument("--calibration-count", type=int,
+                   help="calibration images tau is chosen on, at least 16 "
+                        f"(default: the device preset's: {per_device('calibration_count')})")
+    g.add_argument("--guard-budget", type=float, metavar="BP",
                    help="disagreements with FP32 on PIL's pixels allowed, in basis points of the images (1 = 0.01 %%): "
-                        "tau keeps its estimate under it, less the decoder's measured flips under auto")
-    g.add_argument("--guard-safety", type=float, default=GuardConfig.safety, help="factor on the estimated disagreements")
+                        "tau keeps its estimate under it, less the decoder's measured flips under auto "
+                        f"(default: the device preset's: {per_device('guard_budget')})")
+    g.add_argument("--guard-safety", type=float,
+                   help="factor (>= 1) on the estimated disagreements "
+                        f"(default: the device preset's: {per_device('guard_safety')})")
     g.add_argument("--recheck-batch", type=_batch_size,
                    help="static batch of the FP32 re-check graph; auto: measured on the build device "
                         f"(default: the device preset's: {per_device('recheck_batch')})")
@@ -229,6 +244,9 @@ def parse_args(argv: list[str] | None = None, exit_on_error: bool = True) -> arg
     a.backend = a.backend or pre.backend
     a.batch_size = a.batch_size if a.batch_size is not None else pre.batch_size
     a.recheck_batch = a.recheck_batch if a.recheck_batch is not None else pre.recheck_batch
+    a.calibration_count = a.calibration_count if a.calibration_count is not None else pre.calibration_count
+    a.guard_budget = a.guard_budget if a.guard_budget is not None else pre.guard_budget
+    a.guard_safety = a.guard_safety if a.guard_safety is not None else pre.guard_safety
     if a.calibration_count < 16 or a.guard_safety < 1 or a.guard_budget <= 0:
         p.error("--calibration-count must be >= 16, --guard-safety >= 1 and --guard-budget > 0")
     if a.recheck_batch == "auto" and a.checkpoint is None:
@@ -248,35 +266,53 @@ def parse_args(argv: list[str] | None = None, exit_on_error: bool = True) -> arg
     return a
 
 
-def main(argv: list[str] | None = None) -> int:
-    a = parse_args(argv)
-    try:
-        fixed_batch = a.batch_size if a.batch_size != "auto" else preset(a.device).static_batch_size
-        spec = resolve_spec(a.model, precision="fp32" if a.precision == "auto" else a.precision,
-                            batch_size=fixed_batch, input_size=a.input_size, crop_mode=a.crop_mode,
-                            crop_pct=a.crop_pct, interpolation=a.interpolation, num_classes=a.num_classes,
-                            model_kwargs=a.model_kwargs)
-        guard = GuardConfig(enabled=a.guard, calibration_images=a.calibration_images,
-                            calibration_count=a.calibration_count, safety=a.guard_safety,
-                            recheck_batch=a.recheck_batch, recheck_backend=a.recheck_backend, budget=a.guard_budget,
-                            calibration_source=a.calibration_source, calibration_check=a.calibration_check,
-                            run_images=a.run_images)
-        auto = None
-        if a.auto:
-            auto = AutoConfig(a.precision == "auto", a.batch_size == "auto", a.backend == "auto",
-                              a.search_precisions, a.search_budget_s, a.verify, a.deadline_s)
-        meta = build(spec, a.checkpoint, a.out, backend=backends.DEFAULT if a.backend == "auto" else a.backend,
-                     device=a.device, guard=guard, auto=auto)
-    except (OSError, ValueError, RuntimeError) as e:
-        from engine.cli import debugging
+def plan(a: argparse.Namespace) -> tuple[Spec, GuardConfig, AutoConfig | None]:
+    """What the parsed flags ask to build: the spec (an `auto` precision or batch starts from FP32 and
+    the preset's static batch until the search picks), the guard, and what `auto` leaves to the
+    measurement (None: nothing, a fixed build)."""
+    fixed_batch = a.batch_size if a.batch_size != "auto" else preset(a.device).static_batch_size
+    spec = resolve_spec(a.model, precision="fp32" if a.precision == "auto" else a.precision,
+                        batch_size=fixed_batch, input_size=a.input_size, crop_mode=a.crop_mode,
+                        crop_pct=a.crop_pct, interpolation=a.interpolation, num_classes=a.num_classes,
+                        model_kwargs=a.model_kwargs)
+    guard = GuardConfig(enabled=a.guard, calibration_images=a.calibration_images,
+                        calibration_count=a.calibration_count, safety=a.guard_safety,
+                        recheck_batch=a.recheck_batch, recheck_backend=a.recheck_backend, budget=a.guard_budget,
+                        calibration_source=a.calibration_source, calibration_check=a.calibration_check,
+                        run_images=a.run_images)
+    auto = None
+    if a.auto:
+        auto = AutoConfig(a.precision == "auto", a.batch_size == "auto", a.backend == "auto",
+                          a.search_precisions, a.search_budget_s, a.verify, a.deadline_s)
+    return spec, guard, auto
 
-        if debugging(a.debug):
-            raise
-        print(f"engine.build: error: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps({"out": str(a.out), "backend": meta["backend"], "device": meta["device"],
+
+def refuse(e: Exception, debug: bool) -> int:
+    """A build that cannot be made: one `engine.build: error:` line and exit 2 (the traceback under --debug)."""
+    from engine.cli import debugging
+
+    if debugging(debug):
+        raise e
+    print(f"engine.build: error: {e}", file=sys.stderr)
+    return 2
+
+
+def report(out: Path, meta: dict) -> None:
+    """The build's one stdout line: JSON naming the artifact and what was built."""
+    print(json.dumps({"out": str(out), "backend": meta["backend"], "device": meta["device"],
                       "precision": meta["precision"], "batch_size": meta["batch_size"],
                       "seconds": meta["build"]["seconds"]}))
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)                                                   # parse
+    try:
+        spec, guard, auto = plan(a)                                        # plan
+        meta = build(spec, a.checkpoint, a.out, backend=backends.DEFAULT if a.backend == "auto" else a.backend,
+                     device=a.device, guard=guard, auto=auto)              # run the phases (engine.build.clock)
+    except (OSError, ValueError, RuntimeError) as e:
+        return refuse(e, a.debug)
+    report(a.out, meta)                                                    # write
     return 0
 
 

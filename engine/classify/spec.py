@@ -16,6 +16,14 @@ PRECISIONS = ("fp32", "fp16", "bf16", "fp8")  # fp8: rowwise-scaled e4m3 GEMMs (
 INTERPOLATIONS = ("bicubic", "bilinear", "nearest")
 
 
+def _static_batch() -> int:
+    """A spec's batch when none is given: a spec names no device, so the CPU preset's static batch
+    (engine/presets.py; the build always gives the batch it builds)."""
+    from engine.presets import preset
+
+    return preset("cpu").static_batch_size
+
+
 @dataclass(frozen=True)
 class Spec:
     model: str                      # timm name, e.g. eva02_large_patch14_448.mim_m38m_ft_in22k_in1k
@@ -26,7 +34,7 @@ class Spec:
     mean: tuple[float, float, float] = (0.48145466, 0.4578275, 0.40821073)
     std: tuple[float, float, float] = (0.26862954, 0.26130258, 0.27577711)
     precision: str = "fp32"
-    batch_size: int = 32
+    batch_size: int = field(default_factory=_static_batch)
     num_classes: int = 1000
     # extra timm constructor kwargs (tiny test models shrink depth/width here)
     model_kwargs: dict[str, Any] = field(default_factory=dict)

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from engine.retrieval.presets import RETRIEVAL
+
 PROMPTS = ("a photo of a red car", "make it blue and add stripes", "a dog on a beach at sunset",
            "the same shirt but green", "remove the background people", "a small wooden house in the snow")
 
@@ -44,7 +46,7 @@ def _model(clip: str):
     return model, spec
 
 
-def _rate(fn, x, n: int, min_s: float = 0.5) -> float:
+def _rate(fn, x, n: int, min_s: float = RETRIEVAL.bench_min_s) -> float:
     """Rows per second over repeated calls lasting at least `min_s` (a tiny tower's call is sub-ms)."""
     calls, t0 = 0, time.perf_counter()
     while True:
@@ -100,10 +102,10 @@ def bench(clip: str, image_batch: int, text_batch: int, precisions: list[str], r
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--clip", required=True, help="a CLIP folder or an open_clip architecture name")
-    p.add_argument("--image-batch", type=int, default=32)
-    p.add_argument("--text-batch", type=int, default=64)
+    p.add_argument("--image-batch", type=int, default=RETRIEVAL.bench_image_batch, help="images per timed call")
+    p.add_argument("--text-batch", type=int, default=RETRIEVAL.bench_text_batch, help="texts per timed call")
     p.add_argument("--precisions", nargs="+", default=["fp32"])
-    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--rounds", type=int, default=RETRIEVAL.bench_rounds, help="eager / aot timing rounds")
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="clip-bench-") as work:
         print(json.dumps(bench(a.clip, a.image_batch, a.text_batch, a.precisions, a.rounds, Path(work)), indent=1))

@@ -29,6 +29,7 @@ import torch
 from engine import settings
 from engine.classify.checkpoint import CheckpointError, check_state_dict, filter_state_dict, read_state_dict
 from engine.clip.spec import ClipSpec, image_spec_from_hf, image_spec_from_open_clip
+from engine.retrieval.presets import RETRIEVAL
 
 OPEN_CLIP_WEIGHTS = ("open_clip_model.safetensors", "open_clip_pytorch_model.safetensors",
                      "open_clip_pytorch_model.bin", "open_clip_pytorch_model.pth")
@@ -244,7 +245,7 @@ def layout_digest(layout: Layout) -> str:
 
 
 def load_clip(path: str | os.PathLike | None = None, model_name: str | None = None,
-              batch_size: int = 64):
+              batch_size: int = RETRIEVAL.image_batch["cpu"]):
     """(open_clip model FP32 eval CPU, ClipSpec, info dict with digest and files) from a local dir.
 
     Every problem with the files (missing, truncated, malformed, wrong shapes) is one

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.classify.spec import Spec
+from engine.retrieval.presets import RETRIEVAL
 
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -61,7 +62,7 @@ def _square(size, what: str) -> int:
 
 
 def image_spec_from_open_clip(model_cfg: dict, preprocess_cfg: dict | None, name: str,
-                              batch_size: int = 64) -> Spec:
+                              batch_size: int = RETRIEVAL.image_batch["cpu"]) -> Spec:
     """Spec from an open_clip model_cfg (+ optional preprocess_cfg, open_clip's field names)."""
     pp = dict(preprocess_cfg or {})
     vision = model_cfg.get("vision_cfg", {})
@@ -78,7 +79,8 @@ def image_spec_from_open_clip(model_cfg: dict, preprocess_cfg: dict | None, name
                 batch_size=batch_size, num_classes=0)
 
 
-def image_spec_from_hf(vision_size: int, processor: dict | None, name: str, batch_size: int = 64) -> Spec:
+def image_spec_from_hf(vision_size: int, processor: dict | None, name: str,
+                       batch_size: int = RETRIEVAL.image_batch["cpu"]) -> Spec:
     """Spec from a Hugging Face `preprocessor_config.json` (CLIPImageProcessor fields)."""
     p = dict(processor or {})
     crop = p.get("crop_size", vision_size)

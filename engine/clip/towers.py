@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from engine import settings
 from engine.clip.spec import ClipSpec
+from engine.retrieval.presets import RETRIEVAL
 
 PRECISIONS = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 MAX_CHARS = 20_000      # longer texts are cut before cleaning (ftfy and the word split are linear in it)
@@ -113,7 +114,7 @@ class ClipTowers:
         """open_clip CLIP.encode_text on the first L positions (L = last eot + 1 in the batch)."""
         return text_forward(self.model, tokens, trim=True)
 
-    def encode_texts(self, texts: list[str], batch_size: int = 256) -> torch.Tensor:
+    def encode_texts(self, texts: list[str], batch_size: int = RETRIEVAL.text_batch) -> torch.Tensor:
         """Strings -> [B, D] float32 unit rows (batched through the text tower)."""
         if not texts:
             return torch.zeros(0, self.spec.embed_dim, device=self.device)

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from engine.clip import compiled as C
+from engine.retrieval.presets import RETRIEVAL
 
 COS_MIN = 0.999
 TOP = 50
@@ -45,15 +46,16 @@ RECORD = "towers.json"   # INDEX_DIR/.build/towers.json: a resumed build's choic
 
 @dataclass(frozen=True)
 class Preset:
+    """One device's tower search; its values are the retrieval table's `tower_*` (engine/retrieval/presets.py)."""
     backends: tuple[str, ...] = C.BACKENDS
-    batches: tuple[int, ...] = (16, 32, 64)
+    batches: tuple[int, ...] = field(kw_only=True)   # static batches measured
     precisions: tuple[str, ...] | None = None   # None: those the device runs natively
-    sample: int = 256                            # gallery images drawn for the check
-    queries: int = 32                            # of which held-out queries
-    rounds: int = 3
+    sample: int = RETRIEVAL.tower_sample         # gallery images drawn for the check
+    queries: int = RETRIEVAL.tower_queries       # of which held-out queries
+    rounds: int = RETRIEVAL.tower_rounds
 
 
-PRESETS = {"cuda": Preset(), "cpu": Preset(batches=(32,))}
+PRESETS = {device: Preset(batches=batches) for device, batches in RETRIEVAL.tower_batches.items()}
 
 
 @dataclass(frozen=True)

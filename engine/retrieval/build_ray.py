@@ -21,13 +21,14 @@ import time
 from pathlib import Path
 
 from engine.retrieval import gallery
+from engine.retrieval.presets import RETRIEVAL
 
 
 def _log(msg: str) -> None:
     print(f"[cir_build_ray] {msg}", file=sys.stderr, flush=True)
 
 
-def start_ray(workers: int, object_store_mb: int = 200):
+def start_ray(workers: int, object_store_mb: int = RETRIEVAL.ray_object_store_mb):
     """Join RAY_ADDRESS's cluster, or start a small local Ray (its files under TMPDIR)."""
     import logging
 
@@ -182,8 +183,8 @@ class _RayRun(gallery._Run):
         return True
 
 
-def build(records, records_sha: str, towers, info: dict, method: dict, *, tower_args: tuple, workers: int = 2,
-          **kwargs) -> bool:
+def build(records, records_sha: str, towers, info: dict, method: dict, *, tower_args: tuple,
+          workers: int = RETRIEVAL.ray_workers, **kwargs) -> bool:
     """gallery.build on Ray: the same arguments (`kwargs`), plus `tower_args` (load_towers' arguments,
     for the actors) and `workers` (actors: one GPU each on CUDA, else one CPU each). The towers are
     chosen as the single build chooses them (gallery.set_towers_mode), once, by the driver; each

@@ -45,6 +45,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.retrieval.presets import RETRIEVAL
+
 METHODS = ("slerp", "sum", "text-only", "pic2word")          # the composition (base) names
 # where each name comes from: published (with its source) or this kit's own variant (shown by --help)
 METHOD_SOURCES = {
@@ -67,8 +69,7 @@ PROMPT_SOURCES = {
 }
 DEFAULT_PROMPTS = {"pic2word": "pic2word"}
 _PSEUDO_WORD_PROMPTS = ("pic2word", "searle", "pic2word-concept")   # the prompt `auto` stands for; every other method: plain
-DEFAULT_WEIGHTS = {"slerp": (0.8, 0.9), "sum": (0.5, 0.5), "text-only": (1.0, 1.0),
-                   "pic2word": (1.0, 1.0)}  # (with concept, without)
+DEFAULT_WEIGHTS = RETRIEVAL.text_weights   # method -> (with concept, without)
 HUBNESS = ("isoftmax", "qbnorm", "dual-softmax", "csls")
 BANKS = ("requests", "gallery", "both")      # where a hubness scorer's query bank comes from
 GAP_TEXT = ("captions", "bank")              # text-mean sources of the gap shift (none depends on the call)
@@ -82,8 +83,8 @@ _OPTION_KEYS = {
     "aqe": {"n": "aqe", "alpha": "aqe_alpha"}, "dba": {"n": "dba", "alpha": "dba_alpha"},
     "reinspect": {"n": "reinspect", "crops": "crops"},
 }
-_SWITCH_ON = {"gap": ("gap", "captions"), "gap-centre": ("gap", "requests"), "aqe": ("aqe", 3), "dba": ("dba", 3),
-              "reinspect": ("reinspect", 100)}
+_SWITCH_ON = {"gap": ("gap", "captions"), "gap-centre": ("gap", "requests"), "aqe": ("aqe", RETRIEVAL.aqe_neighbours),
+              "dba": ("dba", RETRIEVAL.dba_neighbours), "reinspect": ("reinspect", RETRIEVAL.reinspect_candidates)}
 OPTION_SOURCES = {
     "gap": "published: shift along the modality-gap vector (Liang et al., NeurIPS 2022)",
     "gap-centre": "this kit's variant: each modality centred on its own mean (transductive with text=requests)",
@@ -107,26 +108,29 @@ def method_help() -> str:
     return "; ".join(f"{k}: {v}" for k, v in {**METHOD_SOURCES, **OPTION_SOURCES}.items())
 
 
+_R = RETRIEVAL   # every default below is the retrieval table's (engine/retrieval/presets.py)
+
+
 @dataclass(frozen=True)
 class Method:
-    name: str = "slerp"            # composition: slerp | sum | text-only | pic2word
-    weight_concept: float = 0.8    # text weight for requests with a shared_concept (CIRCO-style)
-    weight_plain: float = 0.9      # text weight for requests without one (CIRR-style)
+    name: str = _R.method          # composition: slerp | sum | text-only | pic2word
+    weight_concept: float = _R.text_weights[_R.method][0]   # text weight for requests with a shared_concept
+    weight_plain: float = _R.text_weights[_R.method][1]     # ... for requests without one (CIRR-style)
     prompt: str = "plain"          # a PROMPTS name, auto (the method's default) or a template string
     gap: str = ""                  # modality-gap correction: "" off, else the text-mean source
     gap_mode: str = "shift"        # shift (Liang et al., GAP_TEXT) | centre (this kit's variant, GAP_CENTRE_TEXT)
-    gap_shift: float = 1.0         # fraction of the gap vector closed (1: the two means meet)
+    gap_shift: float = _R.gap_shift   # fraction of the gap vector closed (1: the two means meet)
     hubness: str = ""              # "" off, else one of HUBNESS
     bank: str = "gallery"          # query bank of the hubness scorer (BANKS); requests only when named
-    beta: float = 20.0             # isoftmax / qbnorm inverse temperature (QB-Norm's default)
-    temp: float = 100.0            # dual-softmax inverse temperature on cosines (CLIP's logit scale)
-    csls_k: int = 10               # CSLS neighbourhood size (Conneau et al.)
+    beta: float = _R.beta          # isoftmax / qbnorm inverse temperature (QB-Norm's default)
+    temp: float = _R.temp          # dual-softmax inverse temperature on cosines (CLIP's logit scale)
+    csls_k: int = _R.csls_k        # CSLS neighbourhood size (Conneau et al.)
     aqe: int = 0                   # alpha-QE neighbours, 0 = off
-    aqe_alpha: float = 3.0         # exponent on similarities relative to the best neighbour's
+    aqe_alpha: float = _R.aqe_alpha   # exponent on similarities relative to the best neighbour's
     dba: int = 0                   # database-side augmentation neighbours, 0 = off
-    dba_alpha: float = 3.0
+    dba_alpha: float = _R.dba_alpha
     reinspect: int = 0             # candidates re-inspected per request, 0 = off
-    crops: int = 3                 # extra views per re-inspected candidate (1..5)
+    crops: int = _R.crops          # extra views per re-inspected candidate (1..5)
 
     def __post_init__(self) -> None:
         if self.name not in METHODS:
@@ -237,7 +241,7 @@ def _stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def make_method(name: str = "slerp", text_weight: float | None = None, prompt: str | None = None,
+def make_method(name: str = RETRIEVAL.method, text_weight: float | None = None, prompt: str | None = None,
                 max_reinspect: int | None = None) -> Method:
     """A method from its name (`base[+option...]`); `text_weight` overrides both per-request weights;
     a re-inspection count past `max_reinspect` is clamped."""

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from engine.retrieval.presets import RETRIEVAL
+
 
 @dataclass
 class EmbeddedBatch:
@@ -50,7 +52,8 @@ class DecoderLog:
 
 
 def embed_images(read: Callable[[int], bytes], items: Sequence[int], decoder, encode: Callable,
-                 batch_size: int, readers: int = 8, depth: int = 2) -> Iterator[EmbeddedBatch]:
+                 batch_size: int, readers: int = RETRIEVAL.image_readers,
+                 depth: int = RETRIEVAL.decode_ahead) -> Iterator[EmbeddedBatch]:
     """Yield EmbeddedBatch for `items` in order. `read(item)` returns encoded bytes or raises;
     `encode(uint8 [m, S, S, 3]) -> [m, D]` unit rows (torch, any device)."""
     from engine.classify.gpu_streams import upload

@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from engine.retrieval.presets import RETRIEVAL
+
 
 def _log(msg: str) -> None:
     print(f"[cir_build] {msg}", file=sys.stderr, flush=True)
@@ -33,7 +35,8 @@ def model_record(info: dict) -> dict:
 
 
 def build(records, records_sha: str, towers, info: dict, method: dict, *, corpus: Path, index_dir: Path,
-          extras, decoder: str = "auto", batch_size: int = 64, chunk_size: int = 4096, readers: int = 8,
+          extras, decoder: str = "auto", batch_size: int = RETRIEVAL.image_batch["cpu"],
+          chunk_size: int = RETRIEVAL.chunk_size, readers: int = RETRIEVAL.image_readers,
           confine_to_corpus: bool = False, force: bool = False, stop_after_chunks: int = 0,
           t_start: float | None = None, t_loaded: float | None = None, towers_mode: str | None = None,
           make_run=None) -> bool:

@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.retrieval.presets import RETRIEVAL
+
 _SUBJECTS = ("a dog", "a cat", "two people", "a man", "a woman", "a child", "a car", "a bus", "a bird",
              "a horse", "a plate of food", "a bedroom", "a kitchen", "a street", "a beach", "a laptop")
 _FORMS = ("a photo of {}", "{} outdoors in the sun", "make it {} at night",
@@ -35,7 +37,7 @@ def gap_vector(image_mean: torch.Tensor, text_mean: torch.Tensor) -> torch.Tenso
     return image_mean.float() - text_mean.to(image_mean.device).float()
 
 
-def shift(x: torch.Tensor, delta: torch.Tensor, toward_text: bool, lam: float = 1.0) -> torch.Tensor:
+def shift(x: torch.Tensor, delta: torch.Tensor, toward_text: bool, lam: float = RETRIEVAL.gap_shift) -> torch.Tensor:
     """Unit rows x [*, D] moved by half of lam * delta [D]: images toward the texts
     (`toward_text`), texts toward the images, then renormalised."""
     step = (0.5 * lam) * delta.to(x)

@@ -4,7 +4,7 @@
 - `--mapping pic2word`: the image-to-word mapping (engine.retrieval.pic2word), trained on the
   gallery embeddings, checkpointed in INDEX_DIR/.build/pic2word/ (resumable), stored as
   `pic2word-<build>.safetensors`; config, steps, losses, seed and time in meta.json.
-- `--text-bank N` (default 4096 with a mapping, else 0): gallery-derived texts, the
+- `--text-bank N` (default the retrieval table's `text_bank_size` with a mapping, else 0): gallery-derived texts, the
   text embeddings of "a photo of *" with the pseudo-words of N seeded gallery rows,
   stored as `text_bank-<build>.f16.npy`: a query bank for the hubness scorers
   (`bank=gallery`) and a text mean for gap correction (`gap:text=bank`).
@@ -26,9 +26,10 @@ from pathlib import Path
 import numpy as np
 
 from engine.retrieval.pic2word import Pic2WordConfig
+from engine.retrieval.presets import RETRIEVAL
 
 MAPPINGS = ("none", "pic2word")
-TEXT_BANK_DEFAULT = 4096   # gallery-derived texts when a mapping is trained (cheap: one text pass)
+TEXT_BANK_DEFAULT = RETRIEVAL.text_bank_size   # gallery-derived texts when a mapping is trained (one text pass)
 P2W_DIR = "pic2word"       # checkpoint folder under INDEX_DIR/.build
 
 
@@ -42,8 +43,8 @@ class ExtrasConfig:
     p2w: Pic2WordConfig = field(default_factory=Pic2WordConfig)
     text_bank: int = -1        # -1: TEXT_BANK_DEFAULT with a mapping, else 0
     dba: int = 0
-    dba_alpha: float = 3.0
-    dba_chunk: int = 1024      # 0: one [N, N] matrix (the reference twin)
+    dba_alpha: float = RETRIEVAL.dba_alpha
+    dba_chunk: int = RETRIEVAL.dba_chunk   # 0: one [N, N] matrix (the reference twin)
     p2w_stop_after: int = 0    # stop training (resumably) after this many steps; 0: never
 
     def bank_size(self) -> int:

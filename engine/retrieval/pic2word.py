@@ -43,24 +43,28 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.clip.inject import check_injectable, encode_with_slot, placeholder_id, slots_of
+from engine.retrieval.presets import RETRIEVAL
 
 TRAIN_PROMPT = "a photo of *"
 
 
+_R = RETRIEVAL   # the defaults: the retrieval table's p2w_* fields (engine/retrieval/presets.py)
+
+
 @dataclass(frozen=True)
 class Pic2WordConfig:
-    hidden: int = 512              # MLP width (Pic2Word: 512)
-    layers: int = 2                # hidden layers
-    dropout: float = 0.1
-    epochs: int = 20               # passes over the gallery when steps == 0
+    hidden: int = _R.p2w_hidden    # MLP width (Pic2Word's)
+    layers: int = _R.p2w_layers    # hidden layers
+    dropout: float = _R.p2w_dropout
+    epochs: int = _R.p2w_epochs    # passes over the gallery when steps == 0
     steps: int = 0                 # optimiser steps; 0: epochs * (N // batch_size)
-    batch_size: int = 256          # InfoNCE negatives = batch_size - 1
-    lr: float = 1e-4
+    batch_size: int = _R.p2w_batch_size   # InfoNCE negatives = batch_size - 1
+    lr: float = _R.p2w_lr
     warmup: int = -1               # linear warm-up steps; -1: a tenth of the run (Pic2Word warms up too)
-    weight_decay: float = 0.1
-    seed: int = 0
-    ckpt_every: int = 200          # steps between checkpoints
-    time_budget_s: float = 2400.0  # stop early past this many seconds of training (40 min)
+    weight_decay: float = _R.p2w_weight_decay
+    seed: int = _R.p2w_seed
+    ckpt_every: int = _R.p2w_ckpt_every   # steps between checkpoints
+    time_budget_s: float = _R.p2w_time_budget   # stop early past this many seconds of training
 
     def total_steps(self, n: int) -> int:
         return self.steps or self.epochs * max(1, n // self.batch_size)
@@ -82,8 +86,7 @@ def lr_at(step: int, total: int, warmup: int, base: float) -> float:
 class Im2Token(nn.Module):
     """Image embedding [B, D] -> pseudo-word token embedding [B, W]."""
 
-    def __init__(self, embed_dim: int, token_width: int, hidden: int = 512, layers: int = 2,
-                 dropout: float = 0.1):
+    def __init__(self, embed_dim: int, token_width: int, hidden: int, layers: int, dropout: float):
         super().__init__()
         body, width = [], embed_dim
         for _ in range(layers):
@@ -116,7 +119,7 @@ def _autocast(towers, training: bool = False):
 
 
 def encode_prompts(towers, mapping: Im2Token, image: torch.Tensor, prompts: list[str],
-                   batch_size: int = 256) -> torch.Tensor:
+                   batch_size: int = RETRIEVAL.text_batch) -> torch.Tensor:
     """[B, D] unit text embeddings of `prompts` (each with a `*`) with `*` replaced by
     mapping(image [B, D]); returns float32 rows on the towers' device."""
     star = placeholder_id(towers.tokenizer)

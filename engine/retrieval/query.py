@@ -26,6 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engine.retrieval.presets import RETRIEVAL
+
 GAP_MIN_TEXTS = 8          # fewer request texts than this make no text mean (said on stderr)
 
 
@@ -50,7 +52,7 @@ class QueryPipeline:
     method's own count)."""
 
     def __init__(self, index, towers, method, warn, queries: Path | str, corpus: Path | None, k: int,
-                 bank_chunk: int = 256, allow_outside_corpus: bool = False, max_reinspect: int | None = None):
+                 bank_chunk: int = RETRIEVAL.bank_chunk, allow_outside_corpus: bool = False, max_reinspect: int | None = None):
         from engine.retrieval.rescore import center
 
         self.index, self.towers, self.method, self.warn, self.queries = index, towers, method, warn, queries
@@ -110,7 +112,7 @@ class QueryPipeline:
             self.info["dba"] = "stored at build time"
             return torch.from_numpy(np.load(self.index.extra("dba")).astype(np.float32)).to(self.raw.device)
         t0 = time.perf_counter()
-        out = dba(self.raw, m.dba, m.dba_alpha, chunk=1024 if self.bank_chunk else 0)
+        out = dba(self.raw, m.dba, m.dba_alpha, chunk=RETRIEVAL.dba_chunk if self.bank_chunk else 0)
         _log(f"DBA n={m.dba} alpha={m.dba_alpha:g} is not stored in the index (build --dba {m.dba} "
              f"--dba-alpha {m.dba_alpha:g} stores it): computed here in {time.perf_counter() - t0:.2f} s")
         self.info["dba"] = "computed at query time"
@@ -195,7 +197,7 @@ class QueryPipeline:
                                      f"decoder {decoder}, corpus {root}")
         return Reinspector(read, self.towers.encode_images, self.towers.spec.image, self.method.crops,
                            self._reinspect_budget(), decoder,
-                           batch_size=256 if self.towers.device.type == "cuda" else 64,
+                           batch_size=RETRIEVAL.image_batch_for(self.towers.device.type),
                            readers=budget.readers, isolate=engine_settings.decoder_isolate())
 
     def _reinspect_budget(self):
@@ -270,9 +272,10 @@ class QueryPipeline:
         if (use_requests_mean or use_requests_bank) and requests:
             t0 = time.perf_counter()
             texts, refs = [], []
-            for lo in range(0, len(requests), 256):                    # every request of the call
-                refs.append(self._refs(requests[lo:lo + 256]))
-                texts.append(self._texts(requests[lo:lo + 256], refs[-1]))
+            step = RETRIEVAL.query_batch
+            for lo in range(0, len(requests), step):                   # every request of the call
+                refs.append(self._refs(requests[lo:lo + step]))
+                texts.append(self._texts(requests[lo:lo + step], refs[-1]))
             text_all, ref_all = torch.cat(texts), torch.cat(refs)       # [M, D], [M]
             self.info["prepare_s"] = round(time.perf_counter() - t0, 3)
         if m.gap and centre:

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.classify.spec import Spec
+from engine.retrieval.presets import RETRIEVAL
 
 VIEWS = ("mirror", "squash", "zoom80", "squash-mirror", "zoom80-mirror")
 ZOOM = 0.8   # zoom80: the share of the short side kept
@@ -111,8 +112,9 @@ class Reinspector:
     CLIP image spec; `decoder` the engine decoder name the gallery was built with."""
 
     def __init__(self, read: Callable[[int], bytes], encode: Callable, spec: Spec, crops: int,
-                 budget: ReinspectBudget, decoder: str = "pil", batch_size: int = 64, readers: int = 8,
-                 isolate: bool = False, cache_rows: int = 50_000, views: tuple[str, ...] | None = None):
+                 budget: ReinspectBudget, decoder: str = "pil", batch_size: int = RETRIEVAL.image_batch["cpu"],
+                 readers: int = RETRIEVAL.image_readers, isolate: bool = False,
+                 cache_rows: int = RETRIEVAL.reinspect_cache_rows, views: tuple[str, ...] | None = None):
         if views is None and not 1 <= crops <= len(VIEWS):
             raise ValueError(f"crops must lie in 1..{len(VIEWS)}, got {crops}")
         self.read, self.encode, self.spec, self.budget = read, encode, spec, budget

@@ -40,6 +40,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.retrieval.presets import RETRIEVAL
+
 SCORERS = ("", "isoftmax", "qbnorm", "dual-softmax", "csls")
 
 
@@ -73,9 +75,9 @@ def _scale(scorer: str, beta: float, temp: float) -> float:
     return temp if scorer == "dual-softmax" else beta
 
 
-def bank_stats(scorer: str, bank: torch.Tensor, gallery: torch.Tensor, beta: float = 20.0,
-               temp: float = 100.0, k: int = 10, exclude: torch.Tensor | None = None,
-               has_queries: bool = True, chunk: int = 256) -> BankStats:
+def bank_stats(scorer: str, bank: torch.Tensor, gallery: torch.Tensor, beta: float = RETRIEVAL.beta,
+               temp: float = RETRIEVAL.temp, k: int = RETRIEVAL.csls_k, exclude: torch.Tensor | None = None,
+               has_queries: bool = True, chunk: int = RETRIEVAL.bank_chunk) -> BankStats:
     """Per-gallery-item statistics of the bank [M, D] for `scorer`; `exclude` [M] is each bank
     query's own match (its reference row; -1 = none), left out of every statistic: the
     log-sum-exp, the top-1 and the k nearest. chunk=0: the reference."""
@@ -120,8 +122,8 @@ def _finish(out: BankStats, scorer: str, a: float, lse: torch.Tensor, hits: torc
     return out
 
 
-def bank_stats_reference(scorer: str, bank: torch.Tensor, gallery: torch.Tensor, beta: float = 20.0,
-                         temp: float = 100.0, k: int = 10, exclude: torch.Tensor | None = None,
+def bank_stats_reference(scorer: str, bank: torch.Tensor, gallery: torch.Tensor, beta: float = RETRIEVAL.beta,
+                         temp: float = RETRIEVAL.temp, k: int = RETRIEVAL.csls_k, exclude: torch.Tensor | None = None,
                          has_queries: bool = True) -> BankStats:
     """`bank_stats` from the whole [M, N] similarity matrix at once (the twin of the streamed path)."""
     s = _masked(bank @ gallery.T, exclude)                              # [M, N], own matches at -inf
@@ -139,7 +141,7 @@ class RowState:
     r_q: torch.Tensor | None = None          # [B] (csls)
 
 
-def row_state(scorer: str, cos: torch.Tensor, stats: BankStats | None, k: int = 10,
+def row_state(scorer: str, cos: torch.Tensor, stats: BankStats | None, k: int = RETRIEVAL.csls_k,
               exclude: torch.Tensor | None = None) -> RowState:
     """Per-row decisions from raw cosines cos [B, N] (the reference column excluded). qbnorm: a
     bank that holds the scored queries counts each row's own entry once, so its top-1 must be
@@ -154,7 +156,8 @@ def row_state(scorer: str, cos: torch.Tensor, stats: BankStats | None, k: int = 
 
 
 def score_cos(scorer: str, cos: torch.Tensor, stats: BankStats | None, state: RowState,
-              cols: torch.Tensor | None = None, beta: float = 20.0, temp: float = 100.0) -> torch.Tensor:
+              cols: torch.Tensor | None = None, beta: float = RETRIEVAL.beta,
+              temp: float = RETRIEVAL.temp) -> torch.Tensor:
     """Scores [B, C] from cosines cos [B, C] of gallery columns `cols` [B, C] (None: all N, C = N)."""
     if scorer == "":
         return cos
@@ -182,7 +185,7 @@ def alpha_qe(q: torch.Tensor, neighbours: torch.Tensor, sims: torch.Tensor, alph
     return F.normalize(q + (w * neighbours).sum(1), dim=-1)
 
 
-def dba(gallery: torch.Tensor, n: int, alpha: float, chunk: int = 1024) -> torch.Tensor:
+def dba(gallery: torch.Tensor, n: int, alpha: float, chunk: int = RETRIEVAL.dba_chunk) -> torch.Tensor:
     """Database-side augmentation of gallery [N, D] over each row's n nearest other rows.
     chunk=0: the reference (the whole [N, N] matrix at once)."""
     num = gallery.shape[0]

@@ -21,6 +21,8 @@ import json
 import os
 from pathlib import Path
 
+from engine.retrieval.presets import RETRIEVAL
+
 DEFAULT_K = 50   # results per request unless asked
 
 
@@ -29,7 +31,7 @@ class Searcher:
     and `info`, engine.clip.load's record of their CLIP."""
 
     def __init__(self, index, towers, info: dict, corpus: Path | None = None, confine_to_corpus: bool = False,
-                 batch_size: int = 256, bank_chunk: int = 256, warn=None, max_reinspect: int | None = None,
+                 batch_size: int = RETRIEVAL.query_batch, bank_chunk: int = RETRIEVAL.bank_chunk, warn=None, max_reinspect: int | None = None,
                  source: str | os.PathLike = "requests"):
         from engine.retrieval.jsonl import stderr_warn
 
@@ -57,7 +59,7 @@ class Searcher:
         return self._pipelines[key]
 
     def search(self, reference_image_id, modification: str, shared_concept: str | None = None,
-               k: int = DEFAULT_K, method="slerp") -> list[dict]:
+               k: int = DEFAULT_K, method=RETRIEVAL.method) -> list[dict]:
         """One request's rows: [{"image_id", "score"}, ...], best first, at most k. A reference
         of None (or one the index lacks, said on stderr) answers from the text alone."""
         from engine.retrieval.jsonl import Request, is_id
@@ -71,7 +73,7 @@ class Searcher:
         ref = None if reference_image_id is None else str(reference_image_id)
         return self._call([Request(1, 0, ref, modification, shared_concept or None)], k, method)[0]
 
-    def search_many(self, requests, k: int = DEFAULT_K, method="slerp") -> list[list[dict]]:
+    def search_many(self, requests, k: int = DEFAULT_K, method=RETRIEVAL.method) -> list[list[dict]]:
         """Each request's rows, in request order. `requests`: objects as the requests JSONL holds
         them; one without a query_id takes its position. ValueError for a request that is not an
         object, or a query_id given twice."""
@@ -139,7 +141,7 @@ def _say(msg: str) -> None:
 def open_index(index_dir: str | os.PathLike, clip_dir: str | os.PathLike | None = None, *,
                device: str | None = None, precision: str | None = None, model_name: str | None = None,
                corpus: str | os.PathLike | None = None, confine_to_corpus: bool = False,
-               allow_model_mismatch: bool = False, batch_size: int = 256) -> Searcher:
+               allow_model_mismatch: bool = False, batch_size: int = RETRIEVAL.query_batch) -> Searcher:
     """The index in `index_dir` with its CLIP loaded (clip_for: `clip_dir`, else CLIP_MODEL_DIR,
     else the folder the index records when its digest matches). `device` / `precision` as
     CLIP_DEVICE / CLIP_PRECISION; `corpus`: image files for re-inspecting methods (default: the

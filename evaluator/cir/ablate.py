@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.retrieval.presets import RETRIEVAL
 from evaluator.cir.score import CIRCO_KS, CIRR_KS
 
 PROG = "python -m evaluator.ablate"
@@ -50,7 +51,7 @@ class AblateConfig:
     model_dir: Path | None = None
     device: str | None = None
     corpus: Path | None = None
-    batch_size: int = 256
+    batch_size: int = RETRIEVAL.query_batch
     warmup: int = WARMUP
     debug: bool = False
 
@@ -74,7 +75,7 @@ def parse_args(argv: list[str] | None) -> AblateConfig:
                         "else the folder the index records when its digest matches)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: env CLIP_DEVICE, else cuda if present)")
     p.add_argument("--corpus", type=Path, default=None, help="corpus for re-inspecting methods (default: the index's)")
-    p.add_argument("--batch-size", type=int, default=256, help="requests per batch")
+    p.add_argument("--batch-size", type=int, default=RETRIEVAL.query_batch, help="requests per batch")
     p.add_argument("--warmup", type=int, default=WARMUP, help="requests of the untimed warm-up (0: none)")
     a = p.parse_args(argv)
     if a.methods is not None:

@@ -24,7 +24,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.retrieval.presets import RETRIEVAL
 from evaluator import settings as evaluator_settings
+from evaluator.cir.flags import add_flags, flag
 
 STOPPED = 3  # exit status of a build ended early by main(stop_after_chunks=...) (resumable)
 
@@ -39,41 +41,55 @@ def _error(msg: str) -> int:
     return error(PROG, msg)
 
 
+_R = RETRIEVAL   # the defaults: the retrieval table (engine/retrieval/presets.py)
+_EXTRAS = "extras"
+
+
 @dataclass
 class BuildConfig:
-    corpus: Path
-    index_dir: Path
-    model_dir: Path | None = None
-    model_name: str | None = None
-    decoder: str = "auto"          # auto: dali-gpu on CUDA, dali-cpu otherwise
-    batch_size: int | None = None  # None: 256 on CUDA, 64 on CPU
-    chunk_size: int = 4096         # images per resumable chunk
-    readers: int = 8
-    device: str | None = None
-    precision: str | None = None
-    method: str = "slerp"
-    text_weight: float | None = None
-    prompt: str | None = None
-    force: bool = False
-    mapping: str = "none"          # none | pic2word (engine.retrieval.index_extras)
-    p2w_epochs: int = 20
-    p2w_steps: int = 0
-    p2w_batch_size: int = 256
-    p2w_lr: float = 1e-4
-    p2w_warmup: int = -1           # warm-up steps; -1: a tenth of the run
-    p2w_hidden: int = 512
-    p2w_seed: int = 0
-    p2w_ckpt_every: int = 200
-    p2w_time_budget: float = 2400.0
-    text_bank: int = -1            # -1: 4096 with a mapping, else 0
-    dba: int = 0
-    dba_alpha: float = 3.0
-    dba_chunk: int = 1024          # gallery rows per DBA block; 0: one [N, N] matrix (the reference twin)
+    """scripts/build.sh's settings: each field is its flag (evaluator.cir.flags: --name, type, default, help)."""
+    corpus: Path = flag("folder with records.jsonl")
+    index_dir: Path = flag("where the index goes (created if missing)")
+    model_dir: Path | None = flag("CLIP folder (env CLIP_MODEL_DIR)", None)
+    model_name: str | None = flag("architecture for a bare state dict (env CLIP_MODEL_NAME)", None)
+    decoder: str = flag("auto | pil | dali-cpu | dali-gpu (env ENGINE_DECODER; auto: dali-gpu on CUDA, dali-cpu "
+                        "otherwise)", "auto")
+    batch_size: int | None = flag("images per batch (default by device: "
+                                  + ", ".join(f"{d} {b}" for d, b in _R.image_batch.items()) + ")", None)
+    chunk_size: int = flag("images per resumable chunk", _R.chunk_size)
+    readers: int = flag("file reader threads of the decode", _R.image_readers)
+    device: str | None = flag("cpu | cuda (env CLIP_DEVICE; default cuda when present)", None)
+    precision: str | None = flag("fp32 | fp16 | bf16 (env CLIP_PRECISION)", None)
+    method: str = flag("default composition method recorded for scripts/run.sh (env CIR_METHOD)", _R.method,
+                       env=evaluator_settings.cir_method)
+    text_weight: float | None = flag("text weight recorded with the method (default: the method's own)", None)
+    prompt: str | None = flag("prompt recorded with the method (default: the method's own)", None)
+    force: bool = flag("rebuild even if the index is up to date", False)
+    mapping: str = flag("learn a Pic2Word image-to-word mapping on the gallery (method pic2word)", "none",
+                        choices=("none", "pic2word"), group=_EXTRAS)
+    p2w_epochs: int = flag("passes over the gallery (when --p2w-steps is 0)", _R.p2w_epochs, group=_EXTRAS)
+    p2w_steps: int = flag("optimiser steps (0: epochs x N / batch)", 0, group=_EXTRAS)
+    p2w_batch_size: int = flag("training batch (InfoNCE negatives: batch - 1)", _R.p2w_batch_size, group=_EXTRAS)
+    p2w_lr: float = flag("peak learning rate (after the warm-up)", _R.p2w_lr, group=_EXTRAS)
+    p2w_warmup: int = flag("linear warm-up steps before the cosine decay (-1: a tenth of the run)", -1,
+                           group=_EXTRAS)
+    p2w_hidden: int = flag("the mapping's MLP width", _R.p2w_hidden, group=_EXTRAS)
+    p2w_seed: int = flag("seed of the initialisation, data order, dropout and the text bank's rows", _R.p2w_seed,
+                         group=_EXTRAS)
+    p2w_ckpt_every: int = flag("steps between training checkpoints", _R.p2w_ckpt_every, group=_EXTRAS)
+    p2w_time_budget: float = flag("seconds of training at most", _R.p2w_time_budget, group=_EXTRAS)
+    text_bank: int = flag(f"gallery-derived texts to store (-1: {_R.text_bank_size} with a mapping, else 0)", -1,
+                          group=_EXTRAS)
+    dba: int = flag("store DBA rows over N neighbours (0: off)", 0, group=_EXTRAS)
+    dba_alpha: float = flag("DBA's exponent on similarities", _R.dba_alpha, group=_EXTRAS)
+    dba_chunk: int = flag("gallery rows per DBA block (0: one [N, N] matrix, the reference twin)", _R.dba_chunk,
+                          group=_EXTRAS)
+    ray: bool = flag("embed on Ray Data actors: a local Ray, or the cluster at RAY_ADDRESS (pip install '.[scale]')",
+                     False)
+    workers: int = flag("Ray actors, with --ray (one GPU each on CUDA)", _R.ray_workers)
     confine_to_corpus: bool = False      # records paths must be relative and stay inside the corpus folder
-    stop_after_chunks: int = 0     # stop (resumably) after this many chunks; 0: never
-    p2w_stop_after: int = 0        # stop (resumably) after this many Pic2Word steps; 0: never
-    ray: bool = False              # embed on Ray Data actors (engine.retrieval.build_ray; extra `scale`)
-    workers: int = 2               # Ray actors (one GPU each on CUDA, else one CPU each)
+    stop_after_chunks: int = 0     # stop (resumably) after this many chunks; 0: never (main's argument)
+    p2w_stop_after: int = 0        # stop (resumably) after this many Pic2Word steps; 0: never (main's argument)
 
     def extras(self):
         from engine.retrieval.index_extras import ExtrasConfig
@@ -87,47 +103,11 @@ class BuildConfig:
 
 
 def parse_args(argv: list[str] | None) -> BuildConfig:
-    from engine.cli import ArgumentParser, corpus_flags, debug_flag
+    from engine.cli import ArgumentParser, HelpFormatter, corpus_flags, debug_flag
 
-    p = ArgumentParser(prog="scripts/build.sh", description=__doc__.split("\n\n")[0])
-    p.add_argument("--corpus", type=Path, required=True, help="folder with records.jsonl")
-    p.add_argument("--index-dir", type=Path, required=True, help="where the index goes (created if missing)")
-    p.add_argument("--model-dir", type=Path, default=None, help="CLIP folder (env CLIP_MODEL_DIR)")
-    p.add_argument("--model-name", default=None, help="architecture for a bare state dict (env CLIP_MODEL_NAME)")
-    p.add_argument("--decoder", default="auto", help="auto | pil | dali-cpu | dali-gpu (env ENGINE_DECODER)")
-    p.add_argument("--batch-size", type=int, default=None, help="images per batch (default 256 on CUDA, 64 on CPU)")
-    p.add_argument("--chunk-size", type=int, default=4096)
-    p.add_argument("--readers", type=int, default=8)
-    p.add_argument("--device", default=None, help="cpu | cuda (env CLIP_DEVICE; default cuda when present)")
-    p.add_argument("--precision", default=None, help="fp32 | fp16 | bf16 (env CLIP_PRECISION)")
-    p.add_argument("--method", default=evaluator_settings.cir_method() or "slerp",
-                   help="default composition method recorded for scripts/run.sh (env CIR_METHOD)")
-    p.add_argument("--text-weight", type=float, default=None)
-    p.add_argument("--prompt", default=None)
-    p.add_argument("--force", action="store_true", help="rebuild even if the index is up to date")
-    x = p.add_argument_group("extras (docs/retrieval_quality.md)")
-    x.add_argument("--mapping", default="none", choices=("none", "pic2word"),
-                   help="learn a Pic2Word image-to-word mapping on the gallery (method pic2word)")
-    x.add_argument("--p2w-epochs", type=int, default=20, help="passes over the gallery (when --p2w-steps is 0)")
-    x.add_argument("--p2w-steps", type=int, default=0, help="optimiser steps (0: epochs x N / batch)")
-    x.add_argument("--p2w-batch-size", type=int, default=256)
-    x.add_argument("--p2w-lr", type=float, default=1e-4, help="peak learning rate (after the warm-up)")
-    x.add_argument("--p2w-warmup", type=int, default=-1,
-                   help="linear warm-up steps before the cosine decay (-1: a tenth of the run)")
-    x.add_argument("--p2w-hidden", type=int, default=512)
-    x.add_argument("--p2w-seed", type=int, default=0)
-    x.add_argument("--p2w-ckpt-every", type=int, default=200, help="steps between training checkpoints")
-    x.add_argument("--p2w-time-budget", type=float, default=2400.0, help="seconds of training at most")
-    x.add_argument("--text-bank", type=int, default=-1,
-                   help="gallery-derived texts to store (default 4096 with a mapping, else 0)")
-    x.add_argument("--dba", type=int, default=0, help="store DBA rows over N neighbours (0: off)")
-    x.add_argument("--dba-alpha", type=float, default=3.0)
-    x.add_argument("--dba-chunk", type=int, default=1024,
-                   help="gallery rows per DBA block (0: one [N, N] matrix, the reference twin)")
+    p = ArgumentParser(prog="scripts/build.sh", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    add_flags(p, BuildConfig, {_EXTRAS: p.add_argument_group("extras (docs/retrieval_quality.md)")})
     corpus_flags(p, "follow them, as the reference's Image.open does")
-    p.add_argument("--ray", action="store_true",
-                   help="embed on Ray Data actors: a local Ray, or the cluster at RAY_ADDRESS (pip install '.[scale]')")
-    p.add_argument("--workers", type=int, default=2, help="Ray actors, with --ray (one GPU each on CUDA)")
     debug_flag(p)
     a = p.parse_args(argv)
     del a.debug
@@ -218,7 +198,7 @@ def _main(argv: list[str] | None, stop_after_chunks: int, p2w_stop_after: int) -
     from engine.clip.towers import ClipTowers, default_device
 
     if cfg.batch_size is None:
-        cfg.batch_size = 256 if (cfg.device or default_device()).startswith("cuda") else 64
+        cfg.batch_size = RETRIEVAL.image_batch_for(cfg.device or default_device())
     try:
         model, spec, info = load_clip(task.clip_dir(cfg.model_dir), cfg.model_name, cfg.batch_size)
     except (ClipLoadError, OSError) as e:

@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.retrieval.presets import RETRIEVAL
 from evaluator import settings as evaluator_settings
 from evaluator.cir.task import TOP_K
 
@@ -55,7 +56,7 @@ class RunConfig:
     method: str | None = None          # None: env CIR_METHOD, else the index's recorded method
     text_weight: float | None = None
     prompt: str | None = None
-    batch_size: int = 256
+    batch_size: int = RETRIEVAL.query_batch
     k: int = TOP_K
     device: str | None = None
     precision: str | None = None
@@ -64,7 +65,7 @@ class RunConfig:
     report: Path | None = None
     corpus: Path | None = None         # image files for re-inspection (default: recorded at build time)
     confine_to_corpus: bool = False    # re-inspection: records paths must stay inside the corpus folder
-    bank_chunk: int = 256              # requests per bank-statistics block; 0: one [M, N] matrix (reference twin)
+    bank_chunk: int = RETRIEVAL.bank_chunk   # requests per bank-statistics block; 0: one [M, N] matrix (reference twin)
 
 
 def parse_args(argv: list[str] | None) -> RunConfig:
@@ -85,7 +86,7 @@ def parse_args(argv: list[str] | None) -> RunConfig:
     p.add_argument("--prompt", default=evaluator_settings.cir_prompt(),
                    help="auto (the method's default: plain; pic2word for pic2word), a name, or a template "
                         "with {modification} (env CIR_PROMPT). Names: " + prompt_help())
-    p.add_argument("--batch-size", type=int, default=256, help="requests per batch")
+    p.add_argument("--batch-size", type=int, default=RETRIEVAL.query_batch, help="requests per batch")
     p.add_argument("--k", type=int, default=TOP_K, help=f"results per query (at most {TOP_K})")
     p.add_argument("--device", default=None)
     p.add_argument("--precision", default=None)
@@ -97,7 +98,7 @@ def parse_args(argv: list[str] | None) -> RunConfig:
     p.add_argument("--report", type=Path, default=None, help="also write the run summary JSON here")
     p.add_argument("--corpus", type=Path, default=evaluator_settings.cir_corpus(),
                    help="corpus folder (records.jsonl) for re-inspection (env CIR_CORPUS; default: the index's)")
-    p.add_argument("--bank-chunk", type=int, default=256,
+    p.add_argument("--bank-chunk", type=int, default=RETRIEVAL.bank_chunk,
                    help="requests per bank-statistics block (0: one [M, N] matrix, the reference twin)")
     corpus_flags(p, "re-inspection follows them, as the build does; an index built confined stays confined")
     debug_flag(p)
@@ -226,14 +227,14 @@ def limits_problem(cfg: RunConfig) -> str | None:
 def chosen_method(cfg: RunConfig, recorded: dict):
     """The composition method (engine.retrieval.compose.Method): the one the index records when
     no --method, --text-weight or --prompt is given, else --method (default: the recorded
-    method's label, else slerp) with those options."""
+    method's label, else the retrieval table's) with those options."""
     from engine.retrieval.compose import Method
     from evaluator.cir import task
 
     if cfg.method is None and cfg.text_weight is None and cfg.prompt is None and recorded:
         return task.check_method(Method(**recorded))   # the method recorded at build time
-    return task.method(cfg.method or (Method(**recorded).label if recorded else "slerp"), cfg.text_weight,
-                       cfg.prompt)
+    return task.method(cfg.method or (Method(**recorded).label if recorded else RETRIEVAL.method),
+                       cfg.text_weight, cfg.prompt)
 
 
 def open_searcher(cfg: RunConfig, index, warn):

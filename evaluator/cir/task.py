@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from engine.retrieval.presets import RETRIEVAL
+
 TOP_K = 50                  # at most 50 distinct gallery images per request
 MAX_REINSPECT = 100         # candidate images per request that may be re-inspected visually
 CLIP_DIR = Path("/task/models/clip")   # where the task mounts the supplied CLIP
@@ -20,7 +22,7 @@ def clip_dir(given=None, meta: dict | None = None, model_name: str | None = None
     return resolve(given, meta, CLIP_DIR, model_name, say)
 
 
-def method(name: str = "slerp", text_weight: float | None = None, prompt: str | None = None):
+def method(name: str = RETRIEVAL.method, text_weight: float | None = None, prompt: str | None = None):
     """engine.retrieval.compose.make_method with the task's re-inspection cap (clamped, and said)."""
     from engine.retrieval.compose import make_method
 

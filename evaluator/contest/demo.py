@@ -31,9 +31,11 @@ from pathlib import Path
 
 from engine.backends import BACKENDS
 from engine.backends import DEFAULT as DEFAULT_BACKEND
+from engine.presets import preset
 
 REPO = Path(__file__).resolve().parents[2]
 PROG = "python -m evaluator.demo"
+BATCH = preset("cpu").static_batch_size   # the demo builds on the CPU: its preset's static batch
 DEFAULT_COUNT = 200      # first run ~4-5 min on two shared cores (checkpoint fit, AOT compile); reruns ~1 min
 MAX_COUNT = 100_000
 HEARTBEAT_S = 10.0       # a line this often while a child process runs
@@ -127,7 +129,7 @@ class ChildFailed(RuntimeError):
 
 
 def prepare(out: Path, count: int = DEFAULT_COUNT, seed: int = 0, crop_mode: str = "squash",
-            backend: str = DEFAULT_BACKEND, batch_size: int = 16, artifact: Path | None = None,
+            backend: str = DEFAULT_BACKEND, batch_size: int = BATCH, artifact: Path | None = None,
             precision: str = "fp32", reference: bool = True) -> Prepared:
     """Make (or reuse) every input of a demo run under `out`; `reference=False` skips the
     (cached) reference answers, which `run` measures fresh instead."""
@@ -339,7 +341,7 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--crop-mode", choices=("center", "squash"), default="squash", help="spec crop mode")
     p.add_argument("--backend", choices=tuple(BACKENDS), default=DEFAULT_BACKEND, help="runtime backend")
     p.add_argument("--precision", choices=("fp32", "fp16", "bf16"), default="fp32", help="artifact precision")
-    p.add_argument("--batch-size", type=int, default=16, help="static batch of the artifact")
+    p.add_argument("--batch-size", type=int, default=BATCH, help="static batch of the artifact")
     p.add_argument("--repeats", type=int, default=2, help="timed processes of each path (run)")
     p.add_argument("--artifact", type=Path, help="artifact dir (default OUT/artifact)")
     a = p.parse_args(argv)
