@@ -9,12 +9,17 @@ The excluded column is each query's reference image (-1 = none). Entry points:
   passed its first-call check (`self_check`: its answer on a slice of the call and on a
   tie-heavy matrix equals the reference's exactly); otherwise the reference, saying why on
   stderr once per reason. A failed check (or an exception in it) is one stderr line and
-  the reference for the rest of the process. `KERNELS_TOPK=torch` (or `cupy`: the kernel,
-  unchecked) decides what `backend="auto"` means; an explicit `backend=` argument wins.
-- `store_compiled(folder)` / `stored` arguments: the index build compiles the kernel once
-  (NVRTC) into FOLDER/topk.json + FOLDER/topk-sm<arch>.cubin; a query run given that
-  folder loads the binary (no NVRTC). A missing or unusable one is compiled at run time,
-  and said once on stderr.
+  the reference for the rest of the process. The caller picks the backend (`backend=`:
+  auto, cupy = the kernel unchecked, torch) and may name the switch that picked it
+  (`backend_from=`, said once on stderr when it picked the reference); this package reads
+  no setting itself.
+- `store_compiled(folder, write=)` / `stored` arguments: the index build compiles the kernel
+  once (NVRTC) into FOLDER/topk.json + FOLDER/topk-sm<arch>.cubin (`write(path, bytes)`: the
+  caller's atomic file writer; default a local tempfile + os.replace); a query run given
+  that folder loads the binary (no NVRTC). A missing or unusable one is compiled at run
+  time, and said once on stderr.
+
+kernels/ is a leaf: it imports nothing from engine/ or evaluator/.
 
 Host syncs: a kernel call reads the device at most once (the range check of an exclusion
 given as a device tensor; host exclusions are checked on the host). `to_host` brings
@@ -35,7 +40,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -309,13 +317,39 @@ def cuda_unavailable() -> str | None:
     return None
 
 
-def store_compiled(folder: Path, device_index: int = 0) -> dict:
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Write `data` to `path` whole or not at all: a temp file in the same folder, fsync, rename."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".tmp-{path.name}-")
+    try:
+        os.fchmod(fd, 0o644)  # mkstemp makes 0600: the stored module is an ordinary readable file
+        with open(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    """Hex SHA-256 of a file, read in 4 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def store_compiled(folder: Path, device_index: int = 0,
+                   write: Callable[[Path, bytes], None] | None = None) -> dict:
     """Compile the kernel with NVRTC for this GPU into `folder` (created): RECORD + the binary.
 
-    Returns the record (what was stored), or {"stored": False, "reason": ...} when CUDA or
-    CuPy is absent or the compile fails (the run then compiles at its first kernel call)."""
-    from engine.io import write_atomic
-
+    `write(path, data)`: how each file is written (the caller's atomic writer; default
+    `_write_atomic`). Returns the record (what was stored), or {"stored": False, "reason": ...}
+    when CUDA or CuPy is absent or the compile fails (the run then compiles at its first
+    kernel call)."""
+    write_atomic = write or _write_atomic
     why = cuda_unavailable()
     if why is not None:
         return {"stored": False, "reason": why}
@@ -360,9 +394,7 @@ def stored_module(folder: Path | None, arch: str) -> tuple[Path | None, str | No
     binary = Path(folder) / name
     if not binary.is_file():
         return None, f"{binary} is missing"
-    from engine.io import sha256_file
-
-    if sha256_file(binary) != record.get("sha256"):
+    if _sha256_file(binary) != record.get("sha256"):
         return None, f"{binary} does not match its recorded SHA-256"
     return binary, None
 
@@ -521,23 +553,21 @@ def _fall_back(reason: str) -> None:
     _say(f"using the torch reference: {reason}")
 
 
-def topk(scores, k: int, exclude=None, backend: str = "auto", stored: Path | None = None):
+def topk(scores, k: int, exclude=None, backend: str = "auto", stored: Path | None = None,
+         backend_from: str | None = None):
     """Top-k per row, dispatching to the CuPy kernel or the torch reference.
 
     backend: "cupy" (the kernel, unchecked), "torch", or "auto": the kernel when it can run
     and passed its first-call check, else the reference with a one-time line on stderr.
-    With "auto", env `KERNELS_TOPK=torch|cupy` forces one. `stored`: the folder of a module
-    compiled at build time (`store_compiled`); None compiles with NVRTC.
+    The caller chooses it (the engine passes its `KERNELS_TOPK` setting). `backend_from`: the
+    switch that chose it (e.g. "KERNELS_TOPK"): a reference chosen so is said once on stderr
+    ("... KERNELS_TOPK=torch"). `stored`: the folder of a module compiled at build time
+    (`store_compiled`); None compiles with NVRTC.
     """
     if backend not in ("auto", "cupy", "torch"):
         raise ValueError(f"backend must be auto, cupy or torch, got {backend!r}")
-    if backend == "auto":
-        from engine import settings
-
-        forced = settings.topk_backend()
-        if forced == "torch":
-            _fall_back("KERNELS_TOPK=torch")
-        backend = forced if forced in ("cupy", "torch") else "auto"
+    if backend == "torch" and backend_from:
+        _fall_back(f"{backend_from}=torch")
     if backend == "torch":
         return topk_reference(scores, k, exclude)
     if backend == "cupy":

@@ -169,14 +169,20 @@ def test_topk_on_cpu_falls_back_and_says_why_once(fresh_fallback_messages, capsy
     assert err.count("using the torch reference") == 1 and "not CUDA" in err
 
 
-def test_topk_env_forces_reference(fresh_fallback_messages, monkeypatch, capsys):
-    monkeypatch.setenv("KERNELS_TOPK", "torch")
+def test_the_caller_chooses_the_backend_and_names_its_switch(fresh_fallback_messages, monkeypatch, capsys):
+    from engine import settings
+
+    monkeypatch.setenv("KERNELS_TOPK", "torch")  # read by the engine's settings, never by kernels/
+    backend = settings.topk_backend()
     scores = make_scores(3, 7, torch.float16)
-    assert_same(topk(scores, 5), brute_topk(scores, 5))
-    assert "KERNELS_TOPK=torch" in capsys.readouterr().err
+    for _ in range(2):
+        assert_same(topk(scores, 5, backend=backend, backend_from="KERNELS_TOPK"), brute_topk(scores, 5))
+    assert capsys.readouterr().err == "kernels.topk: using the torch reference: KERNELS_TOPK=torch\n"
+    assert_same(topk(scores, 5, backend="torch"), brute_topk(scores, 5))  # an argument alone: silent
+    assert capsys.readouterr().err == ""
     monkeypatch.setenv("KERNELS_TOPK", "fast")
-    with pytest.raises(ValueError):
-        topk(scores, 5)
+    with pytest.raises(settings.SettingsError, match="KERNELS_TOPK"):
+        settings.topk_backend()
 
 
 def test_topk_explicit_backends(fresh_fallback_messages):
@@ -389,6 +395,19 @@ def test_the_build_stores_the_compiled_kernel_and_says_what(monkeypatch, tmp_pat
     assert sorted(p.name for p in (tmp_path / "kernels").iterdir()) == ["topk-sm90.cubin", "topk.json"]
     assert json.loads((tmp_path / "kernels" / "topk.json").read_text()) == record
     assert (tmp_path / "kernels" / "topk-sm90.cubin").read_bytes() == fake.binary
+
+
+def test_the_build_writes_through_the_callers_writer(monkeypatch, tmp_path):
+    FakeCupy().install(monkeypatch)
+    written = []
+
+    def write(path, data):
+        written.append(path.name)
+        path.write_bytes(data)
+
+    record = store_compiled(tmp_path, write=write)
+    assert written == ["topk-sm90.cubin", "topk.json"] and json.loads((tmp_path / "topk.json").read_text()) == record
+    assert topk_mod.stored_module(tmp_path, "90") == (tmp_path / "topk-sm90.cubin", None)
 
 
 def test_ptx_from_nvrtc_is_stored_as_ptx(monkeypatch, tmp_path):
