@@ -9,12 +9,19 @@ The excluded column is each query's reference image (-1 = none). Entry points:
   passed its first-call check (`self_check`: its answer on a slice of the call and on a
   tie-heavy matrix equals the reference's exactly); otherwise the reference, saying why on
   stderr once per reason. A failed check (or an exception in it) is one stderr line and
-  the reference for the rest of the process. `KERNELS_TOPK=torch` (or `cupy`: the kernel,
-  unchecked) decides what `backend="auto"` means; an explicit `backend=` argument wins.
-- `store_compiled(folder)` / `stored` arguments: the index build compiles the kernel once
-  (NVRTC) into FOLDER/topk.json + FOLDER/topk-sm<arch>.cubin; a query run given that
-  folder loads the binary (no NVRTC). A missing or unusable one is compiled at run time,
-  and said once on stderr.
+  the reference for the rest of the process. The caller picks the backend (`backend=`:
+  auto, cupy = the kernel unchecked, torch) and may name the switch that picked it
+  (`backend_from=`, said once on stderr when it picked the reference); this package reads
+  no setting itself.
+- `store_compiled(folder, write=)` / `stored` arguments: the index build compiles the kernel
+  once (NVRTC) into FOLDER/topk.json + FOLDER/topk-sm<arch>.cubin (`write(path, bytes)`: the
+  caller's atomic file writer; default a local tempfile + os.replace); a query run given
+  that folder loads the binary (no NVRTC). A missing or unusable one is compiled at run
+  time, and said once on stderr.
+- `python -m kernels.topk`: checks the reference against torch.topk (and the kernel against
+  both when CUDA + CuPy are present) on a few shapes, then times each implementation.
+
+kernels/ is a leaf: it imports nothing from engine/ or evaluator/.
 
 Host syncs: a kernel call reads the device at most once (the range check of an exclusion
 given as a device tensor; host exclusions are checked on the host). `to_host` brings
@@ -35,7 +42,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -309,13 +319,39 @@ def cuda_unavailable() -> str | None:
     return None
 
 
-def store_compiled(folder: Path, device_index: int = 0) -> dict:
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Write `data` to `path` whole or not at all: a temp file in the same folder, fsync, rename."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".tmp-{path.name}-")
+    try:
+        os.fchmod(fd, 0o644)  # mkstemp makes 0600: the stored module is an ordinary readable file
+        with open(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    """Hex SHA-256 of a file, read in 4 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def store_compiled(folder: Path, device_index: int = 0,
+                   write: Callable[[Path, bytes], None] | None = None) -> dict:
     """Compile the kernel with NVRTC for this GPU into `folder` (created): RECORD + the binary.
 
-    Returns the record (what was stored), or {"stored": False, "reason": ...} when CUDA or
-    CuPy is absent or the compile fails (the run then compiles at its first kernel call)."""
-    from engine.io import write_atomic
-
+    `write(path, data)`: how each file is written (the caller's atomic writer; default
+    `_write_atomic`). Returns the record (what was stored), or {"stored": False, "reason": ...}
+    when CUDA or CuPy is absent or the compile fails (the run then compiles at its first
+    kernel call)."""
+    write_atomic = write or _write_atomic
     why = cuda_unavailable()
     if why is not None:
         return {"stored": False, "reason": why}
@@ -360,9 +396,7 @@ def stored_module(folder: Path | None, arch: str) -> tuple[Path | None, str | No
     binary = Path(folder) / name
     if not binary.is_file():
         return None, f"{binary} is missing"
-    from engine.io import sha256_file
-
-    if sha256_file(binary) != record.get("sha256"):
+    if _sha256_file(binary) != record.get("sha256"):
         return None, f"{binary} does not match its recorded SHA-256"
     return binary, None
 
@@ -521,23 +555,21 @@ def _fall_back(reason: str) -> None:
     _say(f"using the torch reference: {reason}")
 
 
-def topk(scores, k: int, exclude=None, backend: str = "auto", stored: Path | None = None):
+def topk(scores, k: int, exclude=None, backend: str = "auto", stored: Path | None = None,
+         backend_from: str | None = None):
     """Top-k per row, dispatching to the CuPy kernel or the torch reference.
 
     backend: "cupy" (the kernel, unchecked), "torch", or "auto": the kernel when it can run
     and passed its first-call check, else the reference with a one-time line on stderr.
-    With "auto", env `KERNELS_TOPK=torch|cupy` forces one. `stored`: the folder of a module
-    compiled at build time (`store_compiled`); None compiles with NVRTC.
+    The caller chooses it (the engine passes its `KERNELS_TOPK` setting). `backend_from`: the
+    switch that chose it (e.g. "KERNELS_TOPK"): a reference chosen so is said once on stderr
+    ("... KERNELS_TOPK=torch"). `stored`: the folder of a module compiled at build time
+    (`store_compiled`); None compiles with NVRTC.
     """
     if backend not in ("auto", "cupy", "torch"):
         raise ValueError(f"backend must be auto, cupy or torch, got {backend!r}")
-    if backend == "auto":
-        from engine import settings
-
-        forced = settings.topk_backend()
-        if forced == "torch":
-            _fall_back("KERNELS_TOPK=torch")
-        backend = forced if forced in ("cupy", "torch") else "auto"
+    if backend == "torch" and backend_from:
+        _fall_back(f"{backend_from}=torch")
     if backend == "torch":
         return topk_reference(scores, k, exclude)
     if backend == "cupy":
@@ -564,58 +596,236 @@ def to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
-def _bench(fn, reps: int) -> float:
-    """Median seconds of `fn()` over `reps` calls, synchronised around each on CUDA."""
+# ---------------------------------------------------------------- python -m kernels.topk
+# A self-checking main, as llm.c's dev/cuda files: the reference against torch.topk on a few
+# shapes (and the kernel against both where CUDA + CuPy are present), then a timing table.
+
+# (rows, cols, k, dtype, ties, exclusions): k = 1, k = n (without and with an exclusion, which
+# pads each row with one (-inf, -1)), both kernel dtypes, ties on a 0.5 grid, k = MAX_K
+CHECK_SHAPES = (
+    (3, 7, 1, torch.float32, True, True),
+    (3, 7, 7, torch.float32, True, False),
+    (4, 50, 50, torch.float16, False, True),
+    (17, 1000, 5, torch.float16, True, True),
+    (17, 1000, 50, torch.float32, False, True),
+    (64, 4099, MAX_K, torch.float16, True, True),
+)
+DEFAULT_SIZE = {"cuda": (2200, 125_000), "cpu": (128, 20_000)}  # timing [rows, cols] per device
+DTYPES = {"float16": torch.float16, "float32": torch.float32}
+
+
+def _check_input(rows: int, cols: int, dtype: torch.dtype, ties: bool, exclusions: bool, seed: int):
+    """Finite scores [rows, cols] (torch.topk ranks NaN first, the reference last: no NaN here)
+    and exclusions [rows] in [-1, cols) or None. `ties`: scores on a 0.5 grid (many equal)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g)
+    if ties:
+        x = torch.round(x * 2) / 2
+    ex = torch.randint(-1, cols, (rows,), generator=g) if exclusions else None
+    return x.to(dtype), ex
+
+
+def _masked(x: torch.Tensor, ex: torch.Tensor | None) -> torch.Tensor:
+    """float32 copy of `x` with each row's excluded column at -inf: what torch.topk is given."""
+    m = x.float().clone()
+    if ex is not None:
+        rows = torch.nonzero(ex >= 0).flatten()
+        m[rows, ex[rows]] = float("-inf")
+    return m
+
+
+def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| over equal-shaped float tensors; equal entries (-inf too) differ by 0."""
+    if a.numel() == 0:
+        return 0.0
+    d = torch.where(a == b, 0.0, (a - b).abs())
+    return float(torch.nan_to_num(d, nan=float("inf")).max())
+
+
+def compare(masked: torch.Tensor, ex: torch.Tensor | None, got, want, exact: bool) -> dict:
+    """How `got` (values, indices) answers against `want`, on the host: max |value difference|,
+    the share of equal indices, and `ok`. exact: indices and values equal. Otherwise (want =
+    torch.topk, whose tie order is undefined) ok means: equal values, each index naming a
+    column of that value in `masked` (-1: -inf), distinct, never excluded, ties in index order."""
+    gv, gi = (t.cpu() for t in got)
+    wv, wi = (t.cpu() for t in want)
+    if gv.shape != wv.shape or gi.shape != wi.shape:
+        return {"max_abs_diff": float("inf"), "index_agreement": 0.0, "ok": False}
+    agree = float((gi == wi).float().mean()) if gi.numel() else 1.0
+    out = {"max_abs_diff": _max_abs_diff(gv, wv), "index_agreement": round(agree, 4)}
+    if exact:
+        out["ok"] = bool(torch.equal(gi, wi) and torch.equal(gv, wv))
+        return out
+    n_cols = masked.shape[1]
+    in_range = bool(((gi >= -1) & (gi < n_cols)).all())
+    at = masked.gather(1, gi.clamp(0, n_cols - 1)) if gi.numel() else gv
+    named = in_range and torch.equal(torch.where(gi >= 0, at, float("-inf")), wv)
+    s = gi.sort(1).values
+    distinct = not bool(((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)).any())
+    never_excluded = ex is None or not bool(((gi == ex.cpu()[:, None]) & (gi >= 0)).any())
+    tied = (gv[:, 1:] == gv[:, :-1]) & (gi[:, 1:] >= 0)
+    in_order = not bool((tied & (gi[:, 1:] <= gi[:, :-1])).any())
+    out["ok"] = bool(out["max_abs_diff"] == 0 and named and distinct and never_excluded and in_order)
+    return out
+
+
+def check_shape(rows: int, cols: int, k: int, dtype: torch.dtype, ties: bool, exclusions: bool, device: str,
+                kernel: bool, seed: int = 0) -> dict:
+    """One check line's numbers: the reference against torch.topk on `device`, and with `kernel`
+    (CUDA + CuPy) the kernel against the reference (exactly) and against torch.topk."""
+    x, ex = _check_input(rows, cols, dtype, ties, exclusions, seed)
+    x = x.to(device)
+    ex = None if ex is None else ex.to(device)
+    masked = _masked(x, ex)
+    want = torch.topk(masked.to(dtype), k, dim=1)                     # the oracle, in the input's dtype
+    want = (want.values.float(), want.indices)
+    ref = topk_reference(x, k, ex)
+    case = {"shape": [rows, cols], "k": k, "dtype": str(dtype).removeprefix("torch."), "ties": ties,
+            "exclusions": exclusions, "device": device,
+            "reference~torch.topk": compare(masked.cpu(), ex, ref, want, exact=False)}
+    why = _refusal(x, k) if kernel else None
+    if why is not None:
+        case["cupy_skipped"] = why
+    elif kernel:
+        try:
+            got = topk_cupy(x, k, ex)
+        except Exception as e:  # a kernel that cannot compile, load or launch fails its check
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            case["cupy"] = {"ok": False, "error": f"{type(e).__name__}: {first}"}
+        else:
+            case["cupy==reference"] = compare(masked.cpu(), ex, got, ref, exact=True)
+            case["cupy~torch.topk"] = compare(masked.cpu(), ex, got, want, exact=False)
+    case["ok"] = all(v["ok"] for v in case.values() if isinstance(v, dict))
+    return case
+
+
+def check_line(case: dict) -> str:
+    """One line per checked shape: shape, k, dtype, the input's kind, each comparison, PASS or FAIL."""
+    rows, cols = case["shape"]
+    kind = "+".join(w for w, on in (("ties", case["ties"]), ("exclusions", case["exclusions"])) if on) or "plain"
+    cmp = [f"{name} raised {c['error']}" if "error" in c else
+           f"{name} max|dv|={c['max_abs_diff']:g} idx={100 * c['index_agreement']:.1f}%"
+           for name, c in case.items() if isinstance(c, dict)]
+    if "cupy_skipped" in case:
+        cmp.append(f"cupy not checked ({case['cupy_skipped']})")
+    return (f"check {case['device']} {f'{rows}x{cols}':>9} {'k=' + str(case['k']):>5} {case['dtype']:<7} {kind:<16}"
+            + "  ".join(cmp) + ("  PASS" if case["ok"] else "  FAIL"))
+
+
+def run_checks(device: str, kernel: bool, shapes=CHECK_SHAPES, out=sys.stdout) -> list[dict]:
+    """Check every shape, printing its line to `out`; returns the cases (each with "ok")."""
+    cases = []
+    for seed, shape in enumerate(shapes):
+        case = check_shape(*shape, device=device, kernel=kernel, seed=seed)
+        print(check_line(case), file=out, flush=True)
+        cases.append(case)
+    return cases
+
+
+def _bench(fn, reps: int, device: str) -> float:
+    """Median seconds of `fn()` over `reps` calls after one warm-up call (a first kernel call
+    compiles it), synchronised around each on CUDA."""
     import statistics
     import time
 
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    fn()
     times = []
     for _ in range(reps):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        sync()
         t = time.perf_counter()
         fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - t)
     return statistics.median(times)
 
 
+def time_implementations(rows: int, cols: int, k: int, dtype: torch.dtype, reps: int, device: str,
+                         kernel_why: str | None) -> list[dict]:
+    """Median time of each implementation on random [rows, cols] scores with random exclusions:
+    torch.topk (no exclusions: the library's own op, for scale), the reference, the kernel."""
+    x, ex = _check_input(rows, cols, dtype, False, True, seed=100)
+    x, ex = x.to(device), ex.to(device)
+    impls = [("torch.topk", lambda: torch.topk(x, min(k, cols), dim=1)), ("reference", lambda: topk_reference(x, k, ex))]
+    why = kernel_why or _refusal(x, k)
+    impls.append(("cupy", None if why else lambda: topk_cupy(x, k, ex)))
+    out = []
+    for name, fn in impls:
+        row = {"implementation": name, "device": device}
+        if fn is None:
+            row["skipped"] = why
+        else:
+            try:
+                row["median_s"] = round(_bench(fn, reps, device), 6)
+            except Exception as e:  # a kernel that fails here failed its check too: say why, time the rest
+                row["skipped"] = f"raised {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+        out.append(row)
+    return out
+
+
+def timing_table(rows: int, cols: int, k: int, dtype: torch.dtype, reps: int, timings: list[dict]) -> str:
+    head = f"time {rows}x{cols} {str(dtype).removeprefix('torch.')} k={k}, with exclusions, median of {reps}:"
+    lines = [head, f"  {'implementation':<14} {'device':<6} {'median ms':>10}"]
+    for t in timings:
+        ms = f"{1e3 * t['median_s']:10.3f}" if "median_s" in t else f"{'-':>10}  ({t['skipped']})"
+        lines.append(f"  {t['implementation']:<14} {t['device']:<6} {ms}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Validate the kernel against the torch twin over a product of shapes and dtypes, then
-    benchmark both at the retrieval task's size (llm.c dev/cuda style). Prints JSON."""
+    """Check the top-k implementations against each other, then time them (llm.c dev/cuda style).
+
+    Check: on a few fixed shapes (k = 1, k = n, ties, exclusions, float16 and float32) the torch
+    reference against torch.topk on the device (`~`: equal values, every index a column of that
+    value, distinct, never excluded, ties in index order; torch.topk's own tie order is
+    undefined) and, where CUDA and CuPy are present, the CuPy kernel against the reference
+    (`==`: identical indices and values) and against torch.topk. One line per shape ends in
+    PASS or FAIL. Then each available implementation is timed. Exit status: 0 when every check
+    passes, 1 when one fails, 2 for bad options."""
     import argparse
-    import itertools
     import json
 
-    p = argparse.ArgumentParser(prog="python -m kernels.topk", description=main.__doc__.split("\n")[0])
-    p.add_argument("--queries", type=int, default=2200)
-    p.add_argument("--gallery", type=int, default=125_000)
-    p.add_argument("--k", type=int, default=50)
-    p.add_argument("--reps", type=int, default=5)
+    p = argparse.ArgumentParser(prog="python -m kernels.topk", description=main.__doc__.split("\n")[0],
+                                epilog="\n\n".join(main.__doc__.split("\n\n")[1:]).replace("    ", ""),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where to check and time: auto = cuda when torch sees a GPU, else cpu (default: auto)")
+    p.add_argument("--rows", type=int, default=None,
+                   help="timing: score rows (queries) (default: %d on cuda, %d on cpu)"
+                        % (DEFAULT_SIZE["cuda"][0], DEFAULT_SIZE["cpu"][0]))
+    p.add_argument("--cols", type=int, default=None,
+                   help="timing: score columns (gallery size) (default: %d on cuda, %d on cpu)"
+                        % (DEFAULT_SIZE["cuda"][1], DEFAULT_SIZE["cpu"][1]))
+    p.add_argument("--k", type=int, default=50, help="timing: results per row (default: 50)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="float16", help="timing: score dtype (default: float16)")
+    p.add_argument("--reps", type=int, default=5, help="timing: calls per implementation, median taken (default: 5)")
+    p.add_argument("--json", action="store_true",
+                   help="also print every result as one JSON line at the end (default: off)")
     a = p.parse_args(argv)
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    reason = _cupy_unavailable(torch.zeros(1, 1, device=dev), a.k)
-    out: dict = {"device": dev, "kernel": "unavailable: " + reason if reason else "cupy", "validation": []}
-    g = torch.Generator(device="cpu").manual_seed(0)
-    for (q, n), k, dtype in itertools.product([(3, 7), (17, 1000), (64, 4099)], [1, 5, 50],
-                                              [torch.float16, torch.float32]):
-        s = torch.randn(q, n, generator=g).to(dev, dtype)
-        ex = torch.randint(-1, n, (q,), generator=g).to(dev)
-        ref_v, ref_i = topk_reference(s, k, ex)
-        case = {"shape": [q, n], "k": k, "dtype": str(dtype).split(".")[-1]}
-        if reason is None:
-            v, i = topk_cupy(s, k, ex)
-            case["exact"] = bool(torch.equal(i.cpu(), ref_i.cpu()) and torch.equal(v.cpu(), ref_v.cpu()))
-        out["validation"].append(case)
-    s = torch.randn(a.queries, a.gallery, generator=g).to(dev, torch.float16)
-    ex = torch.randint(-1, a.gallery, (a.queries,), generator=g).to(dev)
-    out["bench"] = {"shape": [a.queries, a.gallery], "k": a.k, "dtype": "float16",
-                    "torch_topk_s": round(_bench(lambda: topk_reference(s, a.k, ex), a.reps), 5)}
-    if reason is None:
-        out["bench"]["cupy_s"] = round(_bench(lambda: topk_cupy(s, a.k, ex), a.reps), 5)
-    print(json.dumps(out))
-    return 0 if all(c.get("exact", True) for c in out["validation"]) else 1
+    for name in ("rows", "cols", "k", "reps"):
+        if getattr(a, name) is not None and getattr(a, name) < 1:
+            p.error(f"--{name} must be >= 1, got {getattr(a, name)}")
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
+    if device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: torch sees no CUDA device")
+    rows, cols = a.rows or DEFAULT_SIZE[device][0], a.cols or DEFAULT_SIZE[device][1]
+    kernel_why = cuda_unavailable() if device == "cuda" else "the kernel runs on CUDA only"
+    name = torch.cuda.get_device_name() if device == "cuda" else f"{torch.get_num_threads()} torch threads"
+    print(f"device: {device} ({name}); kernel: {'cupy' if kernel_why is None else 'not checked: ' + kernel_why}")
+    cases = run_checks(device, kernel_why is None)
+    ok = all(c["ok"] for c in cases)
+    timings = time_implementations(rows, cols, a.k, DTYPES[a.dtype], a.reps, device, kernel_why)
+    print(timing_table(rows, cols, a.k, DTYPES[a.dtype], a.reps, timings))
+    failed = sum(not c["ok"] for c in cases)
+    print(f"{len(cases) - failed} of {len(cases)} checks passed" + ("" if ok else f"; {failed} FAILED"))
+    if a.json:
+        print(json.dumps({"device": device, "device_name": name, "kernel": kernel_why or "cupy", "ok": ok,
+                          "checks": cases, "timing": {"shape": [rows, cols], "k": a.k, "dtype": a.dtype,
+                                                      "reps": a.reps, "implementations": timings}}))
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -343,8 +343,8 @@ def _probes(c: Check, r) -> None:
                                         90), need_s=10)
 
     def topk() -> dict:
-        small = ["--queries", "64", "--gallery", "5000", "--reps", "2"] if r.a.tiny else []
-        res = c.run("topk", [sys.executable, "-m", "kernels.topk", *small], 120)
+        small = ["--rows", "64", "--cols", "5000", "--reps", "2"] if r.a.tiny else []
+        res = c.run("topk", [sys.executable, "-m", "kernels.topk", "--json", *small], 120)
         if res.returncode not in (0, 1):
             raise RuntimeError(f"kernels.topk failed ({res.returncode}): {res.stderr.strip()[-300:]}")
         out = json.loads(res.stdout.strip().splitlines()[-1])

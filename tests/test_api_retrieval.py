@@ -77,6 +77,23 @@ def test_one_pipeline_serves_call_after_call(index):
     assert len(first) == 50
 
 
+def test_the_query_pipeline_hands_its_topk_setting_to_the_kernel(index, monkeypatch):
+    """KERNELS_TOPK is read by engine.settings and passed to kernels.topk (which reads no setting),
+    with the switch's name and the index's compiled-kernel folder."""
+    from kernels import topk as topk_mod
+
+    r = requests_of(corpus() / "requests.jsonl")[0]
+    want = index.search(r["reference_image_id"], r["modification"])
+    calls, real = [], topk_mod.topk
+    monkeypatch.setattr(topk_mod, "topk", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+    for value in ("torch", "auto"):
+        monkeypatch.setenv("KERNELS_TOPK", value)
+        assert index.search(r["reference_image_id"], r["modification"]) == want
+        assert calls and {(c["backend"], c["backend_from"], c["stored"].name) for c in calls} == \
+            {(value, "KERNELS_TOPK", "kernels")}
+        calls.clear()
+
+
 def test_requests_as_the_jsonl_holds_them_and_bad_ones(index, capsys):
     r = requests_of(corpus() / "requests.jsonl")[3]
     want = index.search(r["reference_image_id"], r["modification"], r.get("shared_concept"))

@@ -83,6 +83,37 @@ def test_no_import_cycles():
                    for m, deps in graph.items()), "engine/ must never import evaluator/"
 
 
+def _imported_names(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, module) of every absolute import anywhere in the tree (function-local ones too),
+    and of importlib.import_module / __import__ calls given a literal name."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            out.append((node.lineno, node.module or ""))
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+                and isinstance(node.args[0].value, str) and ast.unparse(node.func) in ("import_module",
+                                                                                     "importlib.import_module",
+                                                                                     "__import__"):
+            out.append((node.lineno, node.args[0].value))
+    return out
+
+
+def test_kernels_is_a_leaf():
+    """kernels/ imports neither engine/ nor evaluator/: its callers pass in what it needs (the
+    backend a setting chose, a file writer)."""
+    files = [p for p in _source_files() if p.suffix == ".py" and p.relative_to(REPO).parts[0] == "kernels"]
+    assert files
+    for path in files:
+        for line, module in _imported_names(ast.parse(path.read_text())):
+            top = module.split(".")[0]
+            assert top not in ("engine", "evaluator"), f"{path.relative_to(REPO)}:{line} imports {module}"
+    planted = ast.parse("def f():\n    from engine import settings\nimport evaluator.cir\n"
+                        "importlib.import_module('engine.io')\n")
+    assert [m for _, m in _imported_names(planted)] == ["evaluator.cir", "engine", "engine.io"]
+
+
 def test_evaluator_top_level_is_thin_commands_and_subpackages():
     top = sorted(p.name for p in (REPO / "evaluator").glob("*.py"))
     subpackages = sorted(p.parent.name for p in (REPO / "evaluator").glob("*/__init__.py"))

@@ -169,14 +169,20 @@ def test_topk_on_cpu_falls_back_and_says_why_once(fresh_fallback_messages, capsy
     assert err.count("using the torch reference") == 1 and "not CUDA" in err
 
 
-def test_topk_env_forces_reference(fresh_fallback_messages, monkeypatch, capsys):
-    monkeypatch.setenv("KERNELS_TOPK", "torch")
+def test_the_caller_chooses_the_backend_and_names_its_switch(fresh_fallback_messages, monkeypatch, capsys):
+    from engine import settings
+
+    monkeypatch.setenv("KERNELS_TOPK", "torch")  # read by the engine's settings, never by kernels/
+    backend = settings.topk_backend()
     scores = make_scores(3, 7, torch.float16)
-    assert_same(topk(scores, 5), brute_topk(scores, 5))
-    assert "KERNELS_TOPK=torch" in capsys.readouterr().err
+    for _ in range(2):
+        assert_same(topk(scores, 5, backend=backend, backend_from="KERNELS_TOPK"), brute_topk(scores, 5))
+    assert capsys.readouterr().err == "kernels.topk: using the torch reference: KERNELS_TOPK=torch\n"
+    assert_same(topk(scores, 5, backend="torch"), brute_topk(scores, 5))  # an argument alone: silent
+    assert capsys.readouterr().err == ""
     monkeypatch.setenv("KERNELS_TOPK", "fast")
-    with pytest.raises(ValueError):
-        topk(scores, 5)
+    with pytest.raises(settings.SettingsError, match="KERNELS_TOPK"):
+        settings.topk_backend()
 
 
 def test_topk_explicit_backends(fresh_fallback_messages):
@@ -391,6 +397,19 @@ def test_the_build_stores_the_compiled_kernel_and_says_what(monkeypatch, tmp_pat
     assert (tmp_path / "kernels" / "topk-sm90.cubin").read_bytes() == fake.binary
 
 
+def test_the_build_writes_through_the_callers_writer(monkeypatch, tmp_path):
+    FakeCupy().install(monkeypatch)
+    written = []
+
+    def write(path, data):
+        written.append(path.name)
+        path.write_bytes(data)
+
+    record = store_compiled(tmp_path, write=write)
+    assert written == ["topk-sm90.cubin", "topk.json"] and json.loads((tmp_path / "topk.json").read_text()) == record
+    assert topk_mod.stored_module(tmp_path, "90") == (tmp_path / "topk-sm90.cubin", None)
+
+
 def test_ptx_from_nvrtc_is_stored_as_ptx(monkeypatch, tmp_path):
     FakeCupy(binary=".version 8.0\n.target sm_90\n").install(monkeypatch)
     record = store_compiled(tmp_path)
@@ -473,6 +492,106 @@ def test_no_stored_folder_compiles_silently(monkeypatch, capsys):
     fake = FakeCupy().install(monkeypatch)
     topk_mod._functions(None, 0)
     assert fake.modules == ["nvrtc"] and capsys.readouterr().err == ""
+
+
+# ---------------------------------------------------------------- python -m kernels.topk
+
+
+def test_python_m_kernels_topk_checks_then_times(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "kernels.topk", "--rows", "8", "--cols", "300", "--reps", "2",
+                        "--device", "cpu", "--json"], capture_output=True, text=True, timeout=120,
+                       cwd=Path(__file__).resolve().parent.parent)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    checks = [line for line in lines if line.startswith("check ")]
+    assert len(checks) == len(topk_mod.CHECK_SHAPES) and all(line.endswith("PASS") for line in checks)
+    assert "k=1 " in checks[0] and "max|dv|=0 " in checks[0] and "idx=100.0%" in checks[0]
+    assert any(" 3x7 " in line and "k=7 " in line for line in checks)  # k = n
+    assert {"float16", "float32"} <= {w for line in checks for w in line.split()}
+    table = lines.index("time 8x300 float16 k=50, with exclusions, median of 2:")
+    timed = {line.split()[0]: line for line in lines[table + 2: table + 5]}  # implementation, device, ms
+    assert [timed[n].split()[1] for n in ("torch.topk", "reference")] == ["cpu", "cpu"]
+    assert float(timed["reference"].split()[2]) > 0 and "(the kernel runs on CUDA only)" in timed["cupy"]
+    doc = json.loads(lines[-1])
+    assert doc["ok"] and doc["device"] == "cpu" and [c["ok"] for c in doc["checks"]] == [True] * len(checks)
+    assert [t["implementation"] for t in doc["timing"]["implementations"]] == ["torch.topk", "reference", "cupy"]
+
+
+def test_python_m_kernels_topk_help_names_every_default():
+    r = subprocess.run([sys.executable, "-m", "kernels.topk", "--help"], capture_output=True, text=True, timeout=60,
+                       cwd=Path(__file__).resolve().parent.parent)
+    assert r.returncode == 0
+    options = r.stdout.split("options:", 1)[1].split("\n\n", 1)[0]
+    blocks = {}  # option -> its help text (an entry starts with "  -")
+    for line in options.splitlines():
+        if line.startswith("  -"):
+            name = line.split()[0].rstrip(",")
+            blocks[name] = line
+        elif blocks:
+            blocks[name] += " " + line.strip()
+    assert set(blocks) == {"-h", "--device", "--rows", "--cols", "--k", "--dtype", "--reps", "--json"}
+    assert all("(default:" in text for name, text in blocks.items() if name != "-h"), blocks
+    assert "PASS or FAIL" in r.stdout
+
+
+def _wrong_indices(scores, k, exclude=None, rows_per_chunk=None):
+    """The reference's values with every index shifted by one column: a broken twin."""
+    v, i = topk_reference(scores, k, exclude)
+    return v, torch.where(i >= 0, (i + 1) % scores.shape[1], i)
+
+
+def _swapped_tie_order(scores, k, exclude=None, rows_per_chunk=None):
+    """The reference with its first two results swapped: right values, wrong tie order."""
+    v, i = topk_reference(scores, k, exclude)
+    order = [1, 0, *range(2, k)] if k > 1 else [0]
+    return v[:, order], i[:, order]
+
+
+@pytest.mark.parametrize("broken", [_wrong_indices, _swapped_tie_order])
+def test_a_broken_reference_fails_its_check(monkeypatch, broken, capsys):
+    monkeypatch.setattr(topk_mod, "topk_reference", broken)
+    shapes = [(3, 7, 7, torch.float32, True, False), (17, 1000, 5, torch.float16, True, True)]
+    cases = topk_mod.run_checks("cpu", kernel=False, shapes=shapes)
+    lines = capsys.readouterr().out.splitlines()
+    assert [c["ok"] for c in cases] == [False, False] and all(line.endswith("FAIL") for line in lines)
+    assert topk_mod.main(["--device", "cpu", "--rows", "4", "--cols", "100", "--reps", "1"]) == 1
+    assert "FAILED" in capsys.readouterr().out
+
+
+def test_the_kernel_is_checked_against_the_reference_exactly(monkeypatch):
+    """The kernel branch of the check on CPU: a stand-in kernel equal to the reference passes; one
+    with a wrong tie order fails against the reference (and against torch.topk's tie rule)."""
+    shape = (17, 1000, 5, torch.float16, True, True)
+    assert "not CUDA" in topk_mod.check_shape(*shape, device="cpu", kernel=True)["cupy_skipped"]
+    monkeypatch.setattr(topk_mod, "_refusal", lambda t, k: None)  # the stand-ins take CPU tensors
+    monkeypatch.setattr(topk_mod, "topk_cupy", lambda s, k, ex: topk_reference(s, k, ex))
+    case = topk_mod.check_shape(*shape, device="cpu", kernel=True)
+    assert case["ok"] and case["cupy==reference"] == {"max_abs_diff": 0.0, "index_agreement": 1.0, "ok": True}
+    assert "cupy==reference max|dv|=0 idx=100.0%" in topk_mod.check_line(case)
+    monkeypatch.setattr(topk_mod, "topk_cupy", lambda s, k, ex: _swapped_tie_order(s, k, ex))
+    case = topk_mod.check_shape(*shape, device="cpu", kernel=True)
+    assert not case["ok"] and case["reference~torch.topk"]["ok"]
+    assert not case["cupy==reference"]["ok"] and not case["cupy~torch.topk"]["ok"]
+    assert topk_mod.check_line(case).endswith("FAIL")
+
+    def raises(s, k, ex):
+        raise RuntimeError("nvrtc: error: invalid value for --gpu-architecture\nsecond line")
+
+    monkeypatch.setattr(topk_mod, "topk_cupy", raises)
+    case = topk_mod.check_shape(*shape, device="cpu", kernel=True)
+    line = topk_mod.check_line(case)
+    assert not case["ok"] and "cupy raised RuntimeError: nvrtc: error" in line and "second line" not in line
+    assert line.endswith("FAIL")
+
+
+@pytest.mark.gpu
+def test_python_m_kernels_topk_checks_the_kernel_on_gpu(capsys):
+    need_gpu()
+    assert topk_mod.main(["--device", "cuda", "--rows", "64", "--cols", "5000", "--reps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("cupy==reference max|dv|=0 idx=100.0%") == len(topk_mod.CHECK_SHAPES)
+    assert out.count("PASS") == len(topk_mod.CHECK_SHAPES) and "FAIL" not in out
+    assert [line.split()[:2] for line in out.splitlines() if line.startswith("  cupy")] == [["cupy", "cuda"]]
 
 
 # ---------------------------------------------------------------- CUDA source on CPU

@@ -317,10 +317,11 @@ def drop_other_towers(index_dir: Path, record) -> None:
 def store_kernels(index_dir: Path) -> dict:
     """Compile the query run's kernels now (CUDA + CuPy present), so the run loads them without
     NVRTC: {"topk": what kernels.topk.store_compiled stored, or why nothing was}."""
+    from engine.io import write_atomic
     from engine.retrieval.index import KERNEL_DIR
     from kernels.topk import store_compiled
 
-    topk = store_compiled(index_dir / KERNEL_DIR)
+    topk = store_compiled(index_dir / KERNEL_DIR, write=write_atomic)
     _log(f"top-k kernel: stored {topk['file']} (sm_{topk['arch']})" if topk["stored"]
          else f"top-k kernel: not stored ({topk['reason']}); a CUDA query run compiles it")
     return {"topk": topk}

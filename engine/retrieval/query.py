@@ -333,11 +333,17 @@ class QueryPipeline:
 
     def answer(self, batch) -> list[list[tuple[int, float]]]:
         """[(gallery row, score), ...] per request: at most k, best first, the reference excluded."""
+        from engine import settings as engine_settings
         from engine.retrieval.index import KERNEL_DIR
         from engine.retrieval.rescore import alpha_qe
-        from kernels.topk import to_host, topk
+        from kernels.topk import to_host
+        from kernels.topk import topk as kernel_topk
 
         stored = self.index.dir / KERNEL_DIR                               # compiled at build time, if any
+        backend = engine_settings.topk_backend()                           # KERNELS_TOPK: auto, cupy or torch
+
+        def topk(scores, k, exclude):
+            return kernel_topk(scores, k, exclude, backend=backend, stored=stored, backend_from="KERNELS_TOPK")
 
         m = self.method
         ref_t = self._refs(batch) if not self.cached else torch.tensor(
@@ -349,7 +355,7 @@ class QueryPipeline:
             q = self._compose(batch, self._texts(batch, ref_t), ref_t)
         cos, scores, state = self._score(q, ref_t)
         if m.aqe:
-            _, nb = topk(scores, min(m.aqe, self.k), ref_t, stored=stored)  # [B, n] (-1 padded)
+            _, nb = topk(scores, min(m.aqe, self.k), ref_t)                # [B, n] (-1 padded)
             ok = (nb >= 0).unsqueeze(-1)
             sims = cos.gather(1, nb.clamp(min=0)).clamp(min=0) * ok.squeeze(-1)
             # scale-free weights: each neighbour's cosine relative to the best one's. alpha-QE's raw
@@ -360,7 +366,7 @@ class QueryPipeline:
             q = alpha_qe(q, self.gallery[nb.clamp(min=0)] * ok, sims, m.aqe_alpha)
             cos, scores, state = self._score(q, ref_t)
         depth = min(max(self.k, m.reinspect if self.reinspector else 0), len(self.index.ids))
-        vals, idx = topk(scores, depth, ref_t, stored=stored)              # [B, depth] each
+        vals, idx = topk(scores, depth, ref_t)                             # [B, depth] each
         if self.reinspector is not None:
             vals, idx = self._reinspect(batch, q, vals, idx, state)
         out = []
