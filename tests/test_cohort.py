@@ -267,6 +267,7 @@ def _cohort_cli(*args: str, env: dict | None = None):
                           text=True, timeout=120, env={**os.environ, **(env or {})})
 
 
+@pytest.mark.abi
 def test_cli_bad_input_is_one_line_and_exit_2(tmp_path):
     (tmp_path / "file").write_text("x")
     for args, words in [(["--out", str(tmp_path / "o"), "--count", "0"], "--count must be >= 1"),
@@ -280,6 +281,7 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.abi
 def test_cli_reports_progress_on_stderr_only(tmp_path):
     r = _cohort_cli("--out", str(tmp_path / "o"), "--count", "4", "--broken", "1", env={"ENGINE_PROGRESS": "lines"})
     assert r.returncode == 0, r.stderr

@@ -21,6 +21,7 @@ def references(cohort, tiny_checkpoint):
     return {mode: reference_top1(tiny_spec(mode), tiny_checkpoint, paths) for mode in ("squash", "center")}
 
 
+@pytest.mark.abi
 @pytest.mark.parametrize("mode,fixture", [("squash", "aot_artifact"), ("center", "aot_artifact_center")])
 def test_aot_dali_cpu_agrees_with_reference(mode, fixture, cohort, references, tmp_path, request):
     artifact = request.getfixturevalue(fixture)

@@ -37,6 +37,7 @@ def _check_output(out: Path, n: int) -> np.ndarray:
     return pred
 
 
+@pytest.mark.abi
 @pytest.mark.parametrize("isolate", ["1", "0"])
 def test_hostile_cohort_three_runs_exit_0_with_one_answer_per_row(hostile, aot_artifact, tmp_path, isolate):
     """With the DALI CPU decoder in a child process (default) and in this process: the router keeps
@@ -215,6 +216,7 @@ def _tree_threads(pid: int) -> int:
     return total
 
 
+@pytest.mark.abi
 @pytest.mark.parametrize("budget", [1, 2, 3])
 def test_peak_thread_count_stays_within_the_documented_bound(small_cohort, aot_artifact, tmp_path, budget,
                                                              monkeypatch):
@@ -238,6 +240,7 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0 or not (shutil.which("setpriv"
                                 reason="needs root, setpriv and prlimit to run as an unprivileged user")
 
 
+@pytest.mark.abi
 @needs_root
 def test_hostile_cohort_as_nobody_under_nproc_16(small_cohort, aot_artifact):
     """The scored sandbox bounds PIDs: the whole run (threads and the child decoder included) fits

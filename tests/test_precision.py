@@ -228,6 +228,7 @@ def test_batch_size_auto_measures_and_records(tiny_checkpoint, tmp_path):
         main(["--model", "x", "--out", str(tmp_path / "b"), "--batch-size", "auto"])
 
 
+@pytest.mark.abi
 def test_reference_path_never_blocks_on_a_fifo(tmp_path):
     import os
     import subprocess

@@ -70,6 +70,7 @@ def _reference_cmd(cohort, ckpt, out):
             "--model-kwargs", json.dumps(TINY_KWARGS), "--checkpoint", str(ckpt)]
 
 
+@pytest.mark.abi
 def test_bench_abi_vs_naive_reference(benchmark, cohort, aot_artifact, tiny_checkpoint, tmp_path):
     """Whole processes, start to reaped: scripts/run (aot + dali-cpu) vs PIL + eager FP32 batch 1."""
     out = tmp_path / "p.i32"
