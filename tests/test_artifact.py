@@ -356,6 +356,7 @@ def test_a_run_refuses_another_torchs_artifact_in_one_line(art, small_cohort, tm
 
 # ---------------------------------------------------------------- AOTInductor loaded in place
 
+@pytest.mark.abi   # the AOTInductor artifact (a compile)
 def test_the_aot_artifact_holds_the_unpacked_graph(aot_artifact):
     from engine.backends import aot, compiled_suffixes
 

@@ -237,6 +237,7 @@ def test_safetensors_bytes_reads_back_with_safe_open(tmp_path):
         assert torch.equal(f.get_tensor("w"), torch.zeros(2, 2))
 
 
+@pytest.mark.abi   # slow: fits the tiny checkpoint twice, each in its own process
 def test_tiny_checkpoint_is_byte_identical_for_the_same_seed(tmp_path):
     """Two processes (safetensors' hash-map order differs between processes), a small recipe."""
     import subprocess

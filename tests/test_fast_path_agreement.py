@@ -11,6 +11,8 @@ from evaluator.contest.agreement import agreement
 from evaluator.contest.manifest import read_manifest
 from evaluator.contest.reference import reference_top1
 
+pytestmark = pytest.mark.abi   # the AOTInductor artifacts (compiles) and scripts/run
+
 GATE = 0.995
 
 
@@ -21,7 +23,6 @@ def references(cohort, tiny_checkpoint):
     return {mode: reference_top1(tiny_spec(mode), tiny_checkpoint, paths) for mode in ("squash", "center")}
 
 
-@pytest.mark.abi
 @pytest.mark.parametrize("mode,fixture", [("squash", "aot_artifact"), ("center", "aot_artifact_center")])
 def test_aot_dali_cpu_agrees_with_reference(mode, fixture, cohort, references, tmp_path, request):
     artifact = request.getfixturevalue(fixture)

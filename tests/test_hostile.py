@@ -61,6 +61,7 @@ def test_hostile_cohort_three_runs_exit_0_with_one_answer_per_row(hostile, aot_a
     assert all(np.array_equal(preds[0], p) for p in preds[1:])
 
 
+@pytest.mark.abi   # slow: 20 batches in two child processes
 def test_dali_crashes_on_a_header_only_jpeg_fed_directly_but_not_through_the_router(small_cohort, tmp_path):
     """The issue's reproduction: 20 batches of 32, one header-only JPEG in each. Fed straight to a
     DALI CPU pipeline, a batch fails (and the process often segfaults); through DaliDecoder
@@ -125,6 +126,7 @@ class Crashy:
 '''
 
 
+@pytest.mark.abi   # slow: isolated decoder children that crash and restart
 def test_a_crashing_isolated_decoder_costs_one_batch_not_the_run(tmp_path, monkeypatch, capfd):
     from engine.decoders.isolate import IsolatedDecoder
 

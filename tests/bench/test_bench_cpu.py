@@ -22,6 +22,8 @@ from engine.decoders import make_decoder
 from engine.runtime import load_runtime
 from evaluator.synthetic.cohort import TINY_INPUT, TINY_KWARGS, TINY_MODEL
 
+pytestmark = pytest.mark.abi   # benchmarks: the 400-image cohort, the AOT artifact, scripts/run
+
 ROUNDS = 3
 
 
@@ -70,7 +72,6 @@ def _reference_cmd(cohort, ckpt, out):
             "--model-kwargs", json.dumps(TINY_KWARGS), "--checkpoint", str(ckpt)]
 
 
-@pytest.mark.abi
 def test_bench_abi_vs_naive_reference(benchmark, cohort, aot_artifact, tiny_checkpoint, tmp_path):
     """Whole processes, start to reaped: scripts/run (aot + dali-cpu) vs PIL + eager FP32 batch 1."""
     out = tmp_path / "p.i32"
