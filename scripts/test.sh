@@ -1,6 +1,11 @@
 #!/bin/sh
 # Install the locked test stack and run the whole suite (lint, static check, tests), CPU only.
-# CI runs exactly this (.ci/run). GPU tests skip cleanly without CUDA.
+# CI runs exactly this (.ci/run). GPU tests skip cleanly without CUDA. The full run ends with
+# pytest's 25 slowest durations.
+#
+# --quick (first argument): the same install, lint and static check, then only the unit tier:
+# pytest -m "not abi and not slow and not gpu" (no entry point started as a whole process, no
+# long test). Any other arguments go to pytest in either mode.
 #
 # Python packages: requirements/lock.txt (the contest stack, the same lock the Dockerfile
 # installs) + requirements/dev.txt (the test tools), then the project itself.
@@ -9,6 +14,11 @@
 # Otherwise that test skips and says why.
 set -eu
 cd "$(dirname "$0")/.."
+quick=0
+if [ "${1:-}" = --quick ]; then
+    quick=1
+    shift
+fi
 python3 -m pip install -q -r requirements/lock.txt -r requirements/scale.txt -r requirements/dev.txt -e '.[dev]'
 if [ "${INSTALL_SYSTEM_PACKAGES:-0}" = 1 ] || [ "${CI:-}" = true ]; then
     if command -v chromium >/dev/null 2>&1; then
@@ -26,4 +36,8 @@ fi
 export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"  # busy-waiting OpenMP threads starve 2-core machines
 python3 -m ruff check .
 python3 scripts/static_check.py  # names that do not resolve (imports, module attributes), also in tests that skip here
-python3 -m pytest -q "$@"
+if [ "$quick" = 1 ]; then
+    python3 -m pytest -q -m "not abi and not slow and not gpu" "$@"
+else
+    python3 -m pytest -q --durations=25 "$@"
+fi

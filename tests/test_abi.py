@@ -20,6 +20,8 @@ from engine.classify.runtime import load_runtime
 from engine.decoders import make_decoder
 from evaluator.contest.manifest import read_manifest
 
+pytestmark = pytest.mark.abi   # scripts/run as whole processes
+
 
 def _expected(manifest: Path, root: Path, artifact: Path, decoder: str = "dali-cpu") -> np.ndarray:
     """Predictions computed in-process, one batch at a time, without the pipeline."""

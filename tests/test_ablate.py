@@ -16,6 +16,8 @@ from cir_quality_helpers import p2w_index
 
 from evaluator.cir.score import load_label_files, load_results, score
 
+pytestmark = pytest.mark.abi   # python -m evaluator.ablate as whole processes
+
 METHODS = ["slerp", "text-only", "pic2word", "slerp+gap+qbnorm", "sum+csls+aqe", "pic2word+reinspect:n=20"]
 
 

@@ -396,6 +396,7 @@ def test_cli_bad_flag_values_exit_2(tmp_path, capsys, flag, value):
     assert info.value.code == 2 and "error:" in capsys.readouterr().err
 
 
+@pytest.mark.abi
 def test_cli_as_a_process(tmp_path):
     pred = _i32(tmp_path / "p.i32", [7] * 10)
     ok = _i32(tmp_path / "ok.i32", [7] * 10)

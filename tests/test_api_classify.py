@@ -42,6 +42,7 @@ def _black_png(size: int = 64) -> bytes:
     return buf.getvalue()
 
 
+@pytest.mark.abi
 def test_the_example_answers_what_scripts_run_writes(small_cohort, eager_artifact, abi_output, capsys):
     paths = _paths(small_cohort)
     ns = {"artifact": str(eager_artifact), "paths": paths}
@@ -52,6 +53,7 @@ def test_the_example_answers_what_scripts_run_writes(small_cohort, eager_artifac
     assert all(f"{paths[i]}: unreadable" in printed for i in _broken(small_cohort))
 
 
+@pytest.mark.abi
 def test_classify_bytes_paths_and_failures(small_cohort, eager_artifact, abi_output, tmp_path, capsys):
     paths = _paths(small_cohort)
     blobs = [open(p, "rb").read() for p in paths]

@@ -32,6 +32,7 @@ def index():
     return engine.retrieval.open_index(built_index(), clip_dirs()["open_clip"], device="cpu")
 
 
+@pytest.mark.abi
 def test_search_and_search_many_give_the_rows_run_sh_writes(index, tmp_path):
     """search_many answers a requests list as scripts/run.sh answers the file (the same batches);
     search is a call of one request, as run.sh --batch-size 1 makes each. (Inside a larger batch

@@ -313,6 +313,7 @@ def test_failed_rebuild_keeps_the_old_artifact(tmp_path, ckpt, monkeypatch):
     assert load_artifact(out).batch_size == 16
 
 
+@pytest.mark.abi
 def test_cli_missing_checkpoint_exits_2_with_one_line(tmp_path):
     missing = tmp_path / "absent.safetensors"
     out = tmp_path / "out"
@@ -342,6 +343,7 @@ def test_the_artifact_records_the_stack_and_refuses_another_torch(art):
         load_artifact(art)
 
 
+@pytest.mark.abi
 def test_a_run_refuses_another_torchs_artifact_in_one_line(art, small_cohort, tmp_path):
     from conftest import run_abi
 
@@ -354,6 +356,7 @@ def test_a_run_refuses_another_torchs_artifact_in_one_line(art, small_cohort, tm
 
 # ---------------------------------------------------------------- AOTInductor loaded in place
 
+@pytest.mark.abi   # the AOTInductor artifact (a compile)
 def test_the_aot_artifact_holds_the_unpacked_graph(aot_artifact):
     from engine.backends import aot, compiled_suffixes
 
@@ -401,6 +404,7 @@ def _aoti_entries_in_tmp() -> set[str]:
     return {p.name for p in Path("/tmp").glob("aotinductor_*")}
 
 
+@pytest.mark.abi
 @pytest.mark.parametrize("how, rc", [("exit", 0), ("error", 1), ("kill", -9)])
 def test_a_loaded_aot_graph_writes_nothing_to_tmpdir_or_tmp(aot_artifact, tmp_path, how, rc):
     """Loaded, run once, then exited fast, failed or killed: TMPDIR held nothing while the graph
@@ -423,6 +427,7 @@ def _maps(pid: int) -> str:
         return ""
 
 
+@pytest.mark.abi
 def test_a_terminated_aot_run_leaves_nothing_behind(aot_artifact, small_cohort, tmp_path):
     """scripts/run, SIGTERM once the compiled .so is mapped: TMPDIR and /tmp hold nothing of it."""
     import signal

@@ -145,6 +145,7 @@ def flipping_decoder(monkeypatch):
     monkeypatch.setenv("ENGINE_DECODER", "flip-2pc")
 
 
+@pytest.mark.abi   # slow: a build's measured decoder and precision choice
 def test_a_decoder_kept_leaves_precision_the_rest_of_the_budget(tiny_checkpoint, flipping_decoder, monkeypatch):
     from engine.build import auto as build_auto
     from engine.build.assemble import GuardConfig
@@ -161,6 +162,7 @@ def test_a_decoder_kept_leaves_precision_the_rest_of_the_budget(tiny_checkpoint,
     assert guard.budget == rec["precision_budget_per_10k"] == 400.0 and rec["budget_per_10k"] == 500.0
 
 
+@pytest.mark.abi   # slow: a whole build with its decoder check
 def test_at_build_time_a_flipping_decoder_gives_way_to_pil_which_the_artifact_records(tmp_path, tiny_checkpoint,
                                                                                    flipping_decoder, capsys):
     from engine.build import AutoConfig, GuardConfig, build

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, TINY_INPUT, TINY_KWARGS, TINY_MODEL
 
+pytestmark = pytest.mark.abi   # ./build.sh as whole processes
+
 BUILD = REPO / "build.sh"
 DOWNLOADS = re.compile(r"\bcurl\b|\bwget\b|pip3?\s+install|python -m pip|git\s+clone|hf_hub_download|"
                        r"snapshot_download|huggingface-cli|hf download|torch\.hub|from_pretrained|"

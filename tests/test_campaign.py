@@ -173,6 +173,7 @@ def test_passing_campaign_is_promoted_and_verifies(passing, capsys):
             assert "signature" not in path.read_text().lower(), path
 
 
+@pytest.mark.abi
 def test_cli_entry_point_verifies(passing):
     proc = subprocess.run([sys.executable, "-m", "evaluator.campaign", "verify",
                            str(passing[1] / sha256_manifest.MANIFEST_NAME)], cwd=REPO, capture_output=True, text=True)

@@ -192,6 +192,7 @@ def test_roles_of_min_and_generated_cases_are_functional_only():
 # ---------------------------------------------------------------- interrupted and crashed attempts
 
 
+@pytest.mark.abi
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_interrupted_attempt_leaves_a_record(setup, tmp_path, sig):
     prepared, source = setup(sleeps=[0.05, 0.05, 60])

@@ -227,6 +227,7 @@ def _restricted_prefix(base, env: dict) -> tuple[list[str], int]:
     pytest.skip("cannot make file permissions bind for this test's subprocess: " + "; ".join(tried))
 
 
+@pytest.mark.abi
 def test_read_only_parent_of_the_index_dir():
     base = workspace() / "restricted"
     base.mkdir()

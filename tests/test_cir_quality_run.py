@@ -54,6 +54,7 @@ def test_each_option_keeps_the_abi_and_reports_what_it_used(method, tmp_path):
     assert rows != read_rows(full_run())                           # the option changed the answers
 
 
+@pytest.mark.abi
 def test_bank_statistics_do_not_depend_on_batching_resume_or_streaming(tmp_path):
     method = "slerp+gap+qbnorm:bank=requests"
     whole, _ = _run(tmp_path, method, name="whole")

@@ -1,6 +1,7 @@
 """A resumed retrieval output must have been written with the same method, index and CLIP."""
 from __future__ import annotations
 
+import pytest
 from cir_helpers import corpus, read_rows, run_args
 
 from evaluator.cir import run as cir_run
@@ -34,6 +35,7 @@ def test_an_output_without_its_record_is_not_resumed(tmp_path, capsys):
     assert "no record" in capsys.readouterr().err
 
 
+@pytest.mark.abi
 def test_retrieval_commands_speak_one_error_line(tmp_path):
     from cir_helpers import build_args, script
 

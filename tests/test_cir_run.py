@@ -49,6 +49,7 @@ def test_run_script_end_to_end():
     assert summary["answered"] == 40 and summary["method"]["name"] == "slerp" and summary["queries_per_s"] > 0
 
 
+@pytest.mark.abi
 def test_scorer_reads_the_run_output():
     r = subprocess.run([sys.executable, "-m", "evaluator.score_retrieval", "--results", str(full_run()),
                         "--labels", str(corpus() / "labels.jsonl")], capture_output=True, text=True, cwd=REPO)
@@ -58,6 +59,7 @@ def test_scorer_reads_the_run_output():
     assert 0.0 <= report["raw"] <= 1.0
 
 
+@pytest.mark.abi
 def test_killed_run_keeps_its_rows_and_resumes(ref_batch1, capsys):
     out = workspace() / "run-killed.jsonl"
     r = killed_run("--index-dir", str(built_index()), "--queries", str(corpus() / "requests.jsonl"),
@@ -331,6 +333,7 @@ def test_output_folder_problems_and_tmpdir_are_one_line(tmp_path, capsys, monkey
     assert not (tmp_path / "o.jsonl").exists()
 
 
+@pytest.mark.abi
 def test_a_fifo_as_the_queries_is_an_error_not_a_hang(tmp_path):
     fifo = tmp_path / "q.jsonl"
     os.mkfifo(fifo)
@@ -339,6 +342,7 @@ def test_a_fifo_as_the_queries_is_an_error_not_a_hang(tmp_path):
     assert r.returncode == 2 and "a FIFO, not a regular file" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.abi
 def test_a_broken_stderr_does_not_fail_the_call(tmp_path):
     out = tmp_path / "o.jsonl"
     with open("/dev/full", "w") as full:

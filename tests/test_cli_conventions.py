@@ -131,6 +131,7 @@ def manifest(tmp_path_factory):
     return d
 
 
+@pytest.mark.abi
 def test_reference_bad_inputs(manifest, tmp_path):
     prog = "python -m evaluator.reference"
     m, root, out = str(manifest / "manifest.tsv"), str(manifest), str(tmp_path / "r.i32")
@@ -173,11 +174,13 @@ def test_help_of_every_owned_command_exits_0_with_defaults():
             assert w in text, (module, w)
 
 
+@pytest.mark.abi
 def test_selfcheck_run_without_an_artifact_is_a_usage_error(tmp_path):
     r = _py("-m", "evaluator.contest.selfcheck", "run", "--artifact", str(tmp_path))
     assert r.returncode == 2 and "no manifest.json" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.abi
 def test_selfcheck_current_with_unreadable_inputs_is_one_line(tmp_path):
     r = _py("-m", "evaluator.contest.selfcheck", "current", "--", "--model", TINY_MODEL, "--input-size", "112",
             "--checkpoint", str(tmp_path / "absent.safetensors"), "--out", str(tmp_path / "art"))
@@ -219,6 +222,7 @@ def test_check_reads_every_run_switch_up_front(monkeypatch):
     settings.reload()
 
 
+@pytest.mark.abi
 @pytest.mark.parametrize("var", ["ENGINE_CUDA_GRAPHS", "ENGINE_GUARD", "ENGINE_FAST_EXIT", "ENGINE_PIPELINE_DEPTH"])
 def test_scripts_run_refuses_a_bad_switch_in_one_line(var, tmp_path):
     (tmp_path / "images").mkdir()
@@ -230,6 +234,7 @@ def test_scripts_run_refuses_a_bad_switch_in_one_line(var, tmp_path):
     assert not (tmp_path / "o.i32").exists()
 
 
+@pytest.mark.abi
 def test_usage_errors_are_one_line_with_a_pointer_to_help():
     for module, prog in [("engine.build", "python -m engine.build"), ("evaluator.agreement", "python -m evaluator.agreement"),
                          ("evaluator.reference", "python -m evaluator.reference"),
@@ -241,6 +246,7 @@ def test_usage_errors_are_one_line_with_a_pointer_to_help():
     assert _one_error_line(r, "scripts/run").endswith("(see scripts/run --help)")
 
 
+@pytest.mark.abi
 def test_help_names_every_setting_with_its_default():
     from engine.settings import documented
     from evaluator import settings as ev
@@ -258,6 +264,7 @@ def test_help_names_every_setting_with_its_default():
     assert "low-precision form (default" not in text    # a switch shows no "(default: True)" that reads backwards
 
 
+@pytest.mark.abi
 def test_the_reference_takes_the_kits_thread_settings_before_torch_loads(tmp_path):
     """Busy-waiting OpenMP threads made the reference ~15x slower on a shared 2-core machine: it sets
     the kit's budget and OMP_WAIT_POLICY=PASSIVE before torch is imported, as scripts/run does."""
@@ -282,6 +289,7 @@ def test_a_generator_refusing_a_setting_leaves_no_folder_behind(module, tmp_path
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.abi
 def test_campaign_verify_takes_the_folder_and_usage_errors_say_error(tmp_path):
     from evaluator.evidence import sha256_manifest
 
@@ -308,6 +316,7 @@ DOCUMENTED_COMMANDS = [["-m", "engine.build"], ["-m", "evaluator.demo"], ["-m", 
                        ["-m", "evaluator.score_retrieval"], ["-m", "evaluator.ablate"], ["-m", "evaluator.rehearse"]]
 
 
+@pytest.mark.abi
 @pytest.mark.parametrize("cmd", DOCUMENTED_COMMANDS, ids=lambda c: " ".join(c[1:]))
 def test_every_documented_command_takes_debug(cmd):
     """The README promises `--debug` on every command: each one's --help lists it."""

@@ -18,6 +18,8 @@ from engine.clip.towers import ClipTowers
 from engine.retrieval.index import load_index
 from engine.retrieval.jsonl import read_records
 
+pytestmark = pytest.mark.abi   # index builds that compile and measure the CLIP towers (~40 s)
+
 # the tests' preset: one static batch, FP32 only, a 64-image sample (the CPU preset measures more)
 SMALL = tune.Preset(backends=("aot",), batches=(16,), precisions=("fp32",), sample=64, queries=16, rounds=1)
 

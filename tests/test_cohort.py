@@ -237,6 +237,7 @@ def test_safetensors_bytes_reads_back_with_safe_open(tmp_path):
         assert torch.equal(f.get_tensor("w"), torch.zeros(2, 2))
 
 
+@pytest.mark.abi   # slow: fits the tiny checkpoint twice, each in its own process
 def test_tiny_checkpoint_is_byte_identical_for_the_same_seed(tmp_path):
     """Two processes (safetensors' hash-map order differs between processes), a small recipe."""
     import subprocess
@@ -267,6 +268,7 @@ def _cohort_cli(*args: str, env: dict | None = None):
                           text=True, timeout=120, env={**os.environ, **(env or {})})
 
 
+@pytest.mark.abi
 def test_cli_bad_input_is_one_line_and_exit_2(tmp_path):
     (tmp_path / "file").write_text("x")
     for args, words in [(["--out", str(tmp_path / "o"), "--count", "0"], "--count must be >= 1"),
@@ -280,6 +282,7 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.abi
 def test_cli_reports_progress_on_stderr_only(tmp_path):
     r = _cohort_cli("--out", str(tmp_path / "o"), "--count", "4", "--broken", "1", env={"ENGINE_PROGRESS": "lines"})
     assert r.returncode == 0, r.stderr

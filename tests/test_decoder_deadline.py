@@ -117,6 +117,7 @@ def _env(artifact: Path, **extra: str) -> dict:
     return {**os.environ, "ENGINE_ARTIFACT": str(artifact), "ENGINE_THREADS": "1", **extra}
 
 
+@pytest.mark.abi
 def test_a_run_answers_every_row_within_one_deadline(slow_cohort, null_artifact, tmp_path):
     out = tmp_path / "p.i32"
     t0 = time.perf_counter()
@@ -164,6 +165,7 @@ def _busy_child(pid: int, timeout: float = 120.0) -> int:
     raise AssertionError("the decoder child never got busy")
 
 
+@pytest.mark.abi
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_mid_decode_ends_the_run_within_2_s_leaving_nothing(slow_cohort, null_artifact, tmp_path, sig):
     out = tmp_path / "out" / "p.i32"

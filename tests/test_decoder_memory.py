@@ -142,6 +142,7 @@ def run_rows_of_one_file(tmp: Path, size: int, rows: int, artifact: Path, **env:
 BOUND_MIB = 2560
 
 
+@pytest.mark.abi
 def test_64_rows_of_a_63_mib_file_stay_within_the_stated_bound(tmp_path):
     art = _null_artifact(tmp_path / "artifact")
     rep = run_rows_of_one_file(tmp_path, 63 << 20, 64, art)

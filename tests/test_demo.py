@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
+pytestmark = pytest.mark.abi   # python -m evaluator.demo as whole processes
+
 PROG = "python -m evaluator.demo"
 
 

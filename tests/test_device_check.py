@@ -22,6 +22,8 @@ sys.path.insert(0, str(REPO / "scripts"))
 from device_check import PLAN  # noqa: E402 - a script's module, not a package
 from device_probes import not_exercised, scored_setup  # noqa: E402
 
+pytestmark = pytest.mark.abi   # scripts/device_check.sh / .py as whole processes
+
 ORDER = ["driver", "env", "cuda_home", "cohort", "checkpoint", "aot_bf16", "eager_bf16", "abi_eager_bf16", "reference",
          "search", "packages", "fp8_gemm", "graph_capture", "decoder_race", "attention", "topk", "abi_aot_bf16",
          "abi_aot_bf16_no_graphs", "abi_aot_bf16_raw", "gpu_tests", "eager_fp16", "eager_fp8", "batch_sweep"]

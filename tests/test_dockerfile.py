@@ -258,7 +258,7 @@ def test_test_sh_installs_system_packages_only_when_asked(tmp_path, env, install
         assert "installing the Debian package chromium" in r.stderr
     else:
         assert "chromium not installed: its test will skip" in r.stderr and "INSTALL_SYSTEM_PACKAGES=1" in r.stderr
-    assert calls[-1].startswith("python3 -m pytest -q -k nothing"), calls
+    assert calls[-1].startswith("python3 -m pytest -q --durations=25 -k nothing"), calls   # the full suite
 
 
 def test_test_sh_is_quiet_about_chromium_when_present(tmp_path):

@@ -207,6 +207,7 @@ def work(tmp_path_factory, tiny_checkpoint) -> Path:
     return w
 
 
+@pytest.mark.abi
 @pytest.mark.parametrize("name, cmd, rc", STEPS, ids=[s[0] for s in STEPS])
 def test_documented_step(work, name, cmd, rc):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ENGINE_", "CONTEST_", "CIR_", "CLIP_"))}

@@ -11,6 +11,8 @@ from evaluator.contest.agreement import agreement
 from evaluator.contest.manifest import read_manifest
 from evaluator.contest.reference import reference_top1
 
+pytestmark = pytest.mark.abi   # the AOTInductor artifacts (compiles) and scripts/run
+
 GATE = 0.995
 
 

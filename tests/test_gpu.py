@@ -47,6 +47,7 @@ def test_gpu_decoders_match_the_reference(small_cohort, name, crop_mode):
     assert np.mean(diffs) < 1.0
 
 
+@pytest.mark.abi
 @pytest.mark.parametrize("backend,precision", [("eager", "fp32"), ("eager", "bf16"), ("eager", "fp16"),
                                                ("aot", "fp32"), ("aot", "bf16")])
 def test_cuda_artifacts_agree_with_the_fp32_reference(cohort, tiny_checkpoint, tmp_path, backend, precision):

@@ -168,6 +168,7 @@ def test_nvjpeg_routing_sends_subsampled_jpegs_to_the_reference():
     assert [i for i, _ in fast] == [0, 1, 2] and slow == []
 
 
+@pytest.mark.abi
 def test_build_sh_defaults_to_the_measured_build_on_every_device(tmp_path):
     """The submission build measures precision, batch and backend on the machine it runs on, GPU or CPU."""
     import os

@@ -37,6 +37,7 @@ def _check_output(out: Path, n: int) -> np.ndarray:
     return pred
 
 
+@pytest.mark.abi
 @pytest.mark.parametrize("isolate", ["1", "0"])
 def test_hostile_cohort_three_runs_exit_0_with_one_answer_per_row(hostile, aot_artifact, tmp_path, isolate):
     """With the DALI CPU decoder in a child process (default) and in this process: the router keeps
@@ -60,6 +61,7 @@ def test_hostile_cohort_three_runs_exit_0_with_one_answer_per_row(hostile, aot_a
     assert all(np.array_equal(preds[0], p) for p in preds[1:])
 
 
+@pytest.mark.abi   # slow: 20 batches in two child processes
 def test_dali_crashes_on_a_header_only_jpeg_fed_directly_but_not_through_the_router(small_cohort, tmp_path):
     """The issue's reproduction: 20 batches of 32, one header-only JPEG in each. Fed straight to a
     DALI CPU pipeline, a batch fails (and the process often segfaults); through DaliDecoder
@@ -124,6 +126,7 @@ class Crashy:
 '''
 
 
+@pytest.mark.abi   # slow: isolated decoder children that crash and restart
 def test_a_crashing_isolated_decoder_costs_one_batch_not_the_run(tmp_path, monkeypatch, capfd):
     from engine.decoders.isolate import IsolatedDecoder
 
@@ -215,6 +218,7 @@ def _tree_threads(pid: int) -> int:
     return total
 
 
+@pytest.mark.abi
 @pytest.mark.parametrize("budget", [1, 2, 3])
 def test_peak_thread_count_stays_within_the_documented_bound(small_cohort, aot_artifact, tmp_path, budget,
                                                              monkeypatch):
@@ -238,6 +242,7 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0 or not (shutil.which("setpriv"
                                 reason="needs root, setpriv and prlimit to run as an unprivileged user")
 
 
+@pytest.mark.abi
 @needs_root
 def test_hostile_cohort_as_nobody_under_nproc_16(small_cohort, aot_artifact):
     """The scored sandbox bounds PIDs: the whole run (threads and the child decoder included) fits

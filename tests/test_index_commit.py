@@ -65,6 +65,7 @@ with BuildLock(sys.argv[1]):
 """
 
 
+@pytest.mark.abi
 def test_a_second_build_is_refused_in_one_line_naming_the_holder(tmp_path):
     d = tmp_path / "index"
     d.mkdir()

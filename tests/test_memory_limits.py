@@ -122,6 +122,7 @@ def test_load_without_torch_names_the_interpreter_not_the_memory(eager_artifact)
 
 # --- scripts/run at its limit ---------------------------------------------------------------------
 
+@pytest.mark.abi
 def test_scripts_run_passes_at_its_need_and_is_refused_just_below(small_cohort, eager_artifact, tmp_path,
                                                                    monkeypatch):
     from engine.classify.classifier import need_bytes_for
@@ -158,6 +159,7 @@ def _cir(name: str, args: list[str], limit: int):
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.abi
 def test_run_sh_passes_at_its_need_and_is_refused_just_below(tmp_path, monkeypatch):
     index, clip = built_index(), clip_dirs()["open_clip"]
     need = _cir_need(monkeypatch, memory.RETRIEVAL_RUN, index, clip)
@@ -170,6 +172,7 @@ def test_run_sh_passes_at_its_need_and_is_refused_just_below(tmp_path, monkeypat
     assert len((tmp_path / "at.jsonl").read_text().splitlines()) == len(queries.read_text().splitlines())
 
 
+@pytest.mark.abi
 def test_build_sh_passes_at_its_need_and_is_refused_just_below(tmp_path, monkeypatch):
     need = _cir_need(monkeypatch, memory.RETRIEVAL_BUILD, clip_dirs()["open_clip"])
     args = ["--corpus", str(corpus()), "--chunk-size", "64", "--batch-size", "32"]
@@ -200,6 +203,7 @@ def test_running_out_inside_a_retrieval_call_is_one_line(module, error, monkeypa
     assert ("out of memory" if isinstance(error, MemoryError) else "cannot start a thread") in err
 
 
+@pytest.mark.abi
 def test_scripts_run_under_an_interpreter_without_the_dependencies_names_it(tmp_path, small_cohort):
     """A bare virtual environment: one line naming that interpreter and what it lacks, no memory hint."""
     venv = tmp_path / "bare"

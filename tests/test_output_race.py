@@ -197,6 +197,7 @@ def test_two_atomic_writers_of_one_path_never_share_a_temp_file(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["meta.json"]
 
 
+@pytest.mark.abi
 def test_the_abi_refuses_a_second_run_on_one_output_in_one_line(tmp_path):
     """scripts/run while another run holds OUTPUT: one error line, exit 2, the other run's files kept."""
     out = tmp_path / "p.i32"

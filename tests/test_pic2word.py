@@ -145,6 +145,7 @@ def test_build_option_is_resumable_and_recorded(tmp_path, monkeypatch, capsys):
     assert not (d / ".build").exists()
 
 
+@pytest.mark.abi
 def test_run_script_uses_the_mapping_end_to_end(tmp_path):
     idx = load_index(p2w_index())
     assert idx.meta["method"]["name"] == "pic2word"

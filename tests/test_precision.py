@@ -202,6 +202,7 @@ def test_projection_fusion_is_exact_on_an_eva02_large_layout():
     assert isinstance(low.blocks[0].mlp.fc1, LowPrecisionLinear)
 
 
+@pytest.mark.abi   # a build with a measured batch-size search
 def test_batch_size_auto_measures_and_records(tiny_checkpoint, tmp_path):
     from engine.build import main
 
@@ -231,6 +232,7 @@ def test_batch_size_auto_measures_and_records(tiny_checkpoint, tmp_path):
         main(["--model", "x", "--out", str(tmp_path / "b"), "--batch-size", "auto"])
 
 
+@pytest.mark.abi
 def test_reference_path_never_blocks_on_a_fifo(tmp_path):
     import os
     import subprocess

@@ -13,6 +13,8 @@ from conftest import REPO
 
 from evaluator.rehearsal import provenance
 
+pytestmark = pytest.mark.abi   # python -m evaluator.provenance (and the demo's prepare) as whole processes
+
 VAL_FILE = "ILSVRC2012" + "_val_" + "00000001.JPEG"  # assembled: this file must not match itself
 
 

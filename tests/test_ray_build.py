@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 from cir_helpers import REPO, build_args, built_index, clip_dirs, corpus
 
+pytestmark = pytest.mark.abi   # the Ray build (python -m evaluator.cir.build --ray) as whole processes
+
 needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
                                reason="ray is not installed (pip install -r requirements/scale.txt)")
 

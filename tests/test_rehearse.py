@@ -16,6 +16,8 @@ from conftest import REPO
 
 from evaluator.rehearsal import rehearse
 
+pytestmark = pytest.mark.abi   # scripts/rehearse as whole processes
+
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("setpriv") or not shutil.which("unshare"),
     reason="the rehearsal needs root, setpriv and unshare")

@@ -15,8 +15,9 @@ from conftest import REPO
 
 NOBODY = 65534
 SCORED_UID = 10001   # the scored environment's user: no name, no capabilities
-pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not (shutil.which("setpriv") and shutil.which("unshare")),
-                                reason="needs root, setpriv and unshare to drop privileges and the network")
+pytestmark = [pytest.mark.abi,   # scripts/run as whole processes, as another user
+              pytest.mark.skipif(os.geteuid() != 0 or not (shutil.which("setpriv") and shutil.which("unshare")),
+                                 reason="needs root, setpriv and unshare to drop privileges and the network")]
 
 
 def _snapshot(root: Path) -> dict[str, tuple[int, float]]:

@@ -443,6 +443,7 @@ def build_run(quality: str, seed: int):
     return requests, lines, planted, float(expected)
 
 
+@pytest.mark.abi
 @pytest.mark.parametrize("quality, seed", [("low", 1), ("high", 2)])
 def test_official_annotations_with_every_invalid_kind_planted(tmp_path, quality, seed):
     requests, lines, planted, expected = build_run(quality, seed)
@@ -563,6 +564,7 @@ def run_cli(*args):
     )
 
 
+@pytest.mark.abi
 def test_cli_end_to_end(tmp_path):
     # CIRCO query 0 (gt 355099, 528417, 534704): ranking [355099, 1, 528417]
     #   AP@k = (1/1 + 2/3) / 3 = 5/9 for every k; the other 99 CIRCO queries are missing (0)
@@ -590,6 +592,7 @@ def test_cli_end_to_end(tmp_path):
     assert rep["reward"] == pytest.approx(rule_reward(rep["raw"]))
 
 
+@pytest.mark.abi
 def test_cli_scores_despite_bad_rows(tmp_path):
     results = tmp_path / "run.jsonl"
     results.write_text(

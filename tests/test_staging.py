@@ -67,6 +67,7 @@ def _error_lines(r) -> list[str]:
 
 # --- trusted staging ---------------------------------------------------------------------------
 
+@pytest.mark.abi
 def test_a_staged_image_root_answers_every_row_as_the_plain_layout(small_cohort, eager_artifact, tmp_path):
     plain = tmp_path / "plain.i32"
     r = run_abi(small_cohort / "manifest.tsv", small_cohort, plain, eager_artifact)
@@ -81,6 +82,7 @@ def test_a_staged_image_root_answers_every_row_as_the_plain_layout(small_cohort,
         assert len(_unreadable(r.stderr)) == want_lines, (how, r.stderr[-3000:])
 
 
+@pytest.mark.abi
 def test_a_symlinked_folder_inside_the_root_is_followed(small_cohort, null_artifact, tmp_path):
     store = tmp_path / "store"
     shutil.copytree(small_cohort / "images", store / "images")
@@ -93,6 +95,7 @@ def test_a_symlinked_folder_inside_the_root_is_followed(small_cohort, null_artif
     assert json.loads(report.read_text())["failed"] == 3         # only the planted broken files
 
 
+@pytest.mark.abi
 @pytest.mark.parametrize("how", ["flag", "env"])
 def test_confinement_is_an_opt_in_that_refuses_the_farm(small_cohort, null_artifact, tmp_path, how):
     root = _farm(small_cohort, tmp_path, "symlink")
@@ -111,6 +114,7 @@ def test_confinement_is_an_opt_in_that_refuses_the_farm(small_cohort, null_artif
     assert r.returncode == 0 and len(_unreadable(r.stderr)) == 3, r.stderr[-3000:]
 
 
+@pytest.mark.abi
 def test_absolute_and_dotdot_paths_stay_refused_per_row(small_cohort, null_artifact, tmp_path):
     root = tmp_path / "root"
     shutil.copytree(small_cohort / "images", root / "images")
@@ -130,6 +134,7 @@ def test_absolute_and_dotdot_paths_stay_refused_per_row(small_cohort, null_artif
     assert len(lines) == 5 and not [line for line in r.stderr.splitlines() if "warning" in line]   # 5 of 11
 
 
+@pytest.mark.abi
 def test_a_wrong_image_root_is_loud_but_still_answers(small_cohort, null_artifact, tmp_path):
     out = tmp_path / "p.i32"
     r = run_abi(small_cohort / "manifest.tsv", small_cohort / "images", out, null_artifact)   # one level too deep
@@ -148,6 +153,7 @@ def _digest(p: Path) -> tuple:
     return st.st_mode, st.st_ino, data
 
 
+@pytest.mark.abi
 @pytest.mark.parametrize("what", ["manifest", "manifest-hardlink", "manifest-symlink", "artifact-manifest",
                                   "artifact-hardlink", "artifact-folder", "image", "image-root-new-file",
                                   "dev-null", "dev-null-symlink", "directory", "fifo", "stdout-link"])
@@ -190,6 +196,7 @@ def test_an_output_that_is_an_input_or_a_special_file_is_refused_and_left_intact
         assert not out.exists()
 
 
+@pytest.mark.abi
 def test_a_stale_regular_output_is_replaced_and_a_linked_one_written_through(small_cohort, null_artifact, tmp_path):
     n = len(_rows(small_cohort))
     out = tmp_path / "p.i32"
@@ -207,6 +214,7 @@ def test_a_stale_regular_output_is_replaced_and_a_linked_one_written_through(sma
 
 # --- rows as Python counts them ----------------------------------------------------------------
 
+@pytest.mark.abi
 def test_cr_only_and_blank_lines_count_rows_as_python_does(small_cohort, eager_artifact, tmp_path):
     rows = _rows(small_cohort)[:12]
     lf = tmp_path / "lf.tsv"
@@ -253,6 +261,7 @@ def _assert_failed_before_reading(r, needle: str) -> None:
     assert not _unreadable(r.stderr)
 
 
+@pytest.mark.abi
 def test_a_file_size_limit_fails_at_the_reservation(null_artifact, tmp_path):
     m, root = _missing_rows(tmp_path, 1000)                  # 4000 bytes to reserve
     out = tmp_path / "o" / "p.i32"
@@ -285,6 +294,7 @@ def tiny_fs(tmp_path):
         subprocess.run(["umount", str(mnt)], check=False)
 
 
+@pytest.mark.abi
 def test_a_full_disk_fails_before_any_image_is_read(null_artifact, tmp_path, tiny_fs):
     m, root = _missing_rows(tmp_path, 200)                   # 800 bytes to reserve
     filler = tiny_fs / "filler"

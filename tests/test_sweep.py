@@ -6,9 +6,12 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from conftest import REPO
 
 from evaluator.synthetic.cohort import TINY_INPUT, TINY_KWARGS, TINY_MODEL
+
+pytestmark = pytest.mark.abi   # python -m evaluator.sweep, which builds and runs, as a whole process
 
 
 def test_sweep_builds_runs_and_judges_each_precision(small_cohort, tiny_checkpoint, tmp_path):

@@ -22,6 +22,8 @@ from engine.classify.runtime import load_runtime
 from engine.decoders import make_decoder
 from evaluator.synthetic.cohort import TINY_INPUT, TINY_KWARGS, TINY_MODEL
 
+pytestmark = pytest.mark.abi   # benchmarks: the 400-image cohort, the AOT artifact, scripts/run
+
 ROUNDS = 3
 
 

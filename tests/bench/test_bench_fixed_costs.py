@@ -36,6 +36,11 @@ from pathlib import Path
 
 from engine.io import package_versions, tree_bytes
 
+if __name__ != "__main__":      # under pytest; the timed child processes run this file without it
+    import pytest
+
+    pytestmark = pytest.mark.abi   # benchmark: the AOT artifact loaded in fresh child processes
+
 MODES = ("package", "inplace")
 PHASES = ("imports", "artifact_check", "graph_load", "first_batch", "second_batch")
 # the records torch's package writer puts beside the model's files (archive name "model")

@@ -37,6 +37,8 @@ from conftest import REPO, run_abi
 from test_bench_precision import BUILDS as ALT_BUILDS
 from test_bench_precision import COHORT_SEED, KWARGS, MODEL, SIZE, SPEC_ARGS, photo_cohort, run_env
 
+pytestmark = pytest.mark.abi   # builds and scripts/run as whole processes, timed
+
 WORKLOADS = {"quick": 60, "full": 250}
 WORKLOAD = os.environ.get("BENCH_WORKLOAD", "quick")
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "3"))

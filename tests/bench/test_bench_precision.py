@@ -45,6 +45,8 @@ from conftest import REPO, run_abi
 
 from engine.backends import DEFAULT as DEFAULT_BACKEND
 
+pytestmark = pytest.mark.abi   # builds and scripts/run as whole processes, timed
+
 MODEL = "eva02_tiny_patch14_336.mim_in22k_ft_in1k"
 SIZE = 336
 IMAGES = int(os.environ.get("BENCH_IMAGES", "250"))
