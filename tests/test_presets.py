@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from engine import presets
 from engine.retrieval import presets as retrieval
 
@@ -160,6 +162,7 @@ def test_every_field_says_what_it_means():
                 assert f.metadata.get("doc", "").strip(), f"{table.__name__}.{f.name} has no doc"
 
 
+@pytest.mark.abi
 def test_python_m_engine_presets_prints_both_tables():
     r = subprocess.run([sys.executable, "-m", "engine.presets"], cwd=REPO, capture_output=True, text=True,
                        timeout=120)
