@@ -84,5 +84,15 @@ def per_device(field: str) -> str:
     return ", ".join(f"{d}: {getattr(p, field)}" for d, p in PRESETS.items())
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> int:
+    """`python -m engine.presets`: the table on stdout (it takes no arguments but --help)."""
+    from engine.cli import ArgumentParser
+
+    ArgumentParser(prog="python -m engine.presets", description="Print the build's defaults, one column per "
+                   "device, as the Markdown table docs/classification.md shows.").parse_args(argv)
     print(markdown())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -588,11 +588,12 @@ def main(argv: list[str] | None = None) -> int:
     import itertools
     import json
 
-    p = argparse.ArgumentParser(prog="python -m kernels.topk", description=main.__doc__.split("\n")[0])
-    p.add_argument("--queries", type=int, default=2200)
-    p.add_argument("--gallery", type=int, default=125_000)
-    p.add_argument("--k", type=int, default=50)
-    p.add_argument("--reps", type=int, default=5)
+    p = argparse.ArgumentParser(prog="python -m kernels.topk", description=main.__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--queries", type=int, default=2200, help="query rows of the benchmark's score matrix")
+    p.add_argument("--gallery", type=int, default=125_000, help="gallery columns of the benchmark's score matrix")
+    p.add_argument("--k", type=int, default=50, help="results per query")
+    p.add_argument("--reps", type=int, default=5, help="timed repetitions of each path; the median is reported")
     a = p.parse_args(argv)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     reason = _cupy_unavailable(torch.zeros(1, 1, device=dev), a.k)

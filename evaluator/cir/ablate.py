@@ -67,7 +67,7 @@ def parse_args(argv: list[str] | None) -> AblateConfig:
     p.add_argument("--methods", default=None,
                    help="comma-separated method names (scripts/run.sh --help); default: every entry of "
                         f"{', '.join(DEFAULT_METHODS)} the index supports")
-    p.add_argument("--json", type=Path, default=None, help="also write every method's report here")
+    p.add_argument("--json", type=Path, default=None, help="also write every method's full report here (default: not written)")
     p.add_argument("--out-dir", type=Path, default=None, help="run outputs (default: a folder under TMPDIR)")
     p.add_argument("--model-dir", type=Path, default=None,
                    help="CLIP folder (default: env CLIP_MODEL_DIR, else /task/models/clip when it is there, "

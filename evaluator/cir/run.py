@@ -68,15 +68,19 @@ class RunConfig:
 
 
 def parse_args(argv: list[str] | None) -> RunConfig:
-    from engine.cli import ArgumentParser
+    from engine.cli import ArgumentParser, HelpFormatter
     from engine.retrieval.compose import method_help, prompt_help
 
-    p = ArgumentParser(prog="scripts/run.sh", description=__doc__.split("\n\n")[0])
-    p.add_argument("--index-dir", type=Path, required=True)
-    p.add_argument("--queries", type=Path, required=True)
-    p.add_argument("--output", type=Path, required=True)
-    p.add_argument("--model-dir", type=Path, default=None, help="CLIP folder (env CLIP_MODEL_DIR)")
-    p.add_argument("--model-name", default=None, help="architecture for a bare state dict (env CLIP_MODEL_NAME)")
+    p = ArgumentParser(prog="scripts/run.sh", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    p.add_argument("--index-dir", type=Path, required=True, help="the gallery index scripts/build.sh wrote")
+    p.add_argument("--queries", type=Path, required=True, help="requests JSONL, one request per line")
+    p.add_argument("--output", type=Path, required=True,
+                   help="results JSONL: one row per request, top --k image ids best first (resumed if partial)")
+    p.add_argument("--model-dir", type=Path, default=None,
+                   help="CLIP folder (default: env CLIP_MODEL_DIR, else /task/models/clip when it is there, else "
+                        "the folder the index records when its digest matches)")
+    p.add_argument("--model-name", default=None,
+                   help="architecture for a bare state dict (env CLIP_MODEL_NAME; default: read from the folder)")
     p.add_argument("--method", default=evaluator_settings.cir_method(),
                    help="slerp | sum | text-only | pic2word, optionally +options, e.g. slerp+gap+qbnorm "
                         "(env CIR_METHOD; default: the index's, else slerp). Sources: " + method_help())
@@ -87,14 +91,18 @@ def parse_args(argv: list[str] | None) -> RunConfig:
                         "with {modification} (env CIR_PROMPT). Names: " + prompt_help())
     p.add_argument("--batch-size", type=int, default=256, help="requests per batch")
     p.add_argument("--k", type=int, default=TOP_K, help=f"results per query (at most {TOP_K})")
-    p.add_argument("--device", default=None)
-    p.add_argument("--precision", default=None)
+    p.add_argument("--device", default=None,
+                   help="where the CLIP towers run: cpu, cuda or cuda:N (default: env CLIP_DEVICE, else cuda when "
+                        "available, else cpu)")
+    p.add_argument("--precision", default=None,
+                   help="CLIP autocast precision: fp32, fp16 or bf16 (default: env CLIP_PRECISION, else fp16 on "
+                        "CUDA and fp32 on the CPU)")
     p.add_argument("--no-resume", "--fresh", dest="resume", action="store_false",
                    help="start the output afresh (an existing output resumes only if the same requests, "
                         "method, index and CLIP wrote it)")
     p.add_argument("--allow-model-mismatch", action="store_true",
                    help="run even if the CLIP differs from the one that built the index")
-    p.add_argument("--report", type=Path, default=None, help="also write the run summary JSON here")
+    p.add_argument("--report", type=Path, default=None, help="also write the run summary JSON here (default: not written)")
     p.add_argument("--corpus", type=Path, default=evaluator_settings.cir_corpus(),
                    help="corpus folder (records.jsonl) for re-inspection (env CIR_CORPUS; default: the index's)")
     p.add_argument("--bank-chunk", type=int, default=256,

@@ -374,30 +374,34 @@ def cmd_render(path: Path, out: Path | None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from engine.cli import ArgumentParser, debug_flag
+    from engine.cli import ArgumentParser, HelpFormatter, debug_flag
 
     p = ArgumentParser(prog="python -m evaluator.campaign", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
-    r = sub.add_parser("run", help="run a campaign and write its evidence folder")
-    r.add_argument("--workload", required=True, choices=sorted(WORKLOADS))
-    r.add_argument("--profile", required=True, choices=sorted(PROFILES))
-    r.add_argument("--runs", type=int, default=5)
-    r.add_argument("--out", type=Path, required=True)
-    r.add_argument("--manifest", type=Path, help="max/pro: cohort manifest.tsv")
-    r.add_argument("--image-root", type=Path, help="max/pro: root the manifest paths are relative to")
-    r.add_argument("--reference", type=Path, help="max/pro: reference answers (.i32 or .tsv)")
-    r.add_argument("--artifact", type=Path, help="max/pro: prebuilt engine artifact dir")
-    r.add_argument("--index-dir", type=Path, help="cir max/pro: gallery index built by scripts/build.sh")
-    r.add_argument("--queries", type=Path, help="cir max/pro: requests JSONL")
+    r = sub.add_parser("run", help="run a campaign and write its evidence folder", formatter_class=HelpFormatter)
+    r.add_argument("--workload", required=True, choices=sorted(WORKLOADS),
+                   help="what runs: the contest ABI (eva02-imagenet1k) or the retrieval ABI (cir-retrieval)")
+    r.add_argument("--profile", required=True, choices=sorted(PROFILES),
+                   help="min: generated input, functional only; max: real data, canonical; pro: real data under a "
+                        "declared research configuration (--config-note)")
+    r.add_argument("--runs", type=int, default=5, help="fresh timed processes (five for a promotable result)")
+    r.add_argument("--out", type=Path, required=True, help="the evidence folder to write (new or empty)")
+    r.add_argument("--manifest", type=Path, help="max/pro (required): cohort manifest.tsv")
+    r.add_argument("--image-root", type=Path, help="max/pro (required): root the manifest paths are relative to")
+    r.add_argument("--reference", type=Path, help="max/pro (required): reference answers (.i32 or .tsv)")
+    r.add_argument("--artifact", type=Path, help="max/pro (required): prebuilt engine artifact dir")
+    r.add_argument("--index-dir", type=Path, help="cir max/pro (required): gallery index built by scripts/build.sh")
+    r.add_argument("--queries", type=Path, help="cir max/pro (required): requests JSONL")
     r.add_argument("--labels", type=Path, action="append", default=[],
-                   help="cir max/pro: labels (JSONL or CIRCO/CIRR annotation JSON; repeatable)")
-    r.add_argument("--clip-dir", type=Path, help="cir max/pro: the CLIP the index was built with (CLIP_MODEL_DIR)")
-    r.add_argument("--config-note", help="pro: the research configuration, declared")
+                   help="cir max/pro (required): labels (JSONL or CIRCO/CIRR annotation JSON; repeatable)")
+    r.add_argument("--clip-dir", type=Path, help="cir max/pro: the CLIP the index was built with (default: env "
+                                                 "CLIP_MODEL_DIR, else the one the index records)")
+    r.add_argument("--config-note", help="pro (required): the research configuration, declared")
     r.add_argument("--dataset-split", "--split", dest="dataset_split",
                    help="max/pro (required): the dataset split the inputs are, as you declare it")
     r.add_argument("--dataset-version", help="max/pro (required): the dataset version / release, declared")
     r.add_argument("--power", help="power source and policy, stated by the operator (recorded beside what Linux "
-                                   "exposes; the only power record where it exposes nothing)")
+                                   "exposes; the only power record where it exposes nothing; default: none stated)")
     r.add_argument("--bundle-limit-mb", type=float, default=256.0,
                    help="bundle the artifact's (index's) files up to this size; above it, keep their digests "
                         "and the command that rebuilds them")
@@ -405,21 +409,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"min: generated images (cir: gallery, rounded up to groups of {cir.PER_TEMPLATE})")
     r.add_argument("--requests", type=int, default=60, help="cir min: generated requests")
     r.add_argument("--seed", type=int, default=0, help="min: generator seed (0 is canonical)")
-    r.add_argument("--prepared", type=Path, help="eva02 min: reuse a dir written by `evaluator.contest.demo prepare`")
+    r.add_argument("--prepared", type=Path, help="eva02 min: reuse a dir written by `python -m evaluator.demo prepare` "
+                                                 "(default: one prepared in a temporary folder)")
     r.add_argument("--timeout-s", type=float, default=1800.0, help="per-run wall limit")
-    r.add_argument("--runner", help="command replacing the workload's ABI entry point (shell words; not promotable)")
+    r.add_argument("--runner", help="command replacing the workload's ABI entry point (shell words; not promotable; "
+                                    "default: the source tree's scripts/run or scripts/run.sh)")
     r.add_argument("--source-dir", type=Path, default=REPO_ROOT, help="git tree the runs come from")
-    r.add_argument("--attach", type=Path, action="append", default=[], help="pytest-benchmark JSON (repeatable)")
+    r.add_argument("--attach", type=Path, action="append", default=[],
+                   help="pytest-benchmark JSON to bundle (repeatable; default: none)")
     r.add_argument("--require-promotion", action="store_true", help="exit 1 unless promoted")
-    v = sub.add_parser("verify", help="check every file of an evidence folder against its .provd.json")
+    v = sub.add_parser("verify", help="check every file of an evidence folder against its .provd.json",
+                       formatter_class=HelpFormatter)
     v.add_argument("manifest", type=Path, help="the evidence folder, or its campaign.provd.json")
-    v.add_argument("--external", type=Path, help="a copy of the unbundled artifact / index: re-check its digests")
-    k = sub.add_parser("package", help="verify, then pack an evidence folder as tar.gz")
-    k.add_argument("folder", type=Path)
-    k.add_argument("--out", type=Path, required=True)
-    d = sub.add_parser("render", help="re-render report.html from a disclosure JSON")
-    d.add_argument("disclosure", type=Path)
-    d.add_argument("--out", type=Path)
+    v.add_argument("--external", type=Path, help="a copy of the unbundled artifact / index: re-check its digests "
+                                                 "(default: those files are listed by digest only)")
+    k = sub.add_parser("package", help="verify, then pack an evidence folder as tar.gz",
+                       formatter_class=HelpFormatter)
+    k.add_argument("folder", type=Path, help="the evidence folder `campaign run` wrote")
+    k.add_argument("--out", type=Path, required=True, help="the .tar.gz to write")
+    d = sub.add_parser("render", help="re-render report.html from a disclosure JSON",
+                       formatter_class=HelpFormatter)
+    d.add_argument("disclosure", type=Path, help="a disclosure.json `campaign run` wrote")
+    d.add_argument("--out", type=Path, help="the HTML to write (default: report.html beside the disclosure)")
     for sp in (r, v, k, d):
         debug_flag(sp)
     return p
