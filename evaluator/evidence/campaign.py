@@ -36,6 +36,7 @@ from pathlib import Path
 from engine.io import sha256_file
 from evaluator.evidence import conditions, disclosure, fingerprint, provd, report_html
 from evaluator.evidence.runs import (
+    MIN_COUNT,
     PROFILES,
     REPO_ROOT,
     Interrupted,
@@ -216,7 +217,7 @@ def _run_attempt(att: Attempt, tmp: Path) -> None:
         att.runs.append(record)
         judged = (f"raw {record.quality['raw']:.4f}" if record.quality else
                   f"{record.matches}/{record.total}" if record.total is not None else "not judged")
-        status = f"{record.wall_s:.3f} s, {judged}" if record.ok else record.reason
+        status = f"{record.wall_s:.2f} s, {judged}" if record.ok else record.reason
         print(f"campaign: run {i}/{a.runs}: {'ok' if record.ok else 'FAILED'} ({status})", file=sys.stderr)
         if not record.ok:
             break  # one failed process invalidates the attempt; runs are never retried
@@ -300,8 +301,8 @@ def summary_line(doc: dict) -> str:
     promo, pm, att = doc["promotion"], doc["primary_metric"], doc["attempt"]
     head = f"campaign: {doc['workload']['id']} {doc['profile']}: {promo['status']}; "
     if att["valid"]:
-        return head + f"median {pm['median']} s over {pm['n']} valid runs"
-    values = ", ".join(f"{v:.3f}" for v in pm["values"]) or "none"
+        return head + f"median {pm['median']:.2f} s over {pm['n']} valid runs (exact figures: disclosure.json)"
+    values = ", ".join(f"{v:.2f}" for v in pm["values"]) or "none"
     return head + f"attempt INVALID ({att['reason']}): no aggregate; wall s of the runs that completed: {values}"
 
 
@@ -405,12 +406,15 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--bundle-limit-mb", type=float, default=256.0,
                    help="bundle the artifact's (index's) files up to this size; above it, keep their digests "
                         "and the command that rebuilds them")
-    r.add_argument("--count", type=int, default=64,
-                   help=f"min: generated images (cir: gallery, rounded up to groups of {cir.PER_TEMPLATE})")
+    r.add_argument("--count", type=int, default=None,
+                   help=f"min: generated images (cir: gallery, rounded up to groups of {cir.PER_TEMPLATE}); default: "
+                        f"eva02 reuses the prepared demo (./demo or SOURCE_DIR/demo, as `python -m evaluator.demo` "
+                        f"leaves it) when one of --seed is there, else {MIN_COUNT} generated")
     r.add_argument("--requests", type=int, default=60, help="cir min: generated requests")
     r.add_argument("--seed", type=int, default=0, help="min: generator seed (0 is canonical)")
-    r.add_argument("--prepared", type=Path, help="eva02 min: reuse a dir written by `python -m evaluator.demo prepare` "
-                                                 "(default: one prepared in a temporary folder)")
+    r.add_argument("--prepared", type=Path, help="eva02 min: reuse a dir written by `python -m evaluator.demo` or "
+                                                 "`python -m evaluator.demo prepare` (default: the prepared demo, "
+                                                 "else one prepared in a temporary folder)")
     r.add_argument("--timeout-s", type=float, default=1800.0, help="per-run wall limit")
     r.add_argument("--runner", help="command replacing the workload's ABI entry point (shell words; not promotable; "
                                     "default: the source tree's scripts/run or scripts/run.sh)")

@@ -240,7 +240,7 @@ def reference_for(artifact: Path, manifest: Path, image_root: Path, out: Path, c
 
 def prepare_inputs(a: argparse.Namespace, work: Path) -> tuple[Path, Path, Path, Path]:
     """(manifest, image_root, artifact, reference): --artifact [--cohort] [--reference], --prepared, or
-    a fresh evaluator.contest.demo prepare."""
+    a fresh `python -m evaluator.demo prepare`."""
     if a.artifact is not None and a.prepared is None:
         if not (a.artifact / "manifest.json").is_file():
             raise Setup(f"--artifact {a.artifact}: no manifest.json there (not an artifact)")
@@ -262,11 +262,11 @@ def prepare_inputs(a: argparse.Namespace, work: Path) -> tuple[Path, Path, Path,
     src = a.prepared
     if src is None:
         src = work / "prepared"
-        print(f"{PROG}: preparing a generated cohort in {src} (evaluator.contest.demo prepare)", file=sys.stderr)
+        print(f"{PROG}: preparing a generated cohort in {src} (python -m evaluator.demo prepare)", file=sys.stderr)
         r = subprocess.run([sys.executable, "-m", "evaluator.demo", "prepare", "--out", str(src), "--count",
                             str(a.count), "--backend", a.backend], cwd=REPO, stdout=subprocess.DEVNULL)
         if r.returncode:
-            raise Setup(f"evaluator.contest.demo prepare failed with exit {r.returncode}")
+            raise Setup(f"python -m evaluator.demo prepare failed with exit {r.returncode}")
     manifest, artifact = src / "cohort" / "manifest.tsv", a.artifact or src / "artifact"
     reference = a.reference or src / "reference.i32"
     for p in (manifest, artifact / "manifest.json", reference):
