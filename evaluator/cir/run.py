@@ -125,14 +125,15 @@ def parse_args(argv: list[str] | None) -> RunConfig:
     return RunConfig(**vars(a))
 
 
-def main(argv: list[str] | None = None, on_row=None) -> int:
-    """scripts/run.sh. `on_row(n)` is called after the n-th row is written and flushed."""
+def main(argv: list[str] | None = None, on_row=None, log_summary: bool = True) -> int:
+    """scripts/run.sh. `on_row(n)` is called after the n-th row is written and flushed;
+    `log_summary=False` keeps the run's summary JSON off stderr (a caller that reads --report)."""
     from engine.cli import guard
     from evaluator.cir.limits import exhaustion_guarded
 
     debug = bool(argv and "--debug" in argv)
     with interrupt_ends(PROG, "every row written so far is kept; the same command resumes"):
-        return exhaustion_guarded(PROG, lambda: guard(PROG, lambda: _main(argv, on_row), debug=debug), debug)
+        return exhaustion_guarded(PROG, lambda: guard(PROG, lambda: _main(argv, on_row, log_summary), debug=debug), debug)
 
 
 INTERRUPTED = 130   # exit status after SIGINT, as a shell reports a process it ended
@@ -165,7 +166,7 @@ def interrupt_ends(prog: str, kept: str):
         signal.signal(signal.SIGINT, previous)
 
 
-def _main(argv: list[str] | None, on_row) -> int:
+def _main(argv: list[str] | None, on_row, log_summary: bool = True) -> int:
     from engine.streams import safe_std_streams
 
     safe_std_streams()   # diagnostics are best effort: a broken stderr never fails the call
@@ -277,7 +278,8 @@ def _main(argv: list[str] | None, on_row) -> int:
                "device": towers.device.type, "precision": towers.precision, "gallery": len(index.ids),
                "setup_s": round(t1 - t0, 3), "query_s": round(t_end - t1, 3), "queries_per_s": round(rate, 2),
                **pipe.report()}
-    _log(json.dumps(summary))
+    if log_summary:
+        _log(json.dumps(summary))
     if cfg.report is not None:
         cfg.report.write_text(json.dumps(summary, indent=2) + "\n")
     return 0
