@@ -182,6 +182,18 @@ def test_every_documented_command_is_covered():
     assert steps <= set(DOCUMENTED.values()), "a step no documented command maps to"
 
 
+def test_a_document_that_runs_the_test_tools_says_how_to_install_them():
+    """`pip install -e .` (the README's first command) installs no pytest: every document that
+    shows a command running pytest (the benchmarks, a measured figure, the mutation tool) says
+    where the test tools come from."""
+    needs = re.compile(r"python3? -m pytest|scripts/mutate\.py")
+    for doc in ["README.md", *(str(p.relative_to(REPO)) for p in sorted((REPO / "docs").glob("*.md")))]:
+        text = (REPO / doc).read_text()
+        if needs.search(text):
+            assert "pip install -e '.[dev]'" in text and "scripts/test.sh" in text, \
+                f"{doc} runs pytest but does not say `python3 -m pip install -e '.[dev]'` (or ./scripts/test.sh)"
+
+
 def test_documented_outputs_stay_out_of_git():
     """Following the documents never dirties the tree: every output they suggest is ignored."""
     outputs = ["demo/x", "artifacts/default/x", "artifacts/tiny/x", "cohort/x", "pred.i32", "ref.i32", "sweep/x",
