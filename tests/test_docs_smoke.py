@@ -108,6 +108,9 @@ DOCUMENTED: dict[str, str] = {
     "python -m evaluator.campaign package camp --out camp.tar.gz": "campaign-package",
     "python -m pytest tests/bench --benchmark-enable --benchmark-json=bench.json":
         "skip: benchmarks take minutes each and are timed on a quiet machine",
+    "BENCH_PREPARED=.benchmarks/prepared python -m pytest tests/bench --benchmark-enable --benchmark-json=bench.json":
+        "skip: benchmarks take minutes each and are timed on a quiet machine; tests/test_bench_progress.py checks "
+        "that their preparation is said on the terminal",
     "scripts/device_check.sh [OUTDIR]": "skip: needs a GPU; tests/test_device_check.py runs it on the CPU (--tiny)",
     # docs/SUBMITTING.md
     "docker buildx build --platform linux/arm64,linux/amd64 -t eva-engine:submission .":
@@ -197,7 +200,8 @@ def test_a_document_that_runs_the_test_tools_says_how_to_install_them():
 def test_documented_outputs_stay_out_of_git():
     """Following the documents never dirties the tree: every output they suggest is ignored."""
     outputs = ["demo/x", "artifacts/default/x", "artifacts/tiny/x", "cohort/x", "pred.i32", "ref.i32", "sweep/x",
-               "camp/x", "camp.tar.gz", "cir/corpus/x", "provenance.json", "bench.json", "ablate.json"]
+               "camp/x", "camp.tar.gz", "cir/corpus/x", "provenance.json", "bench.json", "ablate.json",
+               ".benchmarks/prepared/x"]
     r = subprocess.run(["git", "-C", str(REPO), "check-ignore", "--no-index", *outputs], capture_output=True,
                        text=True)
     assert sorted(r.stdout.split()) == sorted(outputs), set(outputs) - set(r.stdout.split())
