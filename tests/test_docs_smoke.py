@@ -197,6 +197,41 @@ def test_a_document_that_runs_the_test_tools_says_how_to_install_them():
                 f"{doc} runs pytest but does not say `python3 -m pip install -e '.[dev]'` (or ./scripts/test.sh)"
 
 
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading: lower case, punctuation dropped, spaces as dashes."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_cross_document_links_and_the_sections_they_name_exist():
+    """Every relative link of README.md and docs/ reaches a file, its `#anchor` a heading there, and
+    a section named after a link (`[x.md](x.md), "Section"`) is a heading or a bold paragraph
+    (`**Section.**`) of that file; a section pointer names its file by a link, not in words."""
+    bad = []
+    for doc in [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]:
+        text = " ".join(doc.read_text().split())           # a pointer may wrap across lines
+        for m in re.finditer(r"\[[^\]]*\]\(([^)\s]+)\)(?:, \"([^\"]+)\")?", text):
+            target, section = m.group(1), m.group(2)
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            file = (doc.parent / path).resolve() if path else doc
+            where = f"{doc.relative_to(REPO)}: {m.group(0)}"
+            if not file.exists():
+                bad.append(f"{where}: no such file")
+                continue
+            if file.suffix != ".md" or not (anchor or section):
+                continue
+            body = file.read_text()
+            heads = re.findall(r"^#+\s+(.*)$", body, re.M)
+            if anchor and anchor not in {_slug(h) for h in heads}:
+                bad.append(f"{where}: no heading with anchor #{anchor}")
+            if section and section not in heads and f"**{section}.**" not in " ".join(body.split()):
+                bad.append(f"{where}: no section {section!r} there")
+        bad += [f"{doc.relative_to(REPO)}: {m.group(0)!r} names a section in words: link its file"
+                for m in re.finditer(r"(?:README|[\w-]+\.md), \"[^\"]+\"", text)]
+    assert not bad, bad
+
+
 def test_documented_outputs_stay_out_of_git():
     """Following the documents never dirties the tree: every output they suggest is ignored."""
     outputs = ["demo/x", "artifacts/default/x", "artifacts/tiny/x", "cohort/x", "pred.i32", "ref.i32", "sweep/x",
