@@ -251,7 +251,10 @@ def parse_args(argv: list[str] | None = None, exit_on_error: bool = True) -> arg
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     if a.debug:   # the compiles read it (engine.backends.aot.quiet_reports), and so do the children
+        from engine import settings
+
         os.environ["ENGINE_DEBUG"] = "1"
+        settings.reload()
     try:
         fixed_batch = a.batch_size if a.batch_size != "auto" else preset(a.device).static_batch_size
         spec = resolve_spec(a.model, precision="fp32" if a.precision == "auto" else a.precision,

@@ -484,6 +484,19 @@ def test_the_aot_compile_keeps_inductors_autotune_reports_out_of_the_log_unless_
     assert seen[1] == (*defaults, True) and defaults != (0, False)
 
 
+def test_engine_build_debug_lets_the_library_reports_through(monkeypatch, tmp_path):
+    """`python -m engine.build --debug` is ENGINE_DEBUG=1 for the compiles in it (and its children)."""
+    from engine import build
+    from engine.backends import aot
+
+    monkeypatch.delenv("ENGINE_DEBUG", raising=False)
+    assert aot.quiet_reports()
+    with pytest.raises(Exception):   # noqa: B017 - any failure: --debug re-raises it; the switch is what is checked
+        build.main(["--model", "no_such_model_xyz", "--out", str(tmp_path / "a"), "--backend", "eager",
+                    "--precision", "fp32", "--batch-size", "8", "--debug"])
+    assert os.environ["ENGINE_DEBUG"] == "1" and aot.quiet_reports() == {}
+
+
 def test_the_aot_build_bounds_its_compile_workers_and_says_what_tmpdir_needs(monkeypatch, tmp_path, capsys):
     """Inductor's compile workers are the thread budget (a bounded sandbox counts PIDs); the build
     says the worker count and the TMPDIR space it needs, has and used (no compile here: a fake one)."""
