@@ -253,8 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.debug:   # the compiles read it (engine.backends.aot.quiet_reports), and so do the children
         from engine import settings
 
-        os.environ["ENGINE_DEBUG"] = "1"
-        settings.reload()
+        settings.set_debug()
     try:
         fixed_batch = a.batch_size if a.batch_size != "auto" else preset(a.device).static_batch_size
         spec = resolve_spec(a.model, precision="fp32" if a.precision == "auto" else a.precision,

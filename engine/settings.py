@@ -205,6 +205,12 @@ def debug() -> bool:
     return read("ENGINE_DEBUG", flag, False)
 
 
+def set_debug() -> None:
+    """`--debug`: ENGINE_DEBUG=1 for the rest of this process and the processes it starts."""
+    os.environ["ENGINE_DEBUG"] = "1"
+    _cache.pop("ENGINE_DEBUG", None)
+
+
 def omp_wait_policy() -> str:
     """PASSIVE or ACTIVE (OpenMP's spelling)."""
     return read("OMP_WAIT_POLICY", choice("passive", "active"), "passive").upper()
