@@ -27,7 +27,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
 
     def _get_help_string(self, action: argparse.Action) -> str:
         # a switch (store_true/false/const) takes no value: "(default: True)" on --no-X would read backwards
-        if (action.required or action.nargs == 0 or action.default in (None, False)
+        # `is`, not `in (None, False)`: a default of 0 (a seed, a count) equals False and is shown
+        if (action.required or action.nargs == 0 or action.default is None or action.default is False
                 or action.default is argparse.SUPPRESS):
             return action.help or ""
         return super()._get_help_string(action)

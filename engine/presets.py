@@ -105,5 +105,16 @@ def tables() -> str:
     return markdown() + "\n\n" + retrieval.markdown()
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> int:
+    """`python -m engine.presets`: both tables on stdout (it takes no arguments but --help)."""
+    from engine.cli import ArgumentParser
+
+    ArgumentParser(prog="python -m engine.presets", description="Print the defaults as Markdown tables: the "
+                   "classification build's, one column per device (docs/classification.md), then the retrieval "
+                   "engine's (docs/retrieval.md).").parse_args(argv)
     print(tables())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -38,7 +38,7 @@ on and 0, false, no, off for off (an empty value is the default).
 | CLIP_TEXT_TRIM | 0/1 | 1 | run the text tower on the used positions only (0: all 77, the reference twin) |
 | CLIP_TOWERS | auto/eager | auto on CUDA, eager on the CPU | the index build measures eager/aot CLIP towers and records the one chosen, which query runs load (engine.clip.tune); eager: the off switch, at build and query time |
 | KERNELS_TOPK | auto/cupy/torch | auto | force the top-k kernel or its torch twin |
-| ENGINE_DEBUG | 0/1 | 0 | show the Python traceback of a user error (as `--debug` does) instead of one line |
+| ENGINE_DEBUG | 0/1 | 0 | show the Python traceback of a user error (as `--debug` does) instead of one line, and a build's library debug output (Inductor's autotune reports) |
 | OMP_WAIT_POLICY | passive/active | passive | OpenMP threads sleep between calls (busy-waiting ones starve the decoder threads on few cores); engine.threads passes it on |
 | ENGINE_PROGRESS | auto/bar/lines/off | auto | progress of long steps on stderr: a bar on a terminal, a line every few seconds otherwise |
 """
@@ -203,6 +203,12 @@ def guard() -> bool:
 
 def debug() -> bool:
     return read("ENGINE_DEBUG", flag, False)
+
+
+def set_debug() -> None:
+    """`--debug`: ENGINE_DEBUG=1 for the rest of this process and the processes it starts."""
+    os.environ["ENGINE_DEBUG"] = "1"
+    _cache.pop("ENGINE_DEBUG", None)
 
 
 def omp_wait_policy() -> str:

@@ -106,7 +106,7 @@ BUILD_FLAG_KNOBS = ("ENGINE_MODEL", "ENGINE_PRECISION", "ENGINE_BATCH_SIZE", "EN
 # every variable ./build.sh reads, in the order its --help lists them
 BUILD_ENV = ("ENGINE_CHECKPOINT", "ENGINE_MODEL", "ENGINE_PRECISION", "ENGINE_BATCH_SIZE", "ENGINE_BACKEND",
              "ENGINE_DEVICE", "ENGINE_ARTIFACT", "ENGINE_INPUT_SIZE", "ENGINE_CROP_MODE", "ENGINE_CROP_PCT",
-             "ENGINE_MODEL_KWARGS", "ENGINE_BUILD_DEADLINE_S", "FORCE", "PYTHON")
+             "ENGINE_MODEL_KWARGS", "ENGINE_BUILD_DEADLINE_S", "FORCE", "ENGINE_DEBUG", "PYTHON")
 
 
 # every variable scripts/run reads, in the order its --help lists them

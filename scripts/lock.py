@@ -77,11 +77,14 @@ def resolves(lock: str, arch: str, glibc: str) -> int:
 
 def main() -> int:
     p = argparse.ArgumentParser(prog="python scripts/lock.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("roots", nargs="*")
-    p.add_argument("--exclude", action="append", default=[], help="a lock whose pins to leave out")
-    p.add_argument("--resolves", metavar="LOCK", help="check LOCK has a wheel of every pin for --arch instead")
+    p.add_argument("roots", nargs="*", help="the packages to lock with their installed dependencies (default: none)")
+    p.add_argument("--exclude", action="append", default=[],
+                   help="a lock whose pins to leave out (repeatable; default: none)")
+    p.add_argument("--resolves", metavar="LOCK",
+                   help="check LOCK has a wheel of every pin for --arch instead (default: write a lock)")
     p.add_argument("--arch", default="aarch64", help="with --resolves (default aarch64, the scored machine's)")
-    p.add_argument("--glibc", default="2.36", help="with --resolves: the base image's glibc (bookworm: 2.36)")
+    p.add_argument("--glibc", default="2.36",
+                   help="with --resolves: the base image's glibc (default 2.36, bookworm's)")
     a = p.parse_args()
     if a.resolves:
         return 1 if resolves(a.resolves, a.arch, a.glibc) else 0

@@ -12,7 +12,13 @@
 # System packages (headless Chromium, for the campaign report's rendering test) only when
 # asked, INSTALL_SYSTEM_PACKAGES=1, or in CI (CI=true): apt-get as root, said on stderr.
 # Otherwise that test skips and says why.
+#
+#   scripts/test.sh [PYTEST ARGS]    (default: the whole suite; e.g. -x tests/test_demo.py)
+#   scripts/test.sh --help           this text; installs and runs nothing
 set -eu
+case "${1:-}" in
+    -h|--help) sed -n '2,/^set -eu$/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
+esac
 cd "$(dirname "$0")/.."
 quick=0
 if [ "${1:-}" = --quick ]; then

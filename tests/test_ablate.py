@@ -33,10 +33,13 @@ def test_ablate_runs_scores_and_tabulates_every_method(tmp_path):
     wall = time.perf_counter() - t0
     assert r.returncode == 1, r.stderr[-3000:]                     # one method failed: said in the status
     assert wall < 60, wall
-    table = r.stdout.splitlines()
+    legend, *table = r.stdout.splitlines()                         # the table last: its header, one row a method
+    assert legend.startswith("CIRCO / CIRR metrics in percent") and len(table) == len(METHODS) + 2
     head = table[0].split()
-    for col in ("circo", "mAP@5", "mAP@50", "cirr", "R@1", "R@50", "mean", "raw", "reward"):
+    for col in ("method", "circo", "mAP@5", "mAP@50", "cirr", "R@1", "R@50", "mean", "raw", "reward", "q/s"):
         assert col in head
+    assert not [ln for ln in r.stderr.splitlines() if "{" in ln], "a run's JSON summary on stderr (it is in --json)"
+    assert f"every method's run and score report: {out_json}" in r.stderr
     for m in METHODS:
         assert any(line.startswith(m + " ") for line in table), m
     assert any(line.startswith("no-such-method") and "run failed (2)" in line for line in table)
@@ -78,7 +81,9 @@ def test_default_set_runs_what_an_index_without_extras_supports(tmp_path):
     left_out = next(line for line in r.stderr.splitlines() if "default set" in line)
     for m in needs_extras:
         assert m in left_out
-    assert "no Pic2Word mapping" in left_out and "no gallery text bank" in left_out
+    assert "no Pic2Word mapping" in left_out and left_out.count("left out:") == 2      # one reason per group
+    assert ("hubness scoring with bank=gallery (the default) needs a query bank of gallery-derived texts, and the "
+            "index has none: they are written from a Pic2Word mapping (scripts/build.sh --mapping pic2word") in left_out
     # the untimed warm-up ran the first method on the first 8 requests, before any timed method
     assert len((out_dir / ".warmup.jsonl").read_text().splitlines()) == 8
     assert r.stderr.index("warm-up") < r.stderr.index("method 1 of")
@@ -130,7 +135,7 @@ def test_ablate_finds_the_clip_the_index_records(tmp_path):
     said = [ln for ln in r.stderr.splitlines() if "the one the index records" in ln]
     assert len(said) == 1 and recorded in said[0] and "/task/models/clip is missing" in said[0], r.stderr
     assert "CLIP model path not found" not in r.stderr
-    assert [ln.split()[0] for ln in r.stdout.splitlines()[1:3]] == ["slerp", "sum"]
+    assert [ln.split()[0] for ln in r.stdout.splitlines()[2:4]] == ["slerp", "sum"]     # legend, header, rows
     # the recorded folder's weights changed since the build: not used, and the error is the old one
     moved = tmp_path / "index"
     shutil.copytree(built_index(), moved)

@@ -14,7 +14,8 @@ from PIL import Image
 import engine
 from evaluator.contest.manifest import read_manifest
 
-# the README's first example: `artifact` is a folder ./build.sh wrote, `paths` image files
+# the README's first example, as it runs from the repository after `python3 -m evaluator.demo`:
+# the demo's artifact in demo/artifact, its cohort in demo/cohort
 EXAMPLE = readme_python_block(0)
 
 
@@ -43,14 +44,24 @@ def _black_png(size: int = 64) -> bytes:
 
 
 @pytest.mark.abi
-def test_the_example_answers_what_scripts_run_writes(small_cohort, eager_artifact, abi_output, capsys):
-    paths = _paths(small_cohort)
-    ns = {"artifact": str(eager_artifact), "paths": paths}
+def test_the_example_answers_what_scripts_run_writes(small_cohort, eager_artifact, abi_output, capsys, tmp_path,
+                                                     monkeypatch):
+    """The block as the README shows it, in a folder laid out as the demo leaves the repository
+    (demo/artifact, demo/cohort/manifest.tsv and its images; see evaluator/contest/demo.py)."""
+    from evaluator.contest.demo import parse_args
+
+    assert str(parse_args([]).out) == "demo"        # where `python3 -m evaluator.demo` writes by default
+    (tmp_path / "demo").mkdir()
+    (tmp_path / "demo" / "artifact").symlink_to(eager_artifact)
+    (tmp_path / "demo" / "cohort").symlink_to(small_cohort)
+    monkeypatch.chdir(tmp_path)
+    ns: dict = {}
     exec(EXAMPLE, ns)
+    assert ns["paths"] == [f"demo/cohort/{r.path}" for r in read_manifest(small_cohort / "manifest.tsv")]
     assert ns["top1"].dtype == np.int32 and ns["top1"].tolist() == abi_output.tolist()
     assert {"imports", "artifact_load", "read", "decode", "inference", "pipeline"} <= set(ns["stages"])
     printed = capsys.readouterr().out
-    assert all(f"{paths[i]}: unreadable" in printed for i in _broken(small_cohort))
+    assert all(f"{ns['paths'][i]}: unreadable" in printed for i in _broken(small_cohort))
 
 
 @pytest.mark.abi

@@ -455,6 +455,53 @@ def test_a_terminated_aot_run_leaves_nothing_behind(aot_artifact, small_cohort, 
     assert not (_aoti_entries_in_tmp() - before)
 
 
+def test_the_aot_compile_keeps_inductors_autotune_reports_out_of_the_log_unless_debugging(monkeypatch, tmp_path):
+    """max-autotune makes Inductor write an `AUTOTUNE addmm(...)` block and a JSON stats line per GEMM
+    straight to stderr: the compile runs with both reports off; ENGINE_DEBUG=1 (engine.build --debug)
+    leaves Inductor's own settings. Errors are Inductor's logging, which neither setting touches."""
+    import zipfile
+
+    from engine.backends import aot
+
+    assert all(hasattr(torch._inductor.config, k) for k in aot.QUIET_REPORTS)   # names this torch knows
+    seen = []
+
+    def fake_compile(ep, package_path, inductor_configs):
+        cfg = torch._inductor.config
+        seen.append((cfg.autotune_num_choices_displayed, cfg.max_autotune_report_choices_stats,
+                     inductor_configs.get("max_autotune")))
+        with zipfile.ZipFile(package_path, "w") as z:
+            z.writestr("model/data/aotinductor/model/c1.wrapper.so", b"\x7fELF")
+        return package_path
+
+    monkeypatch.setattr(aot, "export_top1", lambda net, spec, device, margin: (None, torch.zeros(2, 8, 8, 3)))
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", fake_compile)
+    monkeypatch.delenv("ENGINE_DEBUG", raising=False)
+    net = torch.nn.Linear(8, 8)
+    (tmp_path / "quiet").mkdir()
+    (tmp_path / "debug").mkdir()
+    aot.save(net, tiny_spec(), "cpu", tmp_path / "quiet", options="max-autotune")
+    monkeypatch.setenv("ENGINE_DEBUG", "1")
+    aot.save(net, tiny_spec(), "cpu", tmp_path / "debug", options="max-autotune")
+    defaults = (torch._inductor.config.autotune_num_choices_displayed,
+                torch._inductor.config.max_autotune_report_choices_stats)
+    assert seen[0] == (0, False, True)
+    assert seen[1] == (*defaults, True) and defaults != (0, False)
+
+
+def test_engine_build_debug_lets_the_library_reports_through(monkeypatch, tmp_path):
+    """`python -m engine.build --debug` is ENGINE_DEBUG=1 for the compiles in it (and its children)."""
+    from engine import build
+    from engine.backends import aot
+
+    monkeypatch.delenv("ENGINE_DEBUG", raising=False)
+    assert aot.quiet_reports()
+    with pytest.raises(Exception):   # noqa: B017 - any failure: --debug re-raises it; the switch is what is checked
+        build.main(["--model", "no_such_model_xyz", "--out", str(tmp_path / "a"), "--backend", "eager",
+                    "--precision", "fp32", "--batch-size", "8", "--debug"])
+    assert os.environ["ENGINE_DEBUG"] == "1" and aot.quiet_reports() == {}
+
+
 def test_the_aot_build_bounds_its_compile_workers_and_says_what_tmpdir_needs(monkeypatch, tmp_path, capsys):
     """Inductor's compile workers are the thread budget (a bounded sandbox counts PIDs); the build
     says the worker count and the TMPDIR space it needs, has and used (no compile here: a fake one)."""

@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_spec
+from conftest import REPO, tiny_spec
 
 from engine.build.autotune import Agreement, Candidate, SearchConfig, rank, search
 
@@ -377,7 +377,12 @@ def test_a_candidate_within_reach_of_the_leader_is_retimed_interleaved_and_the_t
     from engine.build.autotune import format_table
 
     table = format_table(res, "aot/fp32/b16")
-    assert table.splitlines()[0].startswith("screen = eager images/s; graph = compiled images/s")
+    legend = table.split("\ncandidate ")[0]
+    assert legend.startswith("columns (- = not measured):\n  candidate ")
+    for name in ("candidate", "screen", "graph", "eff.", "agree", "tau", "chosen", "holds", "slower", "rejected",
+                 "failed", "not compiled", "skipped", "dropped"):
+        assert f"\n  {name} " in legend, name         # every column and status said once, above the rows
+    assert table.count("graph with the guard's re-check cost") == 1
     assert "timings: [40.0, 40.0, 40.0, 40.0]" in table
     assert res.table()[1]["timings"] == [40.0] * 4
 
@@ -480,3 +485,11 @@ def test_a_guarded_candidate_disturbed_on_its_only_timing_is_timed_again_before_
     by = {t.candidate.batch_size: t for t in res.trials}
     assert by[16].timings[0] == 7.0 and len(by[16].timings) >= 4      # retimed, interleaved with b8
     assert "eager/bf16/b32" not in res.handles                           # the slow one still loses its files
+
+
+def test_the_docs_explain_every_column_and_status_of_the_table():
+    from engine.build.table import COLUMNS, STATUSES
+
+    text = (REPO / "docs" / "classification.md").read_text()
+    for name in (*COLUMNS, *STATUSES):
+        assert f"`{name}`" in text, f"docs/classification.md does not explain the search table's {name!r}"

@@ -62,7 +62,7 @@ os._exit(0)  # skip interpreter shutdown: less exit jitter
 
 
 def make_prepared(root: Path, rows: int = ROWS) -> Path:
-    """A dir shaped like `evaluator.contest.demo prepare` output: cohort/, artifact/, reference.i32."""
+    """A dir shaped like `python -m evaluator.demo prepare` output: cohort/, artifact/, reference.i32."""
     (root / "cohort" / "images").mkdir(parents=True)
     lines = []
     for i in range(rows):
@@ -285,6 +285,44 @@ def test_min_profile_is_never_promoted_nor_quality(env, tmp_path):
     assert ">promoted<" not in html
 
 
+def test_min_reuses_the_prepared_demo_and_says_so(env, tmp_path, monkeypatch, capsys):
+    """`python -m evaluator.demo` leaves demo/ (cohort, artifact, reference.i32 written last): a min
+    campaign started beside it reuses it instead of building the same again, and says so; a --count
+    it does not have, or a demo stopped before its reference, is generated afresh."""
+    import os
+
+    from evaluator.evidence.workloads import eva02
+
+    prepared, source, _ = env
+    demo = tmp_path / "work" / "demo"
+    shutil.copytree(prepared, demo)
+    (demo / "cohort" / "cohort.json").write_text(json.dumps({"seed": 0, "count": ROWS}))
+    t = (demo / "reference.i32").stat().st_mtime
+    for p in (demo / "cohort" / "manifest.tsv", demo / "artifact" / "manifest.json"):
+        os.utime(p, (t - 10, t - 10))
+    monkeypatch.chdir(tmp_path / "work")
+    generated = []
+
+    def prepare_min(*args):
+        generated.append(args)
+        raise RuntimeError("generating")
+
+    monkeypatch.setattr(eva02, "prepare_min", prepare_min)
+    base = ["run", "--workload", "eva02-imagenet1k", "--profile", "min", "--runs", "2", "--source-dir", str(source)]
+    assert campaign.main([*base, "--out", str(tmp_path / "o1")]) == 0
+    err = capsys.readouterr().err
+    assert f"campaign: reusing the prepared demo in {demo.resolve()} ({ROWS} generated images, seed 0" in err
+    doc = json.loads((tmp_path / "o1" / "disclosure.json").read_text())
+    assert doc["dataset"]["split"] == f"generated:seed=0,count={ROWS} (the prepared demo reused)"
+    assert doc["dataset"]["rows"] == ROWS and not generated
+    assert campaign.main([*base, "--out", str(tmp_path / "o2"), "--count", "8"]) == 1   # another count
+    assert len(generated) == 1 and generated[0][2:] == (8, 0)
+    os.utime(demo / "cohort" / "manifest.tsv", (t + 10, t + 10))       # the demo stopped after a new cohort
+    assert campaign.main([*base, "--out", str(tmp_path / "o3")]) == 1
+    assert len(generated) == 2 and generated[1][2:] == (64, 0)
+    assert "reusing the prepared demo" not in capsys.readouterr().err
+
+
 def test_dirty_tree_and_custom_runner_block_promotion(env, tmp_path):
     prepared, source, configure = env
     (source / "untracked.txt").write_text("x")
@@ -345,7 +383,7 @@ def test_pro_profile_records_config_note(env, tmp_path):
 
 @pytest.mark.slow
 def test_real_eva02_min_campaign(tmp_path):
-    """The real path: `evaluator.contest.demo prepare` input, `scripts/run` processes (tiny CPU model)."""
+    """The real path: `python -m evaluator.demo prepare` input, `scripts/run` processes (tiny CPU model)."""
     out = tmp_path / "out"
     rc = campaign.main(["run", "--workload", "eva02-imagenet1k", "--profile", "min", "--runs", "5",
                         "--count", "8", "--out", str(out), "--timeout-s", "600"])
@@ -354,3 +392,13 @@ def test_real_eva02_min_campaign(tmp_path):
     assert doc["result_role"] == "functional" and doc["quality"]["shown_as_quality"] is False
     assert doc["runs"][0]["timing_report"]["stages"] is not None
     assert campaign.main(["verify", str(out / sha256_manifest.MANIFEST_NAME)]) == 0
+
+
+def test_the_result_line_rounds_seconds():
+    doc = {"workload": {"id": "eva02-imagenet1k"}, "profile": "min", "promotion": {"status": "not-promotable"},
+           "primary_metric": {"median": 4.512356109999928, "n": 5, "values": [4.512356109999928, 4.6]},
+           "attempt": {"valid": True, "reason": None}}
+    line = campaign.summary_line(doc)
+    assert "median 4.51 s over 5 valid runs" in line and "4.5123" not in line
+    doc["attempt"] = {"valid": False, "reason": "run 2 failed"}
+    assert campaign.summary_line(doc).endswith("wall s of the runs that completed: 4.51, 4.60")

@@ -108,6 +108,9 @@ DOCUMENTED: dict[str, str] = {
     "python -m evaluator.campaign package camp --out camp.tar.gz": "campaign-package",
     "python -m pytest tests/bench --benchmark-enable --benchmark-json=bench.json":
         "skip: benchmarks take minutes each and are timed on a quiet machine",
+    "BENCH_PREPARED=.benchmarks/prepared python -m pytest tests/bench --benchmark-enable --benchmark-json=bench.json":
+        "skip: benchmarks take minutes each and are timed on a quiet machine; tests/test_bench_progress.py checks "
+        "that their preparation is said on the terminal",
     "scripts/device_check.sh [OUTDIR]": "skip: needs a GPU; tests/test_device_check.py runs it on the CPU (--tiny)",
     # docs/SUBMITTING.md
     "docker buildx build --platform linux/arm64,linux/amd64 -t eva-engine:submission .":
@@ -182,10 +185,58 @@ def test_every_documented_command_is_covered():
     assert steps <= set(DOCUMENTED.values()), "a step no documented command maps to"
 
 
+def test_a_document_that_runs_the_test_tools_says_how_to_install_them():
+    """`pip install -e .` (the README's first command) installs no pytest: every document that
+    shows a command running pytest (the benchmarks, a measured figure, the mutation tool) says
+    where the test tools come from."""
+    needs = re.compile(r"python3? -m pytest|scripts/mutate\.py")
+    for doc in ["README.md", *(str(p.relative_to(REPO)) for p in sorted((REPO / "docs").glob("*.md")))]:
+        text = (REPO / doc).read_text()
+        if needs.search(text):
+            assert "pip install -e '.[dev]'" in text and "scripts/test.sh" in text, \
+                f"{doc} runs pytest but does not say `python3 -m pip install -e '.[dev]'` (or ./scripts/test.sh)"
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading: lower case, punctuation dropped, spaces as dashes."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_cross_document_links_and_the_sections_they_name_exist():
+    """Every relative link of README.md and docs/ reaches a file, its `#anchor` a heading there, and
+    a section named after a link (`[x.md](x.md), "Section"`) is a heading or a bold paragraph
+    (`**Section.**`) of that file; a section pointer names its file by a link, not in words."""
+    bad = []
+    for doc in [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]:
+        text = " ".join(doc.read_text().split())           # a pointer may wrap across lines
+        for m in re.finditer(r"\[[^\]]*\]\(([^)\s]+)\)(?:, \"([^\"]+)\")?", text):
+            target, section = m.group(1), m.group(2)
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            file = (doc.parent / path).resolve() if path else doc
+            where = f"{doc.relative_to(REPO)}: {m.group(0)}"
+            if not file.exists():
+                bad.append(f"{where}: no such file")
+                continue
+            if file.suffix != ".md" or not (anchor or section):
+                continue
+            body = file.read_text()
+            heads = re.findall(r"^#+\s+(.*)$", body, re.M)
+            if anchor and anchor not in {_slug(h) for h in heads}:
+                bad.append(f"{where}: no heading with anchor #{anchor}")
+            if section and section not in heads and f"**{section}.**" not in " ".join(body.split()):
+                bad.append(f"{where}: no section {section!r} there")
+        bad += [f"{doc.relative_to(REPO)}: {m.group(0)!r} names a section in words: link its file"
+                for m in re.finditer(r"(?:README|[\w-]+\.md), \"[^\"]+\"", text)]
+    assert not bad, bad
+
+
 def test_documented_outputs_stay_out_of_git():
     """Following the documents never dirties the tree: every output they suggest is ignored."""
     outputs = ["demo/x", "artifacts/default/x", "artifacts/tiny/x", "cohort/x", "pred.i32", "ref.i32", "sweep/x",
-               "camp/x", "camp.tar.gz", "cir/corpus/x", "provenance.json", "bench.json", "ablate.json"]
+               "camp/x", "camp.tar.gz", "cir/corpus/x", "provenance.json", "bench.json", "ablate.json",
+               ".benchmarks/prepared/x"]
     r = subprocess.run(["git", "-C", str(REPO), "check-ignore", "--no-index", *outputs], capture_output=True,
                        text=True)
     assert sorted(r.stdout.split()) == sorted(outputs), set(outputs) - set(r.stdout.split())

@@ -25,7 +25,7 @@ needs_root = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def demo(tiny_checkpoint, tmp_path_factory) -> Path:
-    """`evaluator.contest.demo prepare` output (24 generated images, eager artifact), reusing the session's checkpoint."""
+    """`python -m evaluator.demo prepare` output (24 generated images, eager artifact), reusing the session's checkpoint."""
     from evaluator.contest.demo import prepare
 
     out = tmp_path_factory.mktemp("demo")

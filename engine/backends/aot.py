@@ -66,7 +66,7 @@ def save(net: torch.nn.Module, spec, device: str, out_dir: Path, margin: bool = 
           f"Inductor cache {cache} needs about {need / 2**30:.1f} GiB, "
           f"{_free_bytes(cache) / 2**30:.1f} GiB free there", file=sys.stderr)
     t0 = time.time()
-    with torch._inductor.config.patch(compile_threads=workers):
+    with torch._inductor.config.patch(compile_threads=workers, **quiet_reports()):
         torch._inductor.aoti_compile_and_package(ep, package_path=str(package), inductor_configs=configs)
     seconds = time.time() - t0
     used = tree_bytes(cache, since=t0 - 1)   # what this compile left in the cache (mtimes are coarse)
@@ -78,6 +78,22 @@ def save(net: torch.nn.Module, spec, device: str, out_dir: Path, margin: bool = 
                     "compile_workers": workers, "inductor_cache_bytes": used,
                     "example_shape": list(example.shape), "inductor_configs": configs, "options": options,
                     "outputs": ["top1", "margin"] if margin else ["top1"]}}
+
+
+# Inductor's own reports, written straight to stderr while max-autotune times its kernels (an
+# `AUTOTUNE addmm(...)` block and a JSON line per GEMM): library debug output, not the build's
+# story. The search's table says what was chosen; errors still go through Inductor's logging.
+QUIET_REPORTS = {"autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
+
+
+def quiet_reports() -> dict:
+    """Inductor settings that keep its autotune reports out of the build log; none (its own
+    defaults) under ENGINE_DEBUG=1 or `--debug`. A setting this torch lacks is left out."""
+    from engine.cli import debugging
+
+    if debugging():
+        return {}
+    return {k: v for k, v in QUIET_REPORTS.items() if hasattr(torch._inductor.config, k)}
 
 
 def unpack(package: Path, dest: Path) -> list[str]:

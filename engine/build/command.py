@@ -306,6 +306,10 @@ def report(out: Path, meta: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)                                                   # parse
+    if a.debug:   # the compiles read it (engine.backends.aot.quiet_reports), and so do the children
+        from engine import settings
+
+        settings.set_debug()
     try:
         spec, guard, auto = plan(a)                                        # plan
         meta = build(spec, a.checkpoint, a.out, backend=backends.DEFAULT if a.backend == "auto" else a.backend,

@@ -1,5 +1,6 @@
-"""The search's table as the build prints it: a legend once, then one line per candidate with every
-timing of its compiled graph, the choice marked, the skipped precisions and dropped backends last."""
+"""The search's table as the build prints it: a legend once (every column and status), then one
+line per candidate with every timing of its compiled graph, the choice marked, the skipped
+precisions and dropped backends last."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -9,10 +10,31 @@ from engine.build.retime import RETIME, TIE
 if TYPE_CHECKING:
     from engine.build.autotune import SearchResult
 
-LEGEND = ("screen = eager images/s; graph = compiled images/s, the median of the timings listed; eff. = graph "
-          "with the guard's re-check cost; agree = guarded top-1 agreement with the FP32 graph on the calibration "
-          f"images; tau = the guard's margin threshold; medians within {TIE:.0%} plus their spread are a tie (the "
-          f"simpler wins); within {RETIME:.0%} of the leader a candidate is retimed interleaved with it")
+# what each column and status means, printed once above the rows (docs/classification.md says the same)
+COLUMNS = {
+    "candidate": "backend/precision/b<static batch>, +graphs: replayed from a CUDA graph, +max-autotune: Inductor's "
+                 "GEMM autotuning at compile time",
+    "screen": "images/s of the eager network, which only orders the compiles",
+    "graph": "images/s of the compiled graph, the median of the timings listed",
+    "eff.": "graph with the guard's re-check cost (below FP32: near-ties re-run in FP32); the choice is the fastest here",
+    "agree": "guarded top-1 agreement with the FP32 graph on the calibration images",
+    "tau": "the guard's margin threshold (below FP32)",
+}
+STATUSES = {
+    "chosen": "the build's choice",
+    "holds": "holds the disagreement budget, not the fastest",
+    "slower": "slower on the graph than the leader (agreement then not measured)",
+    "rejected": "breaks the disagreement budget",
+    "failed": "its build or its run failed (the reason follows)",
+    "not compiled": "could not win in the time or disk left, or its backend was dropped",
+    "skipped": "a precision not measured (not native here)",
+    "dropped": "a backend that cannot build here",
+}
+LEGEND = "\n".join([
+    "columns (- = not measured):", *(f"  {k:13} {v}" for k, v in COLUMNS.items()),
+    "status:", *(f"  {k:13} {v}" for k, v in STATUSES.items()),
+    f"medians within {TIE:.0%} plus their spread are a tie (the simpler wins); within {RETIME:.0%} of the leader a "
+    "candidate is retimed interleaved with it; timings: every images/s timing of the graph"])
 
 
 def format_table(result: SearchResult, chosen: str | None) -> str:

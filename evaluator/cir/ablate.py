@@ -13,7 +13,8 @@ requests (torch and the tokenizer initialise there, not inside the first timing)
 Each method runs through evaluator.cir.run.main (the code scripts/run.sh execs), in this
 process, into OUT_DIR/<method>.jsonl (a fresh output: no resume), and is scored with
 evaluator.cir.score (CIRCO mAP@5/10/25/50, CIRR R@1/5/10/50, per-source means, raw
-quality, reward). Prints one table (percent) and, with --json, writes every report.
+quality, reward). Progress is one stderr line per method; stdout ends with one table (percent),
+its rows in method order; every run's and score's full report goes to --json.
 Exit 0 when every method ran, 1 when one failed, 2 for bad input.
 Pick methods on your own labelled validation split: the generated test corpus and a
 random CLIP say nothing about quality (docs/retrieval_quality.md).
@@ -68,7 +69,7 @@ def parse_args(argv: list[str] | None) -> AblateConfig:
     p.add_argument("--methods", default=None,
                    help="comma-separated method names (scripts/run.sh --help); default: every entry of "
                         f"{', '.join(DEFAULT_METHODS)} the index supports")
-    p.add_argument("--json", type=Path, default=None, help="also write every method's report here")
+    p.add_argument("--json", type=Path, default=None, help="also write every method's full report here (default: not written)")
     p.add_argument("--out-dir", type=Path, default=None, help="run outputs (default: a folder under TMPDIR)")
     p.add_argument("--model-dir", type=Path, default=None,
                    help="CLIP folder (default: env CLIP_MODEL_DIR, else /task/models/clip when it is there, "
@@ -97,15 +98,27 @@ def unsupported(name: str, meta: dict, corpus: Path | None) -> str | None:
     except ValueError:
         return None
     if fields["name"] == "pic2word" and not meta.get("pic2word"):
-        return "the index has no Pic2Word mapping (build with --mapping pic2word)"
+        return "the index has no Pic2Word mapping (scripts/build.sh --mapping pic2word trains one)"
     bank = fields.get("bank", Method.bank) if fields.get("hubness") else None
-    if (bank in ("gallery", "both") or fields.get("gap") in ("bank", "both")) and not meta.get("text_bank"):
-        return "the index has no gallery text bank (build with --mapping pic2word)"
+    if bank in ("gallery", "both") and not meta.get("text_bank"):
+        return (f"hubness scoring with bank={bank} (the default) needs a query bank of gallery-derived texts, and "
+                f"{_no_text_bank(meta)}; :bank=requests uses the call's own requests instead")
+    if fields.get("gap") in ("bank", "both") and not meta.get("text_bank"):
+        return f"gap with text={fields['gap']} needs the gallery-derived texts' mean, and {_no_text_bank(meta)}"
     if fields.get("reinspect"):
         root = corpus or (Path(meta["corpus"]) if meta.get("corpus") else None)
         if root is None or not (root / "records.jsonl").is_file():
             return f"no corpus records for re-inspection at {root} (pass --corpus DIR)"
     return None
+
+
+def _no_text_bank(meta: dict) -> str:
+    """Why the index (its meta.json) stores no gallery-derived texts: they are the Pic2Word
+    mapping's pseudo-words of gallery rows, so only a build with a mapping writes them."""
+    if meta.get("pic2word"):
+        return "the index has a Pic2Word mapping but was built with --text-bank 0 (rebuild with --text-bank N)"
+    return ("the index has none: they are written from a Pic2Word mapping (scripts/build.sh --mapping pic2word "
+            "trains one and stores 4096 texts)")
 
 
 def _row(name: str, report: dict | None, run: dict) -> dict:
@@ -118,7 +131,7 @@ def _row(name: str, report: dict | None, run: dict) -> dict:
         row[f"{src} mean"] = s["mean_percent"] if s else None
     row["raw"] = report["raw"] if report else None
     row["reward"] = report["reward"] if report else None
-    row["queries_per_s"] = run.get("queries_per_s")
+    row["q/s"] = run.get("queries_per_s")
     return row
 
 
@@ -138,7 +151,7 @@ def _fmt(col: str, v) -> str:
     if v is None:
         return "-"
     if isinstance(v, (int, float)) and col != "method":
-        return f"{v:.4f}" if col in ("raw", "reward") else f"{v:.1f}" if col == "queries_per_s" else f"{v:.2f}"
+        return f"{v:.4f}" if col in ("raw", "reward") else f"{v:.1f}" if col == "q/s" else f"{v:.2f}"
     return str(v)
 
 
@@ -163,7 +176,7 @@ def _warm_up(cfg: AblateConfig, name: str, out_dir: Path) -> float:
     q = out_dir / ".warmup-requests.jsonl"
     q.write_text("".join(lines), encoding="utf-8")
     t0 = time.perf_counter()
-    cir_run.main(_run_args(cfg, name, q, out_dir / ".warmup.jsonl", out_dir / ".warmup.run.json"))
+    cir_run.main(_run_args(cfg, name, q, out_dir / ".warmup.jsonl", out_dir / ".warmup.run.json"), log_summary=False)
     return round(time.perf_counter() - t0, 3)
 
 
@@ -187,12 +200,12 @@ def ablate(cfg: AblateConfig) -> int:
     except InputError as e:
         raise UsageError(str(e)) from e
     if cfg.methods is None:
-        methods, left_out = [], []
+        methods, left_out = [], {}
         for name in DEFAULT_METHODS:
             why = unsupported(name, meta, cfg.corpus)
-            (left_out.append(f"{name} ({why})") if why else methods.append(name))
+            (left_out.setdefault(why, []).append(name) if why else methods.append(name))
         _say(f"default set: {len(methods)} methods the index supports" +
-             (f"; left out: {'; '.join(left_out)}" if left_out else ""))
+             "".join(f"; left out: {', '.join(names)}: {why}" for why, names in left_out.items()))
     else:
         methods = cfg.methods
     out_dir = cfg.out_dir or Path(tempfile.mkdtemp(prefix="cir-ablate-"))
@@ -212,19 +225,25 @@ def ablate(cfg: AblateConfig) -> int:
             out, rep = out_dir / f"{safe}.jsonl", out_dir / f"{safe}.run.json"
             _say(f"method {i} of {len(methods)}: {name}")
             t0 = time.perf_counter()
-            rc = cir_run.main(_run_args(cfg, name, cfg.queries, out, rep))
+            rc = cir_run.main(_run_args(cfg, name, cfg.queries, out, rep), log_summary=False)
             run = json.loads(rep.read_text()) if rc == 0 and rep.is_file() else {"status": f"run failed ({rc})"}
             run["wall_s"] = round(time.perf_counter() - t0, 3)
             report = score(load_results(out), labels) if rc == 0 else None
             output = str(out)
+            if report is not None:
+                _say(f"method {i} of {len(methods)}: {name}: {run.get('answered')} requests in "
+                     f"{run['wall_s']:.1f} s, raw {report['raw']:.4f}")
         rows.append(_row(name, report, run))
         reports.append({"method": name, "output": output, "run": run, "score": report})
-    print(format_table(rows))
-    print("(CIRCO / CIRR metrics in percent; raw and reward as fractions: evaluator.cir.score)")
     if cfg.json is not None:
         cfg.json.write_text(json.dumps({"index_dir": str(cfg.index_dir), "queries": str(cfg.queries),
                                         "labels": [str(p) for p in cfg.labels], "warmup": cfg.warmup,
                                         "table": rows, "methods": reports}, indent=2) + "\n")
+        _say(f"every method's run and score report: {cfg.json}")
+    sys.stderr.flush()      # the table comes last, after every progress line
+    print("CIRCO / CIRR metrics in percent; raw and reward as fractions (evaluator.cir.score); q/s: requests "
+          "answered per second")
+    print(format_table(rows), flush=True)
     return 0 if all(r["status"] == "ok" or r["status"].startswith("skipped") for r in rows) else 1
 
 

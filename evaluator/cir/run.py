@@ -69,15 +69,19 @@ class RunConfig:
 
 
 def parse_args(argv: list[str] | None) -> RunConfig:
-    from engine.cli import ArgumentParser, corpus_flags, debug_flag
+    from engine.cli import ArgumentParser, HelpFormatter, corpus_flags, debug_flag
     from engine.retrieval.compose import method_help, prompt_help
 
-    p = ArgumentParser(prog="scripts/run.sh", description=__doc__.split("\n\n")[0])
-    p.add_argument("--index-dir", type=Path, required=True)
-    p.add_argument("--queries", type=Path, required=True)
-    p.add_argument("--output", type=Path, required=True)
-    p.add_argument("--model-dir", type=Path, default=None, help="CLIP folder (env CLIP_MODEL_DIR)")
-    p.add_argument("--model-name", default=None, help="architecture for a bare state dict (env CLIP_MODEL_NAME)")
+    p = ArgumentParser(prog="scripts/run.sh", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    p.add_argument("--index-dir", type=Path, required=True, help="the gallery index scripts/build.sh wrote")
+    p.add_argument("--queries", type=Path, required=True, help="requests JSONL, one request per line")
+    p.add_argument("--output", type=Path, required=True,
+                   help="results JSONL: one row per request, top --k image ids best first (resumed if partial)")
+    p.add_argument("--model-dir", type=Path, default=None,
+                   help="CLIP folder (default: env CLIP_MODEL_DIR, else /task/models/clip when it is there, else "
+                        "the folder the index records when its digest matches)")
+    p.add_argument("--model-name", default=None,
+                   help="architecture for a bare state dict (env CLIP_MODEL_NAME; default: read from the folder)")
     p.add_argument("--method", default=evaluator_settings.cir_method(),
                    help="slerp | sum | text-only | pic2word, optionally +options, e.g. slerp+gap+qbnorm "
                         "(env CIR_METHOD; default: the index's, else slerp). Sources: " + method_help())
@@ -88,14 +92,18 @@ def parse_args(argv: list[str] | None) -> RunConfig:
                         "with {modification} (env CIR_PROMPT). Names: " + prompt_help())
     p.add_argument("--batch-size", type=int, default=RETRIEVAL.query_batch, help="requests per batch")
     p.add_argument("--k", type=int, default=TOP_K, help=f"results per query (at most {TOP_K})")
-    p.add_argument("--device", default=None)
-    p.add_argument("--precision", default=None)
+    p.add_argument("--device", default=None,
+                   help="where the CLIP towers run: cpu, cuda or cuda:N (default: env CLIP_DEVICE, else cuda when "
+                        "available, else cpu)")
+    p.add_argument("--precision", default=None,
+                   help="CLIP autocast precision: fp32, fp16 or bf16 (default: env CLIP_PRECISION, else fp16 on "
+                        "CUDA and fp32 on the CPU)")
     p.add_argument("--no-resume", "--fresh", dest="resume", action="store_false",
                    help="start the output afresh (an existing output resumes only if the same requests, "
                         "method, index and CLIP wrote it)")
     p.add_argument("--allow-model-mismatch", action="store_true",
                    help="run even if the CLIP differs from the one that built the index")
-    p.add_argument("--report", type=Path, default=None, help="also write the run summary JSON here")
+    p.add_argument("--report", type=Path, default=None, help="also write the run summary JSON here (default: not written)")
     p.add_argument("--corpus", type=Path, default=evaluator_settings.cir_corpus(),
                    help="corpus folder (records.jsonl) for re-inspection (env CIR_CORPUS; default: the index's)")
     p.add_argument("--bank-chunk", type=int, default=RETRIEVAL.bank_chunk,
@@ -114,14 +122,15 @@ def parse_args(argv: list[str] | None) -> RunConfig:
     return RunConfig(**vars(a))
 
 
-def main(argv: list[str] | None = None, on_row=None) -> int:
-    """scripts/run.sh. `on_row(n)` is called after the n-th row is written and flushed."""
+def main(argv: list[str] | None = None, on_row=None, log_summary: bool = True) -> int:
+    """scripts/run.sh. `on_row(n)` is called after the n-th row is written and flushed;
+    `log_summary=False` keeps the run's summary JSON off stderr (a caller that reads --report)."""
     from engine.cli import guard
     from evaluator.cir.limits import exhaustion_guarded
 
     debug = bool(argv and "--debug" in argv)
     with interrupt_ends(PROG, "every row written so far is kept; the same command resumes"):
-        return exhaustion_guarded(PROG, lambda: guard(PROG, lambda: _main(argv, on_row), debug=debug), debug)
+        return exhaustion_guarded(PROG, lambda: guard(PROG, lambda: _main(argv, on_row, log_summary), debug=debug), debug)
 
 
 INTERRUPTED = 130   # exit status after SIGINT, as a shell reports a process it ended
@@ -154,7 +163,7 @@ def interrupt_ends(prog: str, kept: str):
         signal.signal(signal.SIGINT, previous)
 
 
-def _main(argv: list[str] | None, on_row) -> int:
+def _main(argv: list[str] | None, on_row, log_summary: bool = True) -> int:
     from engine.stdio import safe_std_streams
 
     safe_std_streams()   # diagnostics are best effort: a broken stderr never fails the call
@@ -204,7 +213,7 @@ def _main(argv: list[str] | None, on_row) -> int:
         t1 = time.perf_counter()
         n = answer_naming_output(cfg, pipe, pending, out, on_row)
     report(cfg, {"queries": len(requests), "answered": n, "resumed": len(done)}, method, searcher, pipe,
-           (t0, t1, time.perf_counter()))
+           (t0, t1, time.perf_counter()), log_summary)
     return 0
 
 
@@ -250,17 +259,19 @@ def open_searcher(cfg: RunConfig, index, warn):
                     warn, task.MAX_REINSPECT, cfg.queries)
 
 
-def report(cfg: RunConfig, counts: dict, method, searcher, pipe, times: tuple[float, float, float]) -> None:
+def report(cfg: RunConfig, counts: dict, method, searcher, pipe, times: tuple[float, float, float],
+           log_summary: bool = True) -> None:
     """The run summary (`counts`, then the method, the CLIP's device, the gallery, the timings from
-    `times` = (start, first row, end), the pipeline's own report): one stderr line, and the --report
-    file when asked."""
+    `times` = (start, first row, end), the pipeline's own report): one stderr line (unless
+    `log_summary` is False), and the --report file when asked."""
     t0, t1, t_end = times
     rate = counts["answered"] / (t_end - t1) if t_end > t1 else 0.0
     towers = searcher.towers
     summary = {**counts, "method": method.to_dict(), "device": towers.device.type, "precision": towers.precision,
                "gallery": len(searcher.index.ids), "setup_s": round(t1 - t0, 3), "query_s": round(t_end - t1, 3),
                "queries_per_s": round(rate, 2), **pipe.report()}
-    _log(json.dumps(summary))
+    if log_summary:
+        _log(json.dumps(summary))
     if cfg.report is not None:
         cfg.report.write_text(json.dumps(summary, indent=2) + "\n")
 

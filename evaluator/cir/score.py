@@ -512,8 +512,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--queries", type=Path,
                         help="the request file (JSONL, or CIRCO/CIRR annotation JSON): gives each query's "
-                             "reference image id; without it the reference check is skipped")
-    parser.add_argument("--out", type=Path, help="also write the JSON report here")
+                             "reference image id (default: none, the reference check is skipped)")
+    parser.add_argument("--out", type=Path, help="also write the JSON report here (default: not written)")
     args = parser.parse_args(argv)
     try:
         labels = load_label_files(args.labels)

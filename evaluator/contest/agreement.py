@@ -221,16 +221,18 @@ def _rows_value(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine.cli import ArgumentParser, debug_flag, debugging
+    from engine.cli import ArgumentParser, HelpFormatter, debug_flag, debugging
 
-    p = debug_flag(ArgumentParser(prog="python -m evaluator.agreement", description=__doc__.split("\n\n")[0]))
-    p.add_argument("--predictions", required=True, type=Path)
+    p = debug_flag(ArgumentParser(prog="python -m evaluator.agreement", description=__doc__.split("\n\n")[0],
+                                  formatter_class=HelpFormatter))
+    p.add_argument("--predictions", required=True, type=Path, help="the run's OUTPUT: one int32 per manifest row")
     p.add_argument("--reference", required=True, type=Path,
                    help="reference: .i32 (-1 = could not read: left out, reported apart) or .tsv")
-    p.add_argument("--manifest", type=Path, help="the cohort manifest (needed for a .tsv reference)")
-    p.add_argument("--gate", type=_gate_value, default=GATE, help="fraction of rows that must match (0.99)")
-    p.add_argument("--expect-rows", type=_rows_value, help="fail unless the cohort has exactly N rows")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--manifest", type=Path, help="the cohort manifest (needed for a .tsv reference; default: none)")
+    p.add_argument("--gate", type=_gate_value, default=GATE, help="fraction of rows that must match")
+    p.add_argument("--expect-rows", type=_rows_value,
+                   help="fail unless the cohort has exactly N rows (default: any number)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON instead of lines")
     a = p.parse_args(argv)
     try:
         n = None

@@ -83,10 +83,13 @@ def parse_args(argv: list[str] | None):
     p.add_argument("output", type=Path, help="one little-endian int32 per row (-1: unreadable)")
     p.add_argument("--model", help="timm name (decides the spec); default: what the checkpoint records")
     p.add_argument("--checkpoint", required=True, type=Path, help="safetensors or torch state dict")
-    p.add_argument("--input-size", type=int, help="spec override")
-    p.add_argument("--crop-mode", choices=("center", "squash"), help="spec override")
-    p.add_argument("--crop-pct", type=float, help="spec override")
-    p.add_argument("--model-kwargs", type=json_object, help="timm create_model kwargs as a JSON object")
+    recorded = "the checkpoint's record when --model is not given, else"
+    p.add_argument("--input-size", type=int, help=f"spec override: input size in px (default: {recorded} the model's)")
+    p.add_argument("--crop-mode", choices=("center", "squash"),
+                   help=f"spec override (default: {recorded} the model's)")
+    p.add_argument("--crop-pct", type=float, help=f"spec override: crop fraction (default: {recorded} the model's)")
+    p.add_argument("--model-kwargs", type=json_object,
+                   help=f"timm create_model kwargs as a JSON object (default: {recorded} none)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (IEEE FP32 either way: TF32 off unless ENGINE_TF32=1)")
     return p.parse_args(argv)
 

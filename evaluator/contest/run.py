@@ -50,13 +50,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = ArgumentParser(prog="scripts/run", description=__doc__.split("\n\n")[0],
                        epilog=env_epilog(ev.env_help(ev.RUN_ENV)) + "\n(a 0/1 switch also takes true/false, yes/no, on/off)",
                        formatter_class=HelpFormatter)
-    p.add_argument("manifest", nargs="?", type=Path, default=ev.contest_manifest(), help="env CONTEST_MANIFEST")
+    p.add_argument("manifest", nargs="?", type=Path, default=ev.contest_manifest(),
+                   help="request_id<TAB>relative/path per row (env CONTEST_MANIFEST)")
     p.add_argument("image_root", nargs="?", type=Path, default=ev.contest_image_root(),
-                   help="env CONTEST_IMAGE_ROOT")
-    p.add_argument("output", nargs="?", type=Path, default=ev.contest_output(), help="env CONTEST_OUTPUT")
+                   help="folder the manifest's paths are relative to (env CONTEST_IMAGE_ROOT)")
+    p.add_argument("output", nargs="?", type=Path, default=ev.contest_output(),
+                   help="one little-endian int32 per manifest row, written atomically (env CONTEST_OUTPUT)")
     p.add_argument("--report", type=Path, default=ev.contest_report(),
-                   help="write the timing report JSON here (env CONTEST_REPORT)")
-    p.add_argument("--artifact", type=Path, default=settings.artifact(), help="env ENGINE_ARTIFACT")
+                   help="write the timing report JSON here (env CONTEST_REPORT; default: not written)")
+    p.add_argument("--artifact", type=Path, default=settings.artifact(),
+                   help="the artifact ./build.sh wrote (env ENGINE_ARTIFACT)")
     p.add_argument("--confine", action=argparse.BooleanOptionalAction, default=ev.contest_confine(),
                    help="untrusted inputs: every image's real path must stay inside IMAGE_ROOT's, and a final "
                         "symlink is not followed (env CONTEST_CONFINE; default: paths are followed where they "

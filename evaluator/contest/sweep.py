@@ -33,23 +33,23 @@ def _log(msg: str) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    from engine.cli import ArgumentParser, debug_flag
+    from engine.cli import ArgumentParser, HelpFormatter, debug_flag
 
     p = debug_flag(ArgumentParser(prog="python -m evaluator.sweep", description=__doc__.split("\n\n")[0],
-                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+                                  formatter_class=HelpFormatter))
     p.add_argument("--model", required=True, help="timm name")
-    p.add_argument("--checkpoint", required=True, type=Path)
-    p.add_argument("--manifest", required=True, type=Path)
-    p.add_argument("--image-root", required=True, type=Path)
+    p.add_argument("--checkpoint", required=True, type=Path, help="local .safetensors / .pth / .bin")
+    p.add_argument("--manifest", required=True, type=Path, help="practice cohort manifest.tsv (id<TAB>path)")
+    p.add_argument("--image-root", required=True, type=Path, help="folder the manifest's paths are relative to")
     p.add_argument("--reference", required=True, type=Path, help="practice answers (TSV) or a reference .i32")
     p.add_argument("--precisions", default="fp32,bf16",
                    help="comma-separated: fp32, bf16, fp16, fp8 (fp8: Hopper), auto (the build's own measured "
                         "choice, engine.build.autotune: built once, whatever --batch-sizes says)")
     p.add_argument("--batch-sizes", default="32", help="comma-separated static batch sizes")
     p.add_argument("--backend", default=None, help="engine.backends name (default: the registry's)")
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where every build and run goes")
     p.add_argument("--out", type=Path, default=Path("sweep"), help="artifacts, predictions and reports go here")
-    p.add_argument("--json", type=Path, default=None, help="also write the results JSON here")
+    p.add_argument("--json", type=Path, default=None, help="also write the results JSON here (default: not written)")
     p.add_argument("--build-arg", action="append", default=[],
                    help="extra python -m engine.build argument (repeatable), e.g. --build-arg=--input-size=112")
     p.add_argument("--timeout-s", type=float, default=3600.0, help="per build and per run")

@@ -36,6 +36,7 @@ from pathlib import Path
 from engine.io import sha256_file
 from evaluator.evidence import conditions, disclosure, fingerprint, report_html, sha256_manifest
 from evaluator.evidence.runs import (
+    MIN_COUNT,
     PROFILES,
     REPO_ROOT,
     Interrupted,
@@ -216,7 +217,7 @@ def _run_attempt(att: Attempt, tmp: Path) -> None:
         att.runs.append(record)
         judged = (f"raw {record.quality['raw']:.4f}" if record.quality else
                   f"{record.matches}/{record.total}" if record.total is not None else "not judged")
-        status = f"{record.wall_s:.3f} s, {judged}" if record.ok else record.reason
+        status = f"{record.wall_s:.2f} s, {judged}" if record.ok else record.reason
         print(f"campaign: run {i}/{a.runs}: {'ok' if record.ok else 'FAILED'} ({status})", file=sys.stderr)
         if not record.ok:
             break  # one failed process invalidates the attempt; runs are never retried
@@ -300,8 +301,8 @@ def summary_line(doc: dict) -> str:
     promo, pm, att = doc["promotion"], doc["primary_metric"], doc["attempt"]
     head = f"campaign: {doc['workload']['id']} {doc['profile']}: {promo['status']}; "
     if att["valid"]:
-        return head + f"median {pm['median']} s over {pm['n']} valid runs"
-    values = ", ".join(f"{v:.3f}" for v in pm["values"]) or "none"
+        return head + f"median {pm['median']:.2f} s over {pm['n']} valid runs (exact figures: disclosure.json)"
+    values = ", ".join(f"{v:.2f}" for v in pm["values"]) or "none"
     return head + f"attempt INVALID ({att['reason']}): no aggregate; wall s of the runs that completed: {values}"
 
 
@@ -374,52 +375,66 @@ def cmd_render(path: Path, out: Path | None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from engine.cli import ArgumentParser, debug_flag
+    from engine.cli import ArgumentParser, HelpFormatter, debug_flag
 
     p = ArgumentParser(prog="python -m evaluator.campaign", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
-    r = sub.add_parser("run", help="run a campaign and write its evidence folder")
-    r.add_argument("--workload", required=True, choices=sorted(WORKLOADS))
-    r.add_argument("--profile", required=True, choices=sorted(PROFILES))
-    r.add_argument("--runs", type=int, default=5)
-    r.add_argument("--out", type=Path, required=True)
-    r.add_argument("--manifest", type=Path, help="max/pro: cohort manifest.tsv")
-    r.add_argument("--image-root", type=Path, help="max/pro: root the manifest paths are relative to")
-    r.add_argument("--reference", type=Path, help="max/pro: reference answers (.i32 or .tsv)")
-    r.add_argument("--artifact", type=Path, help="max/pro: prebuilt engine artifact dir")
-    r.add_argument("--index-dir", type=Path, help="cir max/pro: gallery index built by scripts/build.sh")
-    r.add_argument("--queries", type=Path, help="cir max/pro: requests JSONL")
+    r = sub.add_parser("run", help="run a campaign and write its evidence folder", formatter_class=HelpFormatter)
+    r.add_argument("--workload", required=True, choices=sorted(WORKLOADS),
+                   help="what runs: the contest ABI (eva02-imagenet1k) or the retrieval ABI (cir-retrieval)")
+    r.add_argument("--profile", required=True, choices=sorted(PROFILES),
+                   help="min: generated input, functional only; max: real data, canonical; pro: real data under a "
+                        "declared research configuration (--config-note)")
+    r.add_argument("--runs", type=int, default=5, help="fresh timed processes (five for a promotable result)")
+    r.add_argument("--out", type=Path, required=True, help="the evidence folder to write (new or empty)")
+    r.add_argument("--manifest", type=Path, help="max/pro (required): cohort manifest.tsv")
+    r.add_argument("--image-root", type=Path, help="max/pro (required): root the manifest paths are relative to")
+    r.add_argument("--reference", type=Path, help="max/pro (required): reference answers (.i32 or .tsv)")
+    r.add_argument("--artifact", type=Path, help="max/pro (required): prebuilt engine artifact dir")
+    r.add_argument("--index-dir", type=Path, help="cir max/pro (required): gallery index built by scripts/build.sh")
+    r.add_argument("--queries", type=Path, help="cir max/pro (required): requests JSONL")
     r.add_argument("--labels", type=Path, action="append", default=[],
-                   help="cir max/pro: labels (JSONL or CIRCO/CIRR annotation JSON; repeatable)")
-    r.add_argument("--clip-dir", type=Path, help="cir max/pro: the CLIP the index was built with (CLIP_MODEL_DIR)")
-    r.add_argument("--config-note", help="pro: the research configuration, declared")
+                   help="cir max/pro (required): labels (JSONL or CIRCO/CIRR annotation JSON; repeatable)")
+    r.add_argument("--clip-dir", type=Path, help="cir max/pro: the CLIP the index was built with (default: env "
+                                                 "CLIP_MODEL_DIR, else the one the index records)")
+    r.add_argument("--config-note", help="pro (required): the research configuration, declared")
     r.add_argument("--dataset-split", "--split", dest="dataset_split",
                    help="max/pro (required): the dataset split the inputs are, as you declare it")
     r.add_argument("--dataset-version", help="max/pro (required): the dataset version / release, declared")
     r.add_argument("--power", help="power source and policy, stated by the operator (recorded beside what Linux "
-                                   "exposes; the only power record where it exposes nothing)")
+                                   "exposes; the only power record where it exposes nothing; default: none stated)")
     r.add_argument("--bundle-limit-mb", type=float, default=256.0,
                    help="bundle the artifact's (index's) files up to this size; above it, keep their digests "
                         "and the command that rebuilds them")
-    r.add_argument("--count", type=int, default=64,
-                   help=f"min: generated images (cir: gallery, rounded up to groups of {cir.PER_TEMPLATE})")
+    r.add_argument("--count", type=int, default=None,
+                   help=f"min: generated images (cir: gallery, rounded up to groups of {cir.PER_TEMPLATE}); default: "
+                        f"eva02 reuses the prepared demo (./demo or SOURCE_DIR/demo, as `python -m evaluator.demo` "
+                        f"leaves it) when one of --seed is there, else {MIN_COUNT} generated")
     r.add_argument("--requests", type=int, default=60, help="cir min: generated requests")
     r.add_argument("--seed", type=int, default=0, help="min: generator seed (0 is canonical)")
-    r.add_argument("--prepared", type=Path, help="eva02 min: reuse a dir written by `evaluator.contest.demo prepare`")
+    r.add_argument("--prepared", type=Path, help="eva02 min: reuse a dir written by `python -m evaluator.demo` or "
+                                                 "`python -m evaluator.demo prepare` (default: the prepared demo, "
+                                                 "else one prepared in a temporary folder)")
     r.add_argument("--timeout-s", type=float, default=1800.0, help="per-run wall limit")
-    r.add_argument("--runner", help="command replacing the workload's ABI entry point (shell words; not promotable)")
+    r.add_argument("--runner", help="command replacing the workload's ABI entry point (shell words; not promotable; "
+                                    "default: the source tree's scripts/run or scripts/run.sh)")
     r.add_argument("--source-dir", type=Path, default=REPO_ROOT, help="git tree the runs come from")
-    r.add_argument("--attach", type=Path, action="append", default=[], help="pytest-benchmark JSON (repeatable)")
+    r.add_argument("--attach", type=Path, action="append", default=[],
+                   help="pytest-benchmark JSON to bundle (repeatable; default: none)")
     r.add_argument("--require-promotion", action="store_true", help="exit 1 unless promoted")
-    v = sub.add_parser("verify", help="check every file of an evidence folder against its .provd.json")
+    v = sub.add_parser("verify", help="check every file of an evidence folder against its .provd.json",
+                       formatter_class=HelpFormatter)
     v.add_argument("manifest", type=Path, help="the evidence folder, or its campaign.provd.json")
-    v.add_argument("--external", type=Path, help="a copy of the unbundled artifact / index: re-check its digests")
-    k = sub.add_parser("package", help="verify, then pack an evidence folder as tar.gz")
-    k.add_argument("folder", type=Path)
-    k.add_argument("--out", type=Path, required=True)
-    d = sub.add_parser("render", help="re-render report.html from a disclosure JSON")
-    d.add_argument("disclosure", type=Path)
-    d.add_argument("--out", type=Path)
+    v.add_argument("--external", type=Path, help="a copy of the unbundled artifact / index: re-check its digests "
+                                                 "(default: those files are listed by digest only)")
+    k = sub.add_parser("package", help="verify, then pack an evidence folder as tar.gz",
+                       formatter_class=HelpFormatter)
+    k.add_argument("folder", type=Path, help="the evidence folder `campaign run` wrote")
+    k.add_argument("--out", type=Path, required=True, help="the .tar.gz to write")
+    d = sub.add_parser("render", help="re-render report.html from a disclosure JSON",
+                       formatter_class=HelpFormatter)
+    d.add_argument("disclosure", type=Path, help="a disclosure.json `campaign run` wrote")
+    d.add_argument("--out", type=Path, help="the HTML to write (default: report.html beside the disclosure)")
     for sp in (r, v, k, d):
         debug_flag(sp)
     return p

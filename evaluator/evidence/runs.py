@@ -82,6 +82,7 @@ PROFILES = {
 
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+MIN_COUNT = 64   # min: generated images (cir: gallery) when --count is not given
 
 
 @dataclass
@@ -103,7 +104,7 @@ class RunArgs:
     dataset_version: str | None = None
     power: str | None = None  # the operator's statement of power source / policy where Linux exposes none
     bundle_limit_mb: float = 256.0  # artifact / index files bundled up to this size, else digests + rebuild command
-    count: int = 64
+    count: int | None = None  # None: MIN_COUNT, or (eva02 min) the prepared demo's cohort when one is there
     requests: int = 60
     seed: int = 0
     prepared: Path | None = None

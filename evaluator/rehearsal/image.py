@@ -349,13 +349,16 @@ def full(venv: Path, dockerfile: Path = DOCKERFILE, codegen: bool = False, reuse
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m evaluator.rehearsal.image", description=__doc__.split("\n\n")[0])
+    from engine.cli import HelpFormatter
+
+    p = argparse.ArgumentParser(prog="python -m evaluator.rehearsal.image", description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
     p.add_argument("--venv", type=Path, help="the venv to (re)create (default: a temporary folder, removed after)")
     p.add_argument("--reuse", action="store_true", help="keep --venv's packages when it exists (a rerun)")
     p.add_argument("--quick", action="store_true", help="only the header compile, against this Python's packages")
     p.add_argument("--codegen", action="store_true", help="also Inductor's CUDA codegen and an sm_90 cubin")
-    p.add_argument("--dockerfile", type=Path, default=DOCKERFILE)
-    p.add_argument("--json", type=Path, help="write a JSON summary here")
+    p.add_argument("--dockerfile", type=Path, default=DOCKERFILE, help="the Dockerfile whose image is rehearsed")
+    p.add_argument("--json", type=Path, help="write a JSON summary here (default: not written)")
     a = p.parse_args(argv)
     if a.quick:
         steps = [quick(a.dockerfile)]

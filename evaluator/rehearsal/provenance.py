@@ -139,8 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     prog = "python -m evaluator.provenance"
     p = parser(prog, __doc__.split("\n\n")[0])
     p.add_argument("artifact", type=Path, help="artifact directory (with manifest.json)")
-    p.add_argument("--out", type=Path, help="write the record here; stdout then gets a summary")
-    p.add_argument("--checkpoint", type=Path, help="the checkpoint file, when not at the manifest's path")
+    p.add_argument("--out", type=Path, help="write the record here; stdout then gets a summary (default: the record on stdout)")
+    p.add_argument("--checkpoint", type=Path, help="the checkpoint file, when not at the manifest's path (default: the manifest's path)")
     p.add_argument("--repo", type=Path, default=REPO, help="source tree to list")
     p.add_argument("--no-source", action="store_true", help="list the artifact only")
     p.add_argument("--extra", type=Path, action="append", default=[], help="more files or folders to check")

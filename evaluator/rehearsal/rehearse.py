@@ -240,7 +240,7 @@ def reference_for(artifact: Path, manifest: Path, image_root: Path, out: Path, c
 
 def prepare_inputs(a: argparse.Namespace, work: Path) -> tuple[Path, Path, Path, Path]:
     """(manifest, image_root, artifact, reference): --artifact [--cohort] [--reference], --prepared, or
-    a fresh evaluator.contest.demo prepare."""
+    a fresh `python -m evaluator.demo prepare`."""
     if a.artifact is not None and a.prepared is None:
         if not (a.artifact / "manifest.json").is_file():
             raise Setup(f"--artifact {a.artifact}: no manifest.json there (not an artifact)")
@@ -262,11 +262,11 @@ def prepare_inputs(a: argparse.Namespace, work: Path) -> tuple[Path, Path, Path,
     src = a.prepared
     if src is None:
         src = work / "prepared"
-        print(f"{PROG}: preparing a generated cohort in {src} (evaluator.contest.demo prepare)", file=sys.stderr)
+        print(f"{PROG}: preparing a generated cohort in {src} (python -m evaluator.demo prepare)", file=sys.stderr)
         r = subprocess.run([sys.executable, "-m", "evaluator.demo", "prepare", "--out", str(src), "--count",
                             str(a.count), "--backend", a.backend], cwd=REPO, stdout=subprocess.DEVNULL)
         if r.returncode:
-            raise Setup(f"evaluator.contest.demo prepare failed with exit {r.returncode}")
+            raise Setup(f"python -m evaluator.demo prepare failed with exit {r.returncode}")
     manifest, artifact = src / "cohort" / "manifest.tsv", a.artifact or src / "artifact"
     reference = a.reference or src / "reference.i32"
     for p in (manifest, artifact / "manifest.json", reference):
@@ -454,14 +454,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = parser(PROG, __doc__.split("\n\n")[0], {
         "REHEARSE_RUN_CMD": "sh command run instead of scripts/run (as --run-cmd)",
         "ENGINE_DEBUG": "1: tracebacks instead of one-line errors"})
-    p.add_argument("--artifact", type=Path, help="the artifact to rehearse (with --prepared: instead of PREPARED/artifact)")
+    p.add_argument("--artifact", type=Path, help="the artifact to rehearse (default: PREPARED/artifact, else one "
+                                                 "prepared here on a generated cohort)")
     p.add_argument("--cohort", type=Path, help="with --artifact: a folder with manifest.tsv (paths relative to it); "
                                                "default: a generated cohort of --count images")
     p.add_argument("--reference", type=Path, help="reference .i32 (default: computed with the artifact's spec, or "
                                                   "PREPARED/reference.i32)")
     p.add_argument("--checkpoint", type=Path, help="with --artifact and no --reference: the FP32 checkpoint for the "
                                                    "reference (default: the one the artifact's manifest records)")
-    p.add_argument("--prepared", type=Path, help="a dir made by `python -m evaluator.demo prepare` (used as is)")
+    p.add_argument("--prepared", type=Path, help="a dir made by `python -m evaluator.demo prepare` (used as is; "
+                                                 "default: one prepared in a temporary folder)")
     p.add_argument("--count", type=int, default=120, help="generated cohort size (no --cohort, no --prepared)")
     p.add_argument("--backend", choices=tuple(BACKENDS), default=DEFAULT_BACKEND,
                    help="artifact backend when preparing (engine.backends)")
@@ -472,7 +474,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds the run may take")
     p.add_argument("--run-cmd", default=evaluator_settings.rehearse_run_cmd(),
                    help="sh command run instead of scripts/run, with MANIFEST IMAGE_ROOT OUTPUT as $1..$3 "
-                        "($REHEARSE_REPO is the code copy); env REHEARSE_RUN_CMD")
+                        "($REHEARSE_REPO is the code copy); env REHEARSE_RUN_CMD (default: scripts/run itself)")
     p.add_argument("--env", action="append", default=[], metavar="K=V", help="extra variable for the run")
     p.add_argument("--workdir", help="parent of the rehearsal folder (default the system temp dir)")
     p.add_argument("--allow-network", action="store_true", help="skip unshare --net")

@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=60, help="requests (half CIRCO-style, half CIRR-style)")
     p.add_argument("--broken", type=int, default=3, help="unreadable records planted in records.jsonl")
     p.add_argument("--seed", type=int, default=0, help="the same seed gives the same bytes")
-    p.add_argument("--clip", type=Path, default=None, help="also write the tiny CLIP's three layouts here")
+    p.add_argument("--clip", type=Path, default=None, help="also write the tiny CLIP's three layouts here (default: not written)")
     a = p.parse_args(argv)
     if a.templates < 1 or a.per_template < 2:
         p.error("--templates must be >= 1 and --per-template >= 2 (requests need a positive)")

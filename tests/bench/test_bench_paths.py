@@ -20,7 +20,9 @@ A path's rounds run one after another (pytest-benchmark times each benchmark on 
 ratios that must be read from one run, alternated, come from test_bench_precision.py.
 The saved JSON's machine_info names the CPU capability, torch and the thread budget
 (tests/conftest.py). BENCH_PATHS=kit_auto,timm_batched runs a subset; BENCH_PREPARED=DIR
-keeps checkpoint, cohorts and artifacts between runs.
+keeps checkpoint, cohorts and artifacts between runs (without it they live in one temporary
+folder for the session, shared with test_bench_precision.py). The preparation says each step
+on the terminal as it runs (tests/bench/prep_progress.py).
 """
 from __future__ import annotations
 
@@ -34,8 +36,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import REPO, run_abi
+from prep_progress import Preparation, prepared_root
 from test_bench_precision import BUILDS as ALT_BUILDS
-from test_bench_precision import COHORT_SEED, KWARGS, MODEL, SIZE, SPEC_ARGS, photo_cohort, run_env
+from test_bench_precision import (
+    COHORT_SEED,
+    SPEC_ARGS,
+    announce,
+    artifact,
+    checkpoint,
+    photo_cohort,
+    run_env,
+)
 
 pytestmark = pytest.mark.abi   # builds and scripts/run as whole processes, timed
 
@@ -54,21 +65,18 @@ def workload(request, tmp_path_factory):
         pytest.skip("compute-bound benchmark (minutes on two cores): run with --benchmark-enable")
     if WORKLOAD not in WORKLOADS:
         pytest.fail(f"BENCH_WORKLOAD must be one of {', '.join(WORKLOADS)}, got {WORKLOAD!r}")
-    from evaluator.synthetic.cohort import make_tiny_checkpoint
-
-    keep = os.environ.get("BENCH_PREPARED")
-    root = Path(keep) if keep else tmp_path_factory.mktemp("ti336_paths")
-    root.mkdir(parents=True, exist_ok=True)
-    ckpt = root / "eva02_ti336_full.safetensors"
-    if not ckpt.is_file():
-        make_tiny_checkpoint(ckpt, model=MODEL, model_kwargs=KWARGS, input_size=SIZE, renders=6)
+    root, prep = prepared_root(tmp_path_factory), Preparation(request.config)
     cohort = root / f"photos_{WORKLOADS[WORKLOAD]}_seed{COHORT_SEED}"
-    if not (cohort / "manifest.tsv").is_file():
-        photo_cohort(cohort, WORKLOADS[WORKLOAD], COHORT_SEED)
     ref = cohort / "naive_reference.i32"
+    announce(prep, root, [NAMES[p] for p in CHOSEN if p in BUILDS])
+    ckpt = checkpoint(root, prep)
+    if not (cohort / "manifest.tsv").is_file():
+        with prep.step(f"writing {WORKLOADS[WORKLOAD]} photo crops -> {cohort.name}"):
+            photo_cohort(cohort, WORKLOADS[WORKLOAD], COHORT_SEED)
     if not ref.is_file():   # the agreement every path is judged by: the naive FP32 path's answers
-        _naive(cohort, ckpt, ref, run_env())
-    return {"root": root, "ckpt": ckpt, "cohort": cohort, "reference": ref}
+        with prep.step(f"answering {cohort.name} with the naive FP32 path", "a minute or more"):
+            _naive(cohort, ckpt, ref, run_env())
+    return {"root": root, "ckpt": ckpt, "cohort": cohort, "reference": ref, "prep": prep}
 
 
 def _naive(cohort: Path, ckpt: Path, out: Path, env: dict) -> None:
@@ -77,12 +85,6 @@ def _naive(cohort: Path, ckpt: Path, out: Path, env: dict) -> None:
                    env=env)
 
 
-def _artifact(w: dict, path: str) -> Path:
-    art = w["root"] / f"art_{NAMES[path]}_full"     # as test_bench_precision.py names it (BENCH_PREPARED)
-    if not (art / "manifest.json").is_file():
-        subprocess.run([sys.executable, "-m", "engine.build", *SPEC_ARGS, "--checkpoint", str(w["ckpt"]),
-                        "--out", str(art), *BUILDS[path]], check=True, cwd=REPO, env=run_env())
-    return art
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -91,7 +93,8 @@ def test_bench_path(benchmark, workload, path, tmp_path):
         pytest.skip(f"not in BENCH_PATHS ({','.join(CHOSEN)})")
     benchmark.group = f"eva02-ti336 {WORKLOAD} ({WORKLOADS[WORKLOAD]} photo crops)"
     env, cohort, out = run_env(), workload["cohort"], tmp_path / "pred.i32"
-    art = _artifact(workload, path) if path in BUILDS else None
+    # built once, as test_bench_precision.py names it (shared in the session, kept by BENCH_PREPARED)
+    art = artifact(workload["root"], NAMES[path], workload["ckpt"], workload["prep"]) if path in BUILDS else None
 
     def once() -> None:
         if path == "naive":

@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import REPO, run_abi
+from prep_progress import FIRST_RUN, Preparation, prepared_root
 
 from engine.backends import DEFAULT as DEFAULT_BACKEND
 
@@ -53,11 +54,14 @@ IMAGES = int(os.environ.get("BENCH_IMAGES", "250"))
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "3"))
 DEPTH = os.environ.get("BENCH_DEPTH")              # None: full depth
 KWARGS = {"depth": int(DEPTH)} if DEPTH else {}
+TAG = f"d{DEPTH}" if DEPTH else "full"             # in the names of the checkpoint and artifacts
 GATE = 0.995
 COHORT_SEED = 7                                     # calibration crops use seed 1
 SPEC_ARGS = ["--model", MODEL, "--input-size", str(SIZE), "--crop-mode", "squash", "--crop-pct", "1.0",
              "--model-kwargs", json.dumps(KWARGS)]
 ALL_PATHS = ("naive", "timm_batched", "kit_auto", "kit_fp32", "kit", "kit_raw")
+BUILD_COST = {"kit_auto": "a measured search: up to 15 min", "kit_fp32": "an AOT compile: minutes",
+              "kit": "calibration and an AOT compile: minutes"}
 BUILDS = {"kit_auto": ["--precision", "auto", "--batch-size", "auto", "--backend", "auto"],
           "kit_fp32": ["--precision", "fp32", "--batch-size", "16", "--backend", DEFAULT_BACKEND],
           "kit": ["--precision", "bf16", "--batch-size", "16", "--backend", DEFAULT_BACKEND]}
@@ -98,31 +102,56 @@ def benchmark_enabled(request):
         pytest.skip("compute-bound benchmark (minutes on two cores): run with --benchmark-enable")
 
 
-@pytest.fixture(scope="module")
-def prepared(benchmark_enabled, tmp_path_factory):
+def checkpoint_path(root: Path) -> Path:
+    return root / f"eva02_ti336_{TAG}.safetensors"
+
+
+def checkpoint(root: Path, prep: Preparation) -> Path:
+    """The full-depth (or BENCH_DEPTH) EVA-02-Ti/336 with its head fit on renders, made once in `root`."""
     from evaluator.synthetic.cohort import make_tiny_checkpoint
 
-    keep = os.environ.get("BENCH_PREPARED")
-    root = Path(keep) if keep else tmp_path_factory.mktemp("ti336")
-    root.mkdir(parents=True, exist_ok=True)
-    tag = f"d{DEPTH}" if DEPTH else "full"
-    ckpt = root / f"eva02_ti336_{tag}.safetensors"
+    ckpt = checkpoint_path(root)
     if not ckpt.is_file():
-        make_tiny_checkpoint(ckpt, model=MODEL, model_kwargs=KWARGS, input_size=SIZE, renders=6)
-    cohort = root / f"photos_{IMAGES}_seed{COHORT_SEED}"
-    if not (cohort / "manifest.tsv").is_file():
-        photo_cohort(cohort, IMAGES, COHORT_SEED)
-    arts, build_s = {}, {}
-    for path in bench_paths():
-        name = "kit" if path == "kit_raw" else path
-        if name not in BUILDS or name in arts:
-            continue
-        art = root / f"art_{name}_{tag}"
-        t = time.perf_counter()
-        if not (art / "manifest.json").is_file():
+        with prep.step(f"fitting the head of {MODEL} ({TAG}) on generated renders -> {ckpt.name}", "minutes"):
+            make_tiny_checkpoint(ckpt, model=MODEL, model_kwargs=KWARGS, input_size=SIZE, renders=6)
+    return ckpt
+
+
+def artifact(root: Path, name: str, ckpt: Path, prep: Preparation) -> Path:
+    """The kit's build `name` of BUILDS in `root` (its own progress on the terminal), made once."""
+    art = root / f"art_{name}_{TAG}"
+    if not (art / "manifest.json").is_file():
+        with prep.step(f"building {name} (python -m engine.build {' '.join(BUILDS[name])})", BUILD_COST[name]):
             subprocess.run([sys.executable, "-m", "engine.build", *SPEC_ARGS, "--checkpoint", str(ckpt), "--out",
                             str(art), *BUILDS[name]], check=True, cwd=REPO, env=run_env())
-        arts[name], build_s[name] = art, round(time.perf_counter() - t, 1)
+    return art
+
+
+def announce(prep: Preparation, root: Path, builds: list[str]) -> None:
+    """Where the preparation lives, and what a first run costs, when the checkpoint or one of
+    `builds` is not there yet."""
+    if not checkpoint_path(root).is_file() or any(not (root / f"art_{n}_{TAG}" / "manifest.json").is_file()
+                                                  for n in builds):
+        keep = "" if os.environ.get("BENCH_PREPARED") else "; BENCH_PREPARED=DIR keeps it for the next run"
+        prep.say(f"preparing in {root} (a first run: {FIRST_RUN}{keep})")
+
+
+@pytest.fixture(scope="module")
+def prepared(benchmark_enabled, request, tmp_path_factory):
+    root, prep = prepared_root(tmp_path_factory), Preparation(request.config)
+    names = list(dict.fromkeys("kit" if p == "kit_raw" else p for p in bench_paths() if p != "naive"))
+    names = [n for n in names if n in BUILDS]
+    cohort = root / f"photos_{IMAGES}_seed{COHORT_SEED}"
+    announce(prep, root, names)
+    ckpt = checkpoint(root, prep)
+    if not (cohort / "manifest.tsv").is_file():
+        with prep.step(f"writing {IMAGES} photo crops -> {cohort.name}"):
+            photo_cohort(cohort, IMAGES, COHORT_SEED)
+    arts, build_s = {}, {}
+    for name in names:
+        t = time.perf_counter()
+        arts[name] = artifact(root, name, ckpt, prep)
+        build_s[name] = round(time.perf_counter() - t, 1)
     return {"ckpt": ckpt, "cohort": cohort, "artifacts": arts, "build_s": build_s}
 
 

@@ -27,6 +27,7 @@ from engine.retrieval.jsonl import is_id
 from evaluator.cir.task import TOP_K
 from evaluator.evidence import sha256_manifest
 from evaluator.evidence.runs import (
+    MIN_COUNT,
     Prepared,
     RunArgs,
     RunRecord,
@@ -131,7 +132,8 @@ def resolve_inputs(a: RunArgs, tmp: Path) -> tuple[CirInputs, dict]:
                          "by the campaign (--count, --requests, --seed)")
     if a.profile == "min":
         prepared = tmp / "prepared"
-        prep = prepare_min(a.source_dir, prepared, a.count, a.requests, a.seed, a.timeout_s)
+        count = a.count if a.count is not None else MIN_COUNT
+        prep = prepare_min(a.source_dir, prepared, count, a.requests, a.seed, a.timeout_s)
         corpus = prepared / "corpus"
         judge = load_judge(prepared / "index", corpus / "requests.jsonl", (corpus / "labels.jsonl",))
         split = f"generated:seed={a.seed},images={prep['images']},requests={a.requests}"

@@ -23,6 +23,7 @@ import numpy as np
 from engine.io import sha256_file
 from evaluator.evidence import sha256_manifest
 from evaluator.evidence.runs import (
+    MIN_COUNT,
     Prepared,
     RunArgs,
     RunRecord,
@@ -157,8 +158,33 @@ def prepare_min(source_dir: Path, dest: Path, count: int, seed: int) -> None:
         raise RuntimeError(f"{shlex.join(cmd)} failed ({proc.returncode}): see its messages above")
 
 
+DEMO_DIR = "demo"   # where `python -m evaluator.demo` writes by default (--out)
+
+
+def prepared_demo(a: RunArgs) -> tuple[Path, dict] | None:
+    """A finished demo folder to reuse, with its cohort record, or None: ./demo, else SOURCE_DIR/demo,
+    holding cohort/, artifact/ and reference.i32 written after both (the demo writes its reference
+    last, so an interrupted demo is not taken), of the campaign's --seed and, when --count is
+    given, of that count."""
+    for folder in dict.fromkeys((Path.cwd() / DEMO_DIR, a.source_dir / DEMO_DIR)):
+        manifest, record = folder / "cohort" / "manifest.tsv", folder / "cohort" / "cohort.json"
+        artifact, reference = folder / "artifact" / "manifest.json", folder / "reference.i32"
+        if not all(p.is_file() for p in (manifest, record, artifact, reference)):
+            continue
+        try:
+            cohort = json.loads(record.read_text())
+        except (OSError, ValueError):
+            continue
+        if cohort.get("seed") != a.seed or (a.count is not None and cohort.get("count") != a.count):
+            continue
+        if reference.stat().st_mtime < max(manifest.stat().st_mtime, artifact.stat().st_mtime):
+            continue
+        return folder.resolve(), cohort
+    return None
+
+
 def prepared_inputs(prepared: Path, split: str) -> RunInputs:
-    """RunInputs of a dir written by `evaluator.contest.demo prepare` (cohort/, artifact/, reference.i32)."""
+    """RunInputs of a dir written by `python -m evaluator.demo prepare` (cohort/, artifact/, reference.i32)."""
     manifest = prepared / "cohort" / "manifest.tsv"
     for path in (manifest, prepared / "artifact" / "manifest.json", prepared / "reference.i32"):
         if not path.is_file():
@@ -240,10 +266,18 @@ def checkpoint_origin(artifact_manifest: dict) -> dict:
 def resolve_inputs(a: RunArgs, tmp: Path) -> tuple[RunInputs, dict]:
     """The run inputs for the profile, plus the dataset record (mode, split, version from inputs and flags)."""
     if a.profile == "min":
-        if a.prepared is None:
+        demo = prepared_demo(a) if a.prepared is None else None
+        if demo is not None:
+            a.prepared, cohort = demo
+            print(f"campaign: reusing the prepared demo in {a.prepared} ({cohort.get('count')} generated images, "
+                  f"seed {a.seed}, its artifact and reference; nothing is rebuilt); --count N generates another "
+                  "cohort, --prepared DIR names another folder", file=sys.stderr, flush=True)
+            split = f"generated:seed={a.seed},count={cohort.get('count')} (the prepared demo reused)"
+        elif a.prepared is None:
+            count = a.count if a.count is not None else MIN_COUNT
             a.prepared = tmp / "prepared"
-            prepare_min(a.source_dir, a.prepared, a.count, a.seed)
-            split = f"generated:seed={a.seed},count={a.count}"
+            prepare_min(a.source_dir, a.prepared, count, a.seed)
+            split = f"generated:seed={a.seed},count={count}"
         else:
             split = f"generated:prepared dir reused (declared seed={a.seed})"
         inputs = prepared_inputs(a.prepared, split)
