@@ -213,7 +213,7 @@ def argument_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
                         "--calibration-source)")
     g.add_argument("--calibration-check", type=_folder_check, metavar="MODULE:FUNCTION",
                    help="function(folder, files) -> reasons to refuse --calibration-images (e.g. it holds "
-                        "evaluation data); none: the folder is taken as it is")
+                        "evaluation data) (default: none, the folder is taken as it is)")
     g.add_argument("--calibration-count", type=int,
                    help="calibration images tau is chosen on, at least 16 "
                         f"(default: the device preset's: {per_device('calibration_count')})")

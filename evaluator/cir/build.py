@@ -50,8 +50,8 @@ class BuildConfig:
     """scripts/build.sh's settings: each field is its flag (evaluator.cir.flags: --name, type, default, help)."""
     corpus: Path = flag("folder with records.jsonl")
     index_dir: Path = flag("where the index goes (created if missing)")
-    model_dir: Path | None = flag("CLIP folder (env CLIP_MODEL_DIR)", None)
-    model_name: str | None = flag("architecture for a bare state dict (env CLIP_MODEL_NAME)", None)
+    model_dir: Path | None = flag("CLIP folder (default: env CLIP_MODEL_DIR, else /task/models/clip, the task's mount)", None)
+    model_name: str | None = flag("architecture for a bare state dict (default: env CLIP_MODEL_NAME, else read from the folder)", None)
     decoder: str = flag("auto | pil | dali-cpu | dali-gpu (env ENGINE_DECODER; auto: dali-gpu on CUDA, dali-cpu "
                         "otherwise)", "auto")
     batch_size: int | None = flag("images per batch (default by device: "
@@ -59,7 +59,7 @@ class BuildConfig:
     chunk_size: int = flag("images per resumable chunk", _R.chunk_size)
     readers: int = flag("file reader threads of the decode", _R.image_readers)
     device: str | None = flag("cpu | cuda (env CLIP_DEVICE; default cuda when present)", None)
-    precision: str | None = flag("fp32 | fp16 | bf16 (env CLIP_PRECISION)", None)
+    precision: str | None = flag("fp32 | fp16 | bf16 (default: env CLIP_PRECISION, else fp16 on CUDA, fp32 on CPU)", None)
     method: str = flag("default composition method recorded for scripts/run.sh (env CIR_METHOD)", _R.method,
                        env=evaluator_settings.cir_method)
     text_weight: float | None = flag("text weight recorded with the method (default: the method's own)", None)
