@@ -26,6 +26,7 @@ from pathlib import Path
 
 from engine.retrieval.presets import RETRIEVAL
 from evaluator import settings as evaluator_settings
+from evaluator.cir import task
 from evaluator.cir.flags import add_flags, flag
 
 STOPPED = 3  # exit status of a build ended early by main(stop_after_chunks=...) (resumable)
@@ -50,7 +51,8 @@ class BuildConfig:
     """scripts/build.sh's settings: each field is its flag (evaluator.cir.flags: --name, type, default, help)."""
     corpus: Path = flag("folder with records.jsonl")
     index_dir: Path = flag("where the index goes (created if missing)")
-    model_dir: Path | None = flag("CLIP folder (default: env CLIP_MODEL_DIR, else /task/models/clip, the task's mount)", None)
+    model_dir: Path | None = flag(f"CLIP folder (default: env CLIP_MODEL_DIR, else {task.CLIP_DIR}, the task's mount)",
+                                          None)
     model_name: str | None = flag("architecture for a bare state dict (default: env CLIP_MODEL_NAME, else read from the folder)", None)
     decoder: str = flag("auto | pil | dali-cpu | dali-gpu (env ENGINE_DECODER; auto: dali-gpu on CUDA, dali-cpu "
                         "otherwise)", "auto")
