@@ -44,8 +44,9 @@ on and 0, false, no, off for off (an empty value is the default).
 """
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -205,10 +206,24 @@ def debug() -> bool:
     return read("ENGINE_DEBUG", flag, False)
 
 
-def set_debug() -> None:
-    """`--debug`: ENGINE_DEBUG=1 for the rest of this process and the processes it starts."""
+@contextlib.contextmanager
+def debug_env(on: bool) -> Iterator[None]:
+    """`--debug` for one call: ENGINE_DEBUG=1 inside it (and in the processes it starts), then the
+    environment as it was, so a command called in-process leaves its caller's switches alone."""
+    if not on:
+        yield
+        return
+    before = os.environ.get("ENGINE_DEBUG")
     os.environ["ENGINE_DEBUG"] = "1"
     _cache.pop("ENGINE_DEBUG", None)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("ENGINE_DEBUG", None)
+        else:
+            os.environ["ENGINE_DEBUG"] = before
+        _cache.pop("ENGINE_DEBUG", None)
 
 
 def omp_wait_policy() -> str:

@@ -305,17 +305,17 @@ def report(out: Path, meta: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = parse_args(argv)                                                   # parse
-    if a.debug:   # the compiles read it (engine.backends.aot.quiet_reports), and so do the children
-        from engine import settings
+    from engine import settings
 
-        settings.set_debug()
-    try:
-        spec, guard, auto = plan(a)                                        # plan
-        meta = build(spec, a.checkpoint, a.out, backend=backends.DEFAULT if a.backend == "auto" else a.backend,
-                     device=a.device, guard=guard, auto=auto)              # run the phases (engine.build.clock)
-    except (OSError, ValueError, RuntimeError) as e:
-        return refuse(e, a.debug)
+    a = parse_args(argv)                                                   # parse
+    # --debug: the compiles read it (engine.backends.aot.quiet_reports), and so do the children
+    with settings.debug_env(a.debug):
+        try:
+            spec, guard, auto = plan(a)                                    # plan
+            meta = build(spec, a.checkpoint, a.out, backend=backends.DEFAULT if a.backend == "auto" else a.backend,
+                         device=a.device, guard=guard, auto=auto)          # run the phases (engine.build.clock)
+        except (OSError, ValueError, RuntimeError) as e:
+            return refuse(e, a.debug)
     report(a.out, meta)                                                    # write
     return 0
 
