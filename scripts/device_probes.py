@@ -152,7 +152,7 @@ def not_exercised(doc: dict, scored: dict) -> list[str]:
     search = steps.get("search") or {}
     if not search.get("chose"):
         out.append(f"the measured search ({search.get('error') or search.get('skipped') or 'not run'})"[:300])
-    defaults = {f.name: f.default for f in dataclasses.fields(GuardConfig)}   # what engine.build uses unasked
+    defaults = dataclasses.asdict(GuardConfig().for_device("cuda"))   # what engine.build uses unasked on the GPU
     src, count = build.get("calibration_source"), build.get("calibration_count")
     if src and (src, count) != (defaults.get("calibration_source"), defaults.get("calibration_count")):
         out.append(f"calibration on {defaults.get('calibration_count')} {defaults.get('calibration_source')} "
