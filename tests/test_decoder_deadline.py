@@ -147,22 +147,36 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-def _busy_child(pid: int, timeout: float = 120.0) -> int:
-    """The run's decoder child once it has spent 2 s of CPU past its start (deep in the slow file)."""
+def _cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system, all threads) the process `pid` has spent; None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _busy_decoder(p: subprocess.Popen, err_file: Path, timeout: float = 180.0) -> int:
+    """The process decoding the slow file once it has spent 8 s of CPU: the run's decoder child,
+    or the run itself where its stderr says no child could start (imports and the pipeline take
+    ~3-6 s of CPU; the file ~40 s). Fails with the run's stderr when the run ends first or when
+    nothing gets that busy, so a failure names its cause."""
     end = time.monotonic() + timeout
-    ticks = os.sysconf("SC_CLK_TCK")
     while time.monotonic() < end:
-        for c in _descendants(pid):
-            try:
-                with open(f"/proc/{c}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            cpu = (int(fields[11]) + int(fields[12])) / ticks
-            if cpu > 8.0:                      # imports and the pipeline take ~3-6 s; the file ~40 s
+        if p.poll() is not None:
+            raise AssertionError(f"the run ended (rc {p.returncode}) before any decoder got busy:\n"
+                                 + err_file.read_text(errors="replace")[-3000:])
+        # the run itself decodes only after a line saying no child could start
+        itself = [p.pid] if "in this process" in err_file.read_text(errors="replace") else []
+        for c in [*_descendants(p.pid), *itself]:
+            cpu = _cpu_s(c)
+            if cpu is not None and cpu > 8.0:
                 return c
         time.sleep(0.1)
-    raise AssertionError("the decoder child never got busy")
+    tree = {c: _cpu_s(c) for c in [p.pid, *_descendants(p.pid)]}
+    raise AssertionError(f"no decoder got busy in {timeout:.0f} s; CPU seconds by pid {tree}; the run's stderr:\n"
+                         + err_file.read_text(errors="replace")[-3000:])
 
 
 @pytest.mark.abi
@@ -172,11 +186,13 @@ def test_a_signal_mid_decode_ends_the_run_within_2_s_leaving_nothing(slow_cohort
     out.parent.mkdir()
     scratch = tmp_path / "tmp"
     scratch.mkdir()
-    p = subprocess.Popen([str(REPO / "scripts" / "run"), str(slow_cohort / "manifest.tsv"), str(slow_cohort),
-                          str(out)], env=_env(null_artifact, ENGINE_DECODE_DEADLINE_S="300", TMPDIR=str(scratch)),
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    err_file = tmp_path / "stderr.txt"           # a file, so a failure can show it while the run goes on
+    with open(err_file, "wb") as err_sink:
+        p = subprocess.Popen([str(REPO / "scripts" / "run"), str(slow_cohort / "manifest.tsv"), str(slow_cohort),
+                              str(out)], env=_env(null_artifact, ENGINE_DECODE_DEADLINE_S="300", TMPDIR=str(scratch)),
+                             stdout=subprocess.DEVNULL, stderr=err_sink, start_new_session=True)
     try:
-        child = _busy_child(p.pid)
+        child = _busy_decoder(p, err_file)
         t0 = time.monotonic()
         os.kill(p.pid, sig)
         rc = p.wait(timeout=30)
@@ -185,7 +201,7 @@ def test_a_signal_mid_decode_ends_the_run_within_2_s_leaving_nothing(slow_cohort
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
-    err = p.stderr.read().decode(errors="replace")
+    err = err_file.read_text(errors="replace")
     assert took < 2.0, (took, err[-2000:])
     assert rc in (128 + sig, -sig), (rc, err[-2000:])
     assert list(out.parent.iterdir()) == []                  # no OUTPUT, no temp file beside it
