@@ -183,3 +183,30 @@ def test_the_build_help_says_what_each_option_does_and_prints_the_presets_values
         assert presets.per_device(field) in text, field
     for action in p._actions:
         assert (action.help or "").strip(), f"{action.option_strings} has no help"
+
+
+def test_the_defaults_compose_quotes_in_prose_are_the_tables():
+    """engine.retrieval.compose's docstring shows each option with its default (`aqe[:n=3:alpha=3]`)
+    and Slerp's text weights: every number it quotes is the value a method built from that name gets."""
+    import re
+
+    from engine.retrieval import compose
+
+    doc = compose.__doc__
+    checked = set()
+    for opt, brackets in re.findall(r"`([a-z-]+)((?:\[:[^\]`]*\])+)`", doc):
+        if opt not in compose._OPTION_KEYS:          # `option[:key=value...]`: the syntax itself
+            continue
+        method = compose.make_method(f"slerp+{opt}")
+        for pair in re.findall(r"[a-z]+=[^:\]]+", brackets):
+            key, value = pair.split("=")
+            if re.fullmatch(r"[0-9.]+", value):
+                got = getattr(method, compose._OPTION_KEYS[opt][key])
+                assert float(got) == float(value), f"compose's docstring says {opt}:{key}={value}; the default is {got}"
+                checked.add((opt, key))
+    assert checked >= {("isoftmax", "beta"), ("qbnorm", "beta"), ("dual-softmax", "temp"), ("csls", "k"),
+                       ("aqe", "n"), ("aqe", "alpha"), ("dba", "n"), ("dba", "alpha"), ("reinspect", "n"),
+                       ("reinspect", "crops")}, checked
+    weights = re.search(r"text\s+weight ([0-9.]+) for requests with a shared_concept[^.]*?and ([0-9.]+) otherwise",
+                        doc)
+    assert weights and tuple(map(float, weights.groups())) == tuple(compose.DEFAULT_WEIGHTS["slerp"])
