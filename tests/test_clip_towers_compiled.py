@@ -11,10 +11,12 @@ import torch
 from cir_helpers import build_args, clip_dirs, corpus, requests_of, workspace
 
 from engine import settings
+from engine.classify.artifact import sample_sha256
 from engine.clip import compiled as C
 from engine.clip import tune
 from engine.clip.load import load_clip
 from engine.clip.towers import ClipTowers
+from engine.io import sha256_file
 from engine.retrieval.index import load_index
 from engine.retrieval.jsonl import read_records
 
@@ -87,7 +89,8 @@ def test_build_records_the_measured_table_and_choice():
         assert ch == {**ch, "backend": "aot", "precision": "fp32", "batch": 16, "fallback": False}
         folder = idx.dir / rec["dir"] / tower
         assert set(ch["files"]) == {p.name for p in folder.iterdir()} and "model.so" in ch["files"]
-        assert all(C.sha256_file(folder / n) == d for n, d in ch["files"].items())
+        assert all(sha256_file(folder / n) == d["sha256"] and sample_sha256(folder / n) == d["sample_sha256"]
+                   and (folder / n).stat().st_size == d["bytes"] for n, d in ch["files"].items())
     first = [r.image_id for r in read_records(corpus() / "records.jsonl", print)[:64]]
     readable = [i for i in first if not str(i).startswith("broken")]      # the sample: its readable images
     assert rec["verify"]["sample_images"] == len(readable) < 64 and rec["verify"]["top"] == 50
@@ -238,3 +241,67 @@ def test_a_resumed_build_keeps_its_recorded_towers(tmp_path, monkeypatch, capsys
         settings.reload()
     assert load_index(tmp_path / "index").meta["towers"] == first
     assert "towers: the resumed build's choice" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", ["quick", "size", "sha256"])
+def test_recorded_tower_files_are_checked_as_an_artifact_is(tmp_path, monkeypatch, mode):
+    """ENGINE_ARTIFACT_VERIFY decides the load's check, as for a classification artifact: a size
+    change fails every mode, a flip in a sampled block fails quick and sha256, a flip between the
+    sampled blocks only sha256; an index recorded before the sampled digests gets the full check."""
+    folder = tmp_path / "image"
+    folder.mkdir()
+    data = bytes(np.random.default_rng(0).integers(0, 256, 3 << 20, dtype=np.uint8))   # 3 MiB: gaps between samples
+    (folder / "model.so").write_bytes(data)
+    (folder / "small.bin").write_bytes(b"x" * 1000)
+    files = tune.file_record(folder)
+    monkeypatch.setenv("ENGINE_ARTIFACT_VERIFY", mode)
+    settings.reload()
+    try:
+        tune.check_recorded_files(folder, files)                          # intact: passes
+
+        def flipped(at: int) -> bool:
+            b = bytearray(data)
+            b[at] ^= 0xFF
+            (folder / "model.so").write_bytes(bytes(b))
+            try:
+                tune.check_recorded_files(folder, files)
+                return False
+            except ValueError as e:
+                assert "model.so" in str(e)
+                return True
+            finally:
+                (folder / "model.so").write_bytes(data)
+
+        assert flipped(0) == (mode != "size")                             # the first block is always sampled
+        assert flipped(100_000) == (mode == "sha256")                     # between the first two samples
+        (folder / "small.bin").write_bytes(b"x" * 999)
+        with pytest.raises(ValueError, match="small.bin has 999 bytes"):
+            tune.check_recorded_files(folder, files)
+        (folder / "small.bin").write_bytes(b"y" * 1000)
+        old = {n: d["sha256"] for n, d in files.items()}                  # the earlier record: name -> sha256
+        with pytest.raises(ValueError, match="small.bin: sha256 differs"):
+            tune.check_recorded_files(folder, old)
+    finally:
+        settings.reload()
+
+
+def test_a_damaged_tower_file_falls_back_to_eager_towers_in_one_line(tmp_path, monkeypatch, capsys):
+    import shutil
+
+    import engine.retrieval
+
+    idx = _aot_index()
+    copy = tmp_path / "index"
+    shutil.copytree(idx.dir, copy)
+    so = copy / idx.meta["towers"]["dir"] / "text" / "model.so"
+    with open(so, "r+b") as f:                                           # same size, first block changed
+        first = f.read(16)
+        f.seek(0)
+        f.write(bytes(b ^ 0xFF for b in first))
+    _noflag(monkeypatch)
+    capsys.readouterr()
+    searcher = engine.retrieval.open_index(copy, clip_dirs()["open_clip"], device="cpu")
+    assert type(searcher.towers) is ClipTowers
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if "tower is unusable" in ln]
+    assert len(lines) == 1 and "text tower" in lines[0] and "model.so" in lines[0] and "eager towers" in lines[0], err

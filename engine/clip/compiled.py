@@ -17,7 +17,6 @@ trimming, at a static length). A batch with a longer prompt runs the eager refer
 from __future__ import annotations
 
 import copy
-import hashlib
 from pathlib import Path
 
 import torch
@@ -161,14 +160,6 @@ def tower_fn(kind: str, backend: str, model, spec, precision: str, batch: int, d
 
 def text_len_for(spec) -> int:
     return min(TEXT_LEN, spec.context_length)
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 class CompiledTowers(ClipTowers):

@@ -14,7 +14,8 @@ then timed on one static batch (median of `rounds`). The fastest that holds is c
 per tower; when none holds, the eager FP32 reference is, said in one stderr line. The
 table (every candidate: rate, cosine min, top-k equal, status) and the choice go to
 meta.json `towers`; a chosen aot tower's files go to INDEX_DIR/towers-<tag>/<tower>/, each
-with its sha256. The query run loads them (load_recorded): nothing compiles then.
+recorded as an artifact's file is (sha256, sampled SHA-256, bytes). The query run loads them
+(load_recorded), checked as ENGINE_ARTIFACT_VERIFY says: nothing compiles then.
 
 `CLIP_TOWERS` (engine.settings): `auto` measures; `eager` (the default on the CPU, where
 an AOTInductor compile of a ViT-L takes minutes) keeps ClipTowers as they are, at build and
@@ -183,7 +184,7 @@ def tune(base, images: torch.Tensor, dest: Path, log, preset: Preset | None = No
             if ch.files is not None:
                 (dest / tower).parent.mkdir(parents=True, exist_ok=True)
                 shutil.move(str(ch.files), dest / tower)
-                ch.record["files"] = {p.name: C.sha256_file(p) for p in sorted((dest / tower).iterdir())}
+                ch.record["files"] = file_record(dest / tower)
             record[tower] = {"table": ch.table, "choice": ch.record}
             fns[tower] = ch.fn
             log(f"{tower} tower: {ch.record['backend']} {ch.record['precision']} batch {ch.record['batch']}"
@@ -212,15 +213,43 @@ def load_recorded(base, index_dir: Path, record: dict | None, say):
         try:
             if ch.get("backend") == C.AOT:
                 files = index_dir / record["dir"] / tower
-                for name, digest in ch["files"].items():
-                    if C.sha256_file(files / name) != digest:
-                        raise ValueError(f"{files / name}: sha256 differs from meta.json's")
+                check_recorded_files(files, ch["files"])
             fns[tower] = C.tower_fn(tower, ch["backend"], base.model, base.spec, ch["precision"], int(ch["batch"]),
                                     base.device, files, int(record["text_len"]))
         except (OSError, KeyError, ValueError, TypeError, RuntimeError) as e:
             say(f"the index's {tower} tower is unusable ({type(e).__name__}: {e}): eager towers")
             return base
     return C.CompiledTowers(base, fns["image"], fns["text"], int(record["text_len"]), record)
+
+
+def file_record(folder: Path) -> dict:
+    """{name: {"sha256", "sample_sha256", "bytes"}} of a chosen tower's files: the classification
+    artifact's record, so a load checks them as an artifact's are (ENGINE_ARTIFACT_VERIFY)."""
+    from engine.classify.artifact import sample_sha256
+    from engine.io import sha256_file
+
+    return {p.name: {"sha256": sha256_file(p), "sample_sha256": sample_sha256(p), "bytes": p.stat().st_size}
+            for p in sorted(folder.iterdir())}
+
+
+def check_recorded_files(folder: Path, files: dict) -> None:
+    """The tower files as ENGINE_ARTIFACT_VERIFY says (quick, the default: each file's size and a
+    sampled SHA-256, ~1 MiB read; size; sha256: the whole file), as a classification artifact's
+    are at load; an index written before the sampled digests (name -> sha256) gets the full check.
+    ValueError naming the first file that differs."""
+    from engine import settings
+    from engine.classify.artifact import ArtifactError, check_files
+    from engine.io import sha256_file
+
+    if all(isinstance(v, str) for v in files.values()):
+        for name, digest in files.items():
+            if sha256_file(folder / name) != digest:
+                raise ValueError(f"{folder / name}: sha256 differs from meta.json's")
+        return
+    try:
+        check_files(folder, files, settings.artifact_verify())
+    except ArtifactError as e:
+        raise ValueError(str(e)) from None
 
 
 def save_resume(build_dir: Path, record: dict) -> None:
