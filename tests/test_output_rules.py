@@ -328,3 +328,71 @@ def test_commit_and_discard_close_their_file(inputs, tmp_path):
     o2 = Output(tmp_path / "q.i32", *inputs)
     o2.discard()
     assert set(os.listdir("/proc/self/fd")) == before
+
+
+def _output_may_not_be_removed(monkeypatch, path: Path):
+    """A sticky folder (/tmp) holding another user's OUTPUT: the temp file can be made, OUTPUT not unlinked."""
+    real_unlink = os.unlink
+
+    def unlink(p, *a, **k):
+        if Path(p) == path:
+            raise PermissionError(1, "Operation not permitted")
+        return real_unlink(p, *a, **k)
+
+    monkeypatch.setattr(output.os, "unlink", unlink)
+
+
+def _fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def test_a_stale_output_it_may_not_remove_is_written_in_place_leaving_no_temp_file(inputs, tmp_path, monkeypatch):
+    out = tmp_path / "p.i32"
+    out.write_bytes(b"old answers, longer than the new")
+    _output_may_not_be_removed(monkeypatch, out)
+    before = _fds()
+    o = Output(out, *inputs)
+    assert o.tmp is None and out.stat().st_size == 0          # written in place, emptied now
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]   # its temp file is gone
+    o.commit(b"\x07\x00\x00\x00")
+    assert out.read_bytes() == b"\x07\x00\x00\x00" and _fds() == before      # and closed
+
+
+def test_a_stale_output_it_may_neither_remove_nor_write_is_one_error_naming_the_cause(inputs, tmp_path,
+                                                                                     monkeypatch):
+    out = tmp_path / "p.i32"
+    out.write_bytes(b"old")
+    _output_may_not_be_removed(monkeypatch, out)
+    real_access = os.access
+    monkeypatch.setattr(output.os, "access", lambda p, mode: False if Path(p) == out else real_access(p, mode))
+    before = _fds()
+    with pytest.raises(OutputError, match=f"cannot write OUTPUT in {tmp_path}: Operation not permitted"):
+        Output(out, *inputs)
+    assert out.read_bytes() == b"old" and _fds() == before
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_a_second_run_in_place_closes_what_it_opened(inputs, tmp_path, monkeypatch):
+    out = tmp_path / "p.i32"
+    out.write_bytes(b"old")
+    _folder_refuses_changes(monkeypatch, out)
+    first = Output(out, *inputs)
+    before = _fds()
+    with pytest.raises(OutputError, match="another run is writing OUTPUT in place now"):
+        Output(out, *inputs)
+    assert _fds() == before
+    first.discard()
+
+
+@pytest.mark.parametrize("how", ["replaced", "removed"])
+def test_a_temp_file_taken_away_before_the_commit_is_one_error_and_no_output(inputs, tmp_path, how):
+    out = tmp_path / "p.i32"
+    o = Output(out, *inputs)
+    os.unlink(o.tmp)
+    if how == "replaced":
+        o.tmp.write_bytes(b"another process's bytes")
+    with pytest.raises(OutputError, match="is no longer this run's .* OUTPUT not written"):
+        o.commit(b"\x08\x00\x00\x00")
+    assert not out.exists()
+    o.discard()                                          # another's file at that name is not removed
+    assert o.tmp.exists() == (how == "replaced") and o.fd is None

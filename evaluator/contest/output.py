@@ -197,11 +197,13 @@ class Output:
         self.done = True
 
     def discard(self) -> None:
-        """Close and remove the temp file (every exit path that did not commit)."""
+        """Close and remove the temp file (every exit path that did not commit); a name that no
+        longer is this run's file (removed and made again by another process) is left alone."""
+        ours = not self.done and self.tmp is not None and self.fd is not None and same_inode(self.fd, self.tmp)
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
-        if not self.done and self.tmp is not None:
+        if ours:
             try:
                 os.unlink(self.tmp)
             except OSError:
