@@ -169,3 +169,70 @@ def test_temp_files_are_created_exclusively(tmp_path, monkeypatch):
     monkeypatch.undo()
     write_new(target, b"mine")
     assert target.read_bytes() == b"mine" and sorted(p.name for p in tmp_path.iterdir()) == [theirs.name, target.name]
+
+
+def _unit_rows(n: int, dim: int, seed: int) -> np.ndarray:
+    x = np.random.default_rng(seed).standard_normal((n, dim)).astype(np.float32)
+    return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float16)
+
+
+def test_the_committed_embeddings_are_np_saves_bytes_and_its_sha256(tmp_path):
+    import hashlib
+    import io
+
+    from engine.retrieval.index import commit
+
+    emb = _unit_rows(300, 64, 0)
+    meta = commit(tmp_path, emb, [f"i{k}" for k in range(300)], {})
+    data = (tmp_path / meta["files"]["embeddings"]).read_bytes()
+    want = io.BytesIO()
+    np.save(want, emb, allow_pickle=False)
+    assert data == want.getvalue() and meta["sha256"]["embeddings"] == hashlib.sha256(data).hexdigest()
+    got = load_index(tmp_path)
+    assert np.array_equal(np.asarray(got.emb), emb) and list(got.ids) == [f"i{k}" for k in range(300)]
+
+
+def test_chunks_load_and_commit_holding_the_index_about_once(tmp_path):
+    """ChunkStore.load fills one [N, D] array chunk by chunk and commit writes it without a copy:
+    each step's peak of traced memory stays under 1.5x the embeddings (it was 2x each)."""
+    import tracemalloc
+
+    from engine.retrieval.index import ChunkStore, commit
+
+    n_chunks, size, dim = 8, 2048, 256                       # 8 MiB of embeddings
+    store = ChunkStore(tmp_path / "idx", {"embed_dim": dim, "chunk_size": size})
+    store.dir.mkdir(parents=True, exist_ok=True)
+    want = []
+    for c in range(n_chunks):
+        e = _unit_rows(size, dim, c)
+        store.save(c, np.arange(c * size, (c + 1) * size, dtype=np.int64), e, [], "pil")
+        want.append(e)
+    nbytes = n_chunks * size * dim * 2
+    tracemalloc.start()
+    try:
+        rows, emb, failed = store.load(range(n_chunks))
+        _, load_peak = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        base, _ = tracemalloc.get_traced_memory()
+        commit(tmp_path / "idx", emb, [f"i{k}" for k in rows.tolist()], {})
+        _, commit_peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert np.array_equal(emb, np.concatenate(want)) and rows.tolist() == list(range(n_chunks * size))
+    assert load_peak < 1.5 * nbytes, (load_peak, nbytes)
+    assert commit_peak - base < 0.5 * nbytes, (commit_peak - base, nbytes)
+
+
+def test_a_chunk_whose_rows_differ_from_its_record_is_refused(tmp_path):
+    from engine.retrieval.index import ChunkStore
+
+    store = ChunkStore(tmp_path, {"embed_dim": 8, "chunk_size": 4})
+    store.dir.mkdir(parents=True, exist_ok=True)
+    store.save(0, np.arange(4, dtype=np.int64), _unit_rows(4, 8, 0), [], "pil")
+    rec = json.loads(store.record_path(0).read_text())
+    store.record_path(0).write_text(json.dumps({**rec, "rows": 5}))
+    with pytest.raises(IndexLoadError, match="unreadable chunk .*the record says 5 rows"):
+        store.load(range(1))
+    store.record_path(0).write_text(json.dumps({k: v for k, v in rec.items() if k != "rows"}))
+    rows, emb, _ = store.load(range(1))                      # a record without its count: still read
+    assert rows.tolist() == [0, 1, 2, 3] and emb.shape == (4, 8)

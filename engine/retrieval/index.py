@@ -67,10 +67,20 @@ class IndexBusyError(IndexLoadError):
     """Another build holds the index directory's lock."""
 
 
-def _npy_bytes(arr: np.ndarray) -> bytes:
+def _npy_parts(arr: np.ndarray) -> list:
+    """An .npy file of the C-contiguous `arr` as [header bytes, a view of the array's own bytes]:
+    written and hashed in that order they are np.save's bytes, without a second copy of the array."""
     buf = io.BytesIO()
-    np.save(buf, arr, allow_pickle=False)
-    return buf.getvalue()
+    np.lib.format.write_array_header_1_0(buf, np.lib.format.header_data_from_array_1_0(arr))
+    return [buf.getvalue(), memoryview(arr).cast("B")]
+
+
+def _sha256_parts(data) -> str:
+    """sha256 of bytes, or of a list of parts in order (the bytes write_new writes)."""
+    h = hashlib.sha256()
+    for part in (data if isinstance(data, list) else [data]):
+        h.update(part)
+    return h.hexdigest()
 
 
 def npy_from_bytes(data: bytes) -> np.ndarray:
@@ -244,14 +254,16 @@ def read_meta(index_dir: Path) -> dict | None:
     return meta if isinstance(meta, dict) else None
 
 
-def write_new(path: Path, data: bytes) -> None:
-    """Write `data` to `path` through a temp file of a random name created with O_EXCL (never
-    another writer's), fsync, rename: a crash never leaves a file at `path` that looks complete."""
+def write_new(path: Path, data) -> None:
+    """Write `data` (bytes, or a list of bytes-like parts written in order) to `path` through a
+    temp file of a random name created with O_EXCL (never another writer's), fsync, rename: a
+    crash never leaves a file at `path` that looks complete."""
     tmp = path.with_name(f".tmp-{path.name}-{secrets.token_hex(6)}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            for part in (data if isinstance(data, list) else [data]):
+                f.write(part)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -378,23 +390,45 @@ class ChunkStore:
         hashed against its record as they are read."""
         import zipfile
 
-        rows, embs, failed = [], [], []
+        chunks = list(chunks)
+        recs = {}
         for c in chunks:
             try:
-                rec = _read_json_file(self.record_path(c))
+                recs[c] = _read_json_file(self.record_path(c))
+            except (OSError, ValueError) as e:
+                raise IndexLoadError(f"{self.path(c)}: unreadable chunk ({type(e).__name__}: {e}); "
+                                     "pass --force to rebuild") from e
+        counts = [r.get("rows") if isinstance(r, dict) else None for r in recs.values()]
+        # emb [N, D] is allocated once and filled chunk by chunk (peak: the index plus one chunk);
+        # chunks recorded without their row count are concatenated instead (peak: twice the index)
+        dim = self.key.get("embed_dim", 0)
+        known = all(type(n) is int and n >= 0 for n in counts) and type(dim) is int and dim > 0
+        emb = np.empty((sum(counts) if known else 0, dim), np.float16)
+        rows, embs, failed, at = [], [], [], 0
+        for c in chunks:
+            try:
+                rec = recs[c]
                 data = self.path(c).read_bytes()
                 if not isinstance(rec, dict) or hashlib.sha256(data).hexdigest() != rec.get("sha256"):
                     raise ValueError("sha256 differs from its record")
                 with np.load(io.BytesIO(data), allow_pickle=False) as z:
-                    rows.append(z["rows"])
-                    if len(z["rows"]):
-                        embs.append(z["emb"])
+                    r, part = z["rows"], z["emb"]
                     failed += json.loads(z["failed"].tobytes().decode())
+                del data
+                if known and (len(r) != rec["rows"] or len(part) != len(r) or (len(r) and part.shape[1:] != (dim,))):
+                    raise ValueError(f"{len(r)} rows and embeddings of shape {part.shape}; the record says "
+                                     f"{rec['rows']} rows, the build {dim} wide")
+                rows.append(r)
+                if known:
+                    emb[at:at + len(r)] = part
+                    at += len(r)
+                elif len(r):
+                    embs.append(part)
             except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
                 raise IndexLoadError(f"{self.path(c)}: unreadable chunk ({type(e).__name__}: {e}); "
                                      "pass --force to rebuild") from e
-        dim = self.key.get("embed_dim", 0)
-        emb = np.concatenate(embs) if embs else np.zeros((0, dim), np.float16)
+        if not known and embs:
+            emb = np.concatenate(embs)
         return np.concatenate(rows) if rows else np.zeros(0, np.int64), emb, failed
 
     def clear(self) -> None:
@@ -415,7 +449,7 @@ def commit(index_dir: Path, emb: np.ndarray, ids: list, meta: dict,
         raise ValueError(f"image id {duplicate_id(ids)!r} occurs twice")
     build = uuid.uuid4().hex[:12]
     files = {"embeddings": f"embeddings-{build}.f16.npy", "ids": f"ids-{build}.json"}
-    blobs = {"embeddings": _npy_bytes(emb), "ids": json.dumps(ids).encode()}
+    blobs = {"embeddings": _npy_parts(emb), "ids": json.dumps(ids).encode()}   # the array itself, not a copy
     for name, (suffix, data) in (extras or {}).items():
         if name not in EXTRA_FILES:
             raise ValueError(f"unknown index extra {name!r} (one of {EXTRA_FILES})")
@@ -424,7 +458,7 @@ def commit(index_dir: Path, emb: np.ndarray, ids: list, meta: dict,
         write_new(index_dir / files[name], data)
     meta = {"format": FORMAT, "build_id": build, "files": files, "count": int(emb.shape[0]),
             "dim": int(emb.shape[1]),
-            "sha256": {name: hashlib.sha256(data).hexdigest() for name, data in blobs.items()}, **meta}
+            "sha256": {name: _sha256_parts(data) for name, data in blobs.items()}, **meta}
     write_new(index_dir / "meta.json", (json.dumps(meta, indent=1) + "\n").encode())   # the switch
     keep = set(files.values())
     old = [index_dir.glob(f"{name}-*") for name in ("embeddings", "ids", *EXTRA_FILES)]
