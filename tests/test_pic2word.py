@@ -202,3 +202,25 @@ def test_the_gallery_text_bank_is_the_default_hubness_bank_with_its_self_matches
     assert cir_run.main([*plain, "--method", "slerp+qbnorm", "--fresh"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("scripts/run.sh: error: ") and "--mapping pic2word" in err and "bank=requests" in err
+
+
+def test_a_searcher_answers_from_the_extras_it_verified_at_open_even_once_their_files_are_gone(tmp_path):
+    """The mapping, text bank and DBA rows are read and verified once, when the index opens: a
+    commit that switches the index afterwards (deleting those files) changes nothing for it."""
+    import shutil
+
+    import engine.retrieval
+
+    copy = tmp_path / "index"
+    shutil.copytree(p2w_index(), copy)
+    reqs = requests_of(corpus() / "requests.jsonl")[:10]
+    method = "pic2word+qbnorm+dba"
+    want = engine.retrieval.open_index(p2w_index(), clip_dirs()["open_clip"], device="cpu").search_many(
+        reqs, k=10, method=method)
+    searcher = engine.retrieval.open_index(copy, clip_dirs()["open_clip"], device="cpu")
+    gone = [copy / searcher.index.meta["files"][name] for name in ("pic2word", "text_bank", "dba")]
+    for p in gone:
+        p.unlink()
+    got = searcher.search_many(reqs, k=10, method=method)
+    assert [[r["image_id"] for r in row] for row in got] == [[r["image_id"] for r in row] for row in want]
+    assert not any(p.exists() for p in gone)

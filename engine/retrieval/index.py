@@ -23,7 +23,8 @@ inside INDEX_DIR (its parent may be read-only); temp files are created with O_EX
 random name.
 
 Integrity: opening an index reads each file once, hashes the bytes it read against
-meta.json's sha256 and parses those same bytes; the embedding rows must be finite with
+meta.json's sha256 and parses those same bytes (the extras' bytes are kept: their users
+read `Index.extra_bytes`, never the file again); the embedding rows must be finite with
 |norm - 1| < NORM_TOL and the ids distinct (as strings). Anything else is one
 IndexLoadError naming the file. Chunks of an unfinished build are hashed the same way on
 resume and at the end; a bad one is rebuilt.
@@ -39,7 +40,7 @@ import os
 import secrets
 import shutil
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -126,11 +127,18 @@ class Index:
     meta: dict
     ids: list                 # [N] image ids as the records gave them
     emb: np.ndarray           # [N, D] float16, read-only, verified against meta.json
+    # the extras' bytes as read and verified when the index was opened: a commit that switches
+    # the index later (and deletes these files) changes nothing for this reader
+    extras: dict[str, bytes] = field(default_factory=dict, repr=False)
 
     def extra(self, name: str) -> Path | None:
         """Path of an optional build-time data file (EXTRA_FILES), or None when this build has none."""
         f = self.meta.get("files", {}).get(name)
         return self.dir / f if f else None
+
+    def extra_bytes(self, name: str) -> bytes | None:
+        """The bytes of an extra as they were read and verified at open (never read again), or None."""
+        return self.extras.get(name)
 
     def rows(self) -> dict[str, int]:
         """str(image_id) -> row (ids compare as strings: CIRCO ids are ints, CIRR ids strings)."""
@@ -242,7 +250,7 @@ def _parse(d: Path, meta: dict, blobs: dict[str, bytes], verify: bool) -> Index:
                                  f"row (|norm - 1| < {NORM_TOL}); {REBUILD}")
         if dup is not None:
             raise IndexLoadError(f"{d / files['ids']}: image id {dup!r} occurs twice; {REBUILD}")
-    return Index(d, meta, ids, emb)
+    return Index(d, meta, ids, emb, {k: v for k, v in blobs.items() if k in EXTRA_FILES})
 
 
 def read_meta(index_dir: Path) -> dict | None:

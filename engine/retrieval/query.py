@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engine.retrieval.index import npy_from_bytes
 from engine.retrieval.presets import RETRIEVAL
 
 GAP_MIN_TEXTS = 8          # fewer request texts than this make no text mean (said on stderr)
@@ -86,31 +87,32 @@ class QueryPipeline:
 
     # ------------------------------------------------------------ set-up
     def _load_mapping(self):
-        from safetensors.torch import load_file
+        from safetensors.torch import load
 
         from engine.retrieval.pic2word import load_mapping
 
-        path, meta = self.index.extra("pic2word"), self.index.meta.get("pic2word")
-        if path is None or meta is None:
+        data, meta = self.index.extra_bytes("pic2word"), self.index.meta.get("pic2word")
+        if data is None or meta is None:
             raise PipelineError(f"method pic2word: the index in {self.index.dir} has no mapping; "
                                 "build it with scripts/build.sh ... --mapping pic2word")
         self.info["pic2word"] = {k: meta.get(k) for k in ("steps", "final_loss", "seed", "stopped_early")}
-        return load_mapping(load_file(str(path)), meta).to(self.towers.device)
+        return load_mapping(load(data), meta).to(self.towers.device)
 
     def _load_text_bank(self) -> torch.Tensor | None:
-        path = self.index.extra("text_bank")
-        if path is None:
+        data = self.index.extra_bytes("text_bank")
+        if data is None:
             _log("the index has no gallery-derived text bank (build with --mapping pic2word)")
             return None
-        return torch.from_numpy(np.load(path).astype(np.float32)).to(self.towers.device)
+        return torch.from_numpy(npy_from_bytes(data).astype(np.float32)).to(self.towers.device)
 
     def _dba(self) -> torch.Tensor:
         from engine.retrieval.rescore import dba
 
         m, stored = self.method, self.index.meta.get("dba") or {}
-        if stored.get("n") == m.dba and stored.get("alpha") == m.dba_alpha and self.index.extra("dba"):
+        data = self.index.extra_bytes("dba")
+        if stored.get("n") == m.dba and stored.get("alpha") == m.dba_alpha and data is not None:
             self.info["dba"] = "stored at build time"
-            return torch.from_numpy(np.load(self.index.extra("dba")).astype(np.float32)).to(self.raw.device)
+            return torch.from_numpy(npy_from_bytes(data).astype(np.float32)).to(self.raw.device)
         t0 = time.perf_counter()
         out = dba(self.raw, m.dba, m.dba_alpha, chunk=RETRIEVAL.dba_chunk if self.bank_chunk else 0)
         _log(f"DBA n={m.dba} alpha={m.dba_alpha:g} is not stored in the index (build --dba {m.dba} "
