@@ -243,6 +243,34 @@ def test_a_resumed_build_keeps_its_recorded_towers(tmp_path, monkeypatch, capsys
     assert "towers: the resumed build's choice" in capsys.readouterr().err
 
 
+def test_a_resume_whose_recorded_towers_cannot_load_rebuilds_their_chunks(tmp_path, monkeypatch, capsys):
+    """Resumed where the recorded towers cannot run (here: chosen on another device kind), the
+    build measures again and rebuilds the chunks the old towers embedded: one choice per index."""
+    import json
+
+    from evaluator.cir import build as cir_build
+
+    preset = tune.Preset(backends=("eager",), batches=(16,), precisions=("fp32",), sample=32, queries=8, rounds=1)
+    monkeypatch.setenv("CLIP_TOWERS", "auto")
+    monkeypatch.setitem(tune.PRESETS, "cpu", preset)
+    settings.reload()
+    args = build_args(tmp_path / "index", "--model-dir", str(clip_dirs()["open_clip"]), "--device", "cpu")
+    record = tmp_path / "index" / ".build" / tune.RECORD
+    try:
+        assert cir_build.main(args, stop_after_chunks=2) != 0             # stopped with 2 chunks built
+        record.write_text(json.dumps({**json.loads(record.read_text()), "device": "cuda"}))
+        capsys.readouterr()
+        assert cir_build.main(args) == 0
+    finally:
+        settings.reload()
+    err = capsys.readouterr().err
+    assert "chosen on cuda, this run is on cpu" in err
+    assert "rebuilding 2 of" in err and "towers are measured again" in err and "resuming:" not in err
+    assert err.count("towers: measuring the candidates") == 1
+    meta = load_index(tmp_path / "index").meta
+    assert meta["towers"]["device"] == "cpu" and meta["timing"]["resumed_chunks"] == 0
+
+
 @pytest.mark.parametrize("mode", ["quick", "size", "sha256"])
 def test_recorded_tower_files_are_checked_as_an_artifact_is(tmp_path, monkeypatch, mode):
     """ENGINE_ARTIFACT_VERIFY decides the load's check, as for a classification artifact: a size

@@ -138,6 +138,7 @@ class _Run:
         done = self.store.open(self.n_chunks, _log)
         if self.towers_mode == "auto":
             self._choose_towers()
+            done = [c for c in done if c in self.store.decoders]      # less those embedded by other towers
         if done:
             _log(f"resuming: {len(done)} of {self.n_chunks} chunks already built")
         resumed = len(done)
@@ -171,6 +172,14 @@ class _Run:
                 _log(f"towers: the resumed build's choice ({old['dir']})")
                 self.towers, self.towers_record = towers, old
                 return
+            # the recorded towers cannot run here (a damaged file, another device kind): the chunks
+            # they embedded are rebuilt with the towers chosen now, so no index mixes two choices
+            built = sorted(self.store.decoders)
+            if built:
+                _log(f"rebuilding {len(built)} of {self.n_chunks} chunks embedded with the resumed build's "
+                     "towers, which cannot be loaded here: the towers are measured again")
+                for c in built:
+                    self.store.drop(c)
         preset = tune.PRESETS.get(self.towers.device.type, tune.PRESETS["cuda"])
         items = range(min(preset.sample, len(self.records)))
         # the sample's decoded pixels: uint8 values pass the fp16 rows of embed_images exactly
