@@ -177,6 +177,47 @@ def test_an_isolated_decoder_that_cannot_start_falls_back_to_pil(tmp_path, capfd
     assert "unavailable in its process" in capfd.readouterr().err
 
 
+STUCK = '''
+import time
+
+def create(name, spec, batch_size, threads):
+    time.sleep(3600)                                  # a pipeline build that never returns
+'''
+
+
+def test_an_isolated_decoder_whose_start_hangs_gives_way_to_pil_after_the_start_limit(tmp_path, monkeypatch,
+                                                                                        capfd):
+    """A child that never says it is ready costs HELLO_S once (then the PIL reference decodes, in a
+    child of its own), not the run; the stuck child is killed."""
+    import io
+
+    from PIL import Image
+
+    from engine.decoders import isolate
+    from engine.decoders.isolate import IsolatedDecoder
+
+    (tmp_path / "stuck_decoder.py").write_text(STUCK)
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setattr(isolate, "HELLO_S", 3.0)
+    buf = io.BytesIO()
+    Image.new("RGB", (120, 90), (10, 200, 30)).save(buf, "JPEG")
+    spec = tiny_spec()
+    dec = IsolatedDecoder("stuck", "stuck_decoder", spec, 4, 1)
+    stuck = dec._proc
+    try:
+        t0 = time.perf_counter()
+        out, failed = dec.decode([buf.getvalue(), None])
+        took = time.perf_counter() - t0
+        assert dec.name == "pil" and failed == {1: "not read"}
+        assert np.array_equal(out[0], PilDecoder(spec, 4).decode([buf.getvalue()])[0][0])
+    finally:
+        dec.close()
+    assert 3.0 <= took < 3.0 + 30.0, took                 # the start limit, then a PIL child's start
+    assert stuck.poll() is not None                        # killed, not left sleeping
+    err = capfd.readouterr().err
+    assert err.count("decoder stuck unavailable in its process") == 1 and "using pil" in err, err
+
+
 def test_the_isolated_dali_decoder_matches_the_in_process_one(small_cohort):
     import json
 
