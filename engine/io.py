@@ -6,6 +6,12 @@ its root). Also: what kind of file a mode names, the bytes under a folder, the s
 file, sharing a written tree as its root folder is shared, locked temp files (created under a random name, removed only when their owner is gone),
 an atomic write (a crash never leaves a file that looks complete), and the installed
 versions of named packages.
+
+Folders a command writes: `folder_refusal` says why a path must not be written or replaced (an
+empty path, `.`, the current directory, the project or a folder above either, a file, a folder
+holding an input, a non-empty folder this kit did not make); `mark_owned` / `marked` put and read
+the kit's mark; `make_owned_temp` makes a temp folder held under its maker's flock, and
+`sweep_abandoned` removes those whose maker is gone, however it died.
 """
 from __future__ import annotations
 
@@ -255,3 +261,173 @@ def package_versions(packages, missing: bool = True) -> dict[str, str | None]:
             if missing:
                 out[pkg] = None
     return out
+
+
+# ------------------------------------------------------------------ folders a command writes
+OWNED_MARK = ".eva-engine"   # in every folder a command of this kit made: one line, the folder's kind
+
+
+def project_root() -> Path:
+    """The checkout (or installed tree) this code runs from: engine/'s parent."""
+    return Path(__file__).resolve().parent.parent
+
+
+def _holds(folder: str, path: str) -> bool:
+    """`folder` is `path` or one of its ancestors (both real paths)."""
+    return os.path.commonpath([folder, path]) == folder
+
+
+def mark_owned(folder: str | os.PathLike, kind: str) -> None:
+    """Mark `folder` as made by this kit (`kind`: artifact, demo, index, ...): a later run may write into
+    it or replace it; a folder without the mark (or another recognised sign) is never replaced."""
+    write_atomic(Path(folder) / OWNED_MARK, f"{kind}\n".encode())
+
+
+def marked(folder: str | os.PathLike, kind: str) -> bool:
+    """`folder` carries this kit's mark for `kind` (mark_owned)."""
+    try:
+        return (Path(folder) / OWNED_MARK).read_text().strip() == kind
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def folder_refusal(path: str | os.PathLike, what: str, owned, inputs=()) -> str | None:
+    """Why a command must not write (and perhaps replace) the folder `path` as `what`, or None.
+
+    Refused, before anything is touched: an empty path or `.`; the current directory, the
+    project this code runs from, or a folder holding either; an existing file (or anything
+    that is not a folder); a non-empty folder that `owned(real_path)` does not recognise as one
+    this kit made; a folder holding one of `inputs` (the files the command reads). An absent
+    path or an empty folder is free. Symlinks are followed: the rule applies where they lead.
+    """
+    text = os.fspath(path)
+    if text.strip() in ("", "."):
+        return f"{what} path {text!r} is empty or '.': name a folder of its own"
+    real = os.path.realpath(text)
+    for name, other in (("the current directory", os.getcwd()), ("this project", str(project_root()))):
+        if _holds(real, os.path.realpath(other)):
+            same = "is" if real == os.path.realpath(other) else "holds"
+            return f"{what} {text} {same} {name} ({other}): name a folder of its own"
+    for i in inputs:
+        if i is not None and _holds(real, os.path.realpath(i)):
+            return f"{what} {text} holds an input of this command ({i}): name another folder"
+    if not os.path.lexists(real):
+        return None
+    try:
+        st = os.stat(real)
+    except OSError as e:
+        return f"{what} {text} cannot be examined: {e.strerror or e}"
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{what} {text} is {'a file' if stat.S_ISREG(st.st_mode) else file_kind(st.st_mode)}, not a folder"
+    try:
+        empty = next(os.scandir(real), None) is None
+    except OSError as e:
+        return f"{what} {text} cannot be listed: {e.strerror or e}"
+    if not empty and not owned(Path(real)):
+        return (f"{what} {text} holds files this kit did not make (no {OWNED_MARK} mark or manifest of its "
+                "own): nothing was changed; name another folder, or empty it yourself")
+    return None
+
+
+class LockHeld(RuntimeError):
+    """Another live process holds the lock; `holder` is the pid it wrote there (or "unknown")."""
+
+    def __init__(self, path: Path, holder: str):
+        super().__init__(f"{path} is held by pid {holder}")
+        self.path, self.holder = path, holder
+
+
+def take_lock(path: str | os.PathLike) -> int:
+    """The fd of `path` (created if absent) under an exclusive flock, this pid written in it; closing
+    the fd releases it, and so does the holder's death, however it dies. LockHeld when a live process
+    holds it. A lock taken on a file its holder removed meanwhile (release_lock) is taken again on
+    the new one, so the name and the lock always agree."""
+    import fcntl
+
+    path = Path(path)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise LockHeld(path, holder) from None
+            raise
+        if same_inode(fd, path):
+            break
+        os.close(fd)                      # released and removed between the open and the flock
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def release_lock(fd: int, path: str | os.PathLike) -> None:
+    """Remove the lock file `path` while still holding it, then release it (take_lock's other half)."""
+    try:
+        if same_inode(fd, path):
+            os.unlink(path)
+    except OSError:
+        pass                              # not ours to remove (a sticky folder): the lock goes with the fd
+    finally:
+        os.close(fd)
+
+
+OWNER = ".owner"   # in a temp folder: its lock file, flocked by the process that made it while it lives
+
+
+def make_owned_temp(base: str | os.PathLike, prefix: str) -> tuple[Path, int]:
+    """(a new folder base/PREFIX<random>, the fd holding its OWNER lock): while the fd is open the
+    folder is its maker's; once the maker is gone (however it died) `owner_gone` says so and a sweep
+    may remove it. Retried when a sweeper took the folder between the two steps."""
+    import fcntl
+    import tempfile
+
+    while True:
+        d = Path(tempfile.mkdtemp(prefix=prefix, dir=base))   # 0700, a name no other process has
+        fd = os.open(d / OWNER, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            return d, fd                  # no flock on this filesystem: kept, and never swept
+        if same_inode(fd, d / OWNER):
+            return d, fd
+        os.close(fd)                      # swept before the lock was taken: a new folder
+
+
+def owner_gone(folder: str | os.PathLike) -> bool | None:
+    """True when `folder`'s OWNER lock can be taken (its maker is gone), False while it is held,
+    None when the folder has no OWNER file (nothing is proven)."""
+    import fcntl
+
+    try:
+        fd = os.open(Path(folder) / OWNER, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False                      # its owner holds it (or no flock here): alive, left alone
+    finally:
+        os.close(fd)
+
+
+def sweep_abandoned(base: str | os.PathLike, match) -> list[Path]:
+    """Remove the folders in `base` whose name `match(name)` accepts and whose maker is gone
+    (owner_gone); returns those removed. Folders without an OWNER file, and those still held, stay."""
+    import shutil
+
+    gone = []
+    try:
+        names = sorted(p for p in Path(base).iterdir() if match(p.name))
+    except OSError:
+        return gone
+    for p in names:
+        if p.is_dir() and not p.is_symlink() and owner_gone(p):
+            shutil.rmtree(p, ignore_errors=True)
+            gone.append(p)
+    return gone

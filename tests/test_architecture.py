@@ -288,8 +288,8 @@ def test_ray_is_imported_by_the_ray_build_only():
 
 
 # the engine in folders by job: a few shared modules at its root, each job a package
-ENGINE_ROOT_MODULES = {"__init__", "cli", "io", "memory", "presets", "process_stats", "progress", "settings",
-                       "stdio", "threads"}
+ENGINE_ROOT_MODULES = {"__init__", "children", "cli", "io", "memory", "presets", "process_stats", "progress",
+                       "settings", "stdio", "threads"}
 ENGINE_PACKAGES = {"backends", "build", "classify", "clip", "decoders", "retrieval"}
 
 

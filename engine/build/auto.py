@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine import backends
+from engine import backends, children
 from engine.build import assemble as parts
 from engine.build import autotune
 from engine.classify.spec import Spec
@@ -95,7 +95,7 @@ def build_measured(net, spec: Spec, checkpoint, backend: str, device: str, guard
         ref = wrap(net, dataclasses.replace(spec, precision="fp32"), device, margin=True)
         ref_top1, ref_margins = calibrate.classify(ref, pixels, 16, margin=True, device=device)
         guard, extra = _choose_decoder(net, spec, device, pixels, guard, extra)
-    work = Path(tempfile.mkdtemp(prefix=".search.", dir=tmp.parent))   # the candidates' graphs, beside the artifact
+    work = Path(tempfile.mkdtemp(prefix="search.", dir=tmp.parent))   # the candidates' graphs, in the build's work folder
     try:
         return _search_and_assemble(net, spec, checkpoint, backend, device, guard, auto, tmp, extra,
                                     t0, cfg, skipped, pixels, origin, (ref_top1, ref_margins), work, bclock)
@@ -331,7 +331,7 @@ def _run_script(artifact: Path, blobs: list[bytes], decoder: str, timeout: float
         out, report = root / "pred.i32", root / "report.json"      # outside IMAGE_ROOT (root/images)
         env = {**os.environ, "ENGINE_ARTIFACT": str(artifact), "ENGINE_DECODER": decoder}
         t = time.perf_counter()
-        r = subprocess.run([str(REPO / "scripts" / "run"), str(root / "manifest.tsv"), str(root / "images"), str(out),
+        r = children.run([str(REPO / "scripts" / "run"), str(root / "manifest.tsv"), str(root / "images"), str(out),
                             "--report", str(report)], env=env, capture_output=True, text=True, timeout=timeout)
         wall = time.perf_counter() - t
         if r.returncode != 0:

@@ -23,8 +23,13 @@ A measured build keeps one deadline (`--deadline-s`, the preset's `build_deadlin
 prints its plan (estimated seconds per phase) first and what each phase took last, and the
 manifest records both (engine.build.clock).
 
-The artifact is written into a temporary sibling directory and renamed into place, so
-an interrupted build never leaves a directory that looks complete.
+The artifact is written into a work folder beside it and renamed into place, so an
+interrupted build never leaves a directory that looks complete. `--out` must be an artifact
+folder: an empty path, `.`, the current directory, the project or a folder above either, a file,
+a folder holding the checkpoint, and a non-empty folder that holds no manifest.json of this kit
+are refused in one line before anything is read or changed (engine.io.folder_refusal); one build
+of a folder runs at a time (its lock, beside it), and a killed build's work folder is removed by
+the next build (artifact_folder).
 """
 from __future__ import annotations
 
@@ -35,14 +40,13 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from engine import backends
 from engine.build.assemble import RECHECK_DIR, GuardConfig, assemble, measure_batch_size  # noqa: F401 - re-exported
 from engine.classify.spec import CROP_MODES, PRECISIONS, Spec, resolve_spec
-from engine.io import share_tree_like_root
+from engine.io import folder_refusal, share_tree_like_root
 from engine.presets import PRESETS, per_device, preset
 
 
@@ -71,6 +75,9 @@ def build(spec: Spec, checkpoint: Path | None, out: Path, backend: str = backend
     from engine.classify.tf32_off import set_fp32_math
 
     guard = (guard or GuardConfig()).for_device(device)   # the device preset's where the caller left None
+    why = folder_refusal(out, "the artifact folder", is_artifact_folder, (checkpoint, guard.calibration_images))
+    if why:
+        raise ValueError(why)
     be = backends.get(backend) if auto is None or not auto.backend else None
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda needs a CUDA GPU on the build machine")
@@ -86,13 +93,9 @@ def build(spec: Spec, checkpoint: Path | None, out: Path, backend: str = backend
         if checkpoint is None or Path(checkpoint).is_file():   # else load_model's one error line, no plan
             say(bclock.plan_line())
     math = set_fp32_math()   # the calibration reference and the re-check graph: IEEE FP32 (ENGINE_TF32)
-    with bclock.phase("checkpoint") if bclock else contextlib.nullcontext():
-        net = load_model(spec, checkpoint) if be is None or be.NEEDS_WEIGHTS else None
-    out = out.resolve()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the run may be another (non-root) user
-    try:
+    with artifact_folder(out) as tmp:   # OUT's lock first: a second build stops before it loads anything
+        with bclock.phase("checkpoint") if bclock else contextlib.nullcontext():
+            net = load_model(spec, checkpoint) if be is None or be.NEEDS_WEIGHTS else None
         extra = {"build": {"argv": sys.argv, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
                  "fp32_math": math}
         if auto is not None:
@@ -102,20 +105,74 @@ def build(spec: Spec, checkpoint: Path | None, out: Path, backend: str = backend
                                                             tmp, extra, t0, bclock)
         else:
             meta = assemble(be, backend, net, spec, checkpoint, device, tmp, guard, extra, t0)
-        share_tree_like_root(tmp)   # a backend's 0600 file (or a private umask) must not lock a non-root run out
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
-            os.replace(out, old / "a")
-            os.replace(tmp, out)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     if bclock is not None:
         say(bclock.actual_line())
     return meta
+
+
+def is_artifact_folder(folder: Path) -> bool:
+    """`folder` holds a manifest.json this kit wrote (its format field): a build may replace it."""
+    from engine.classify.artifact import FORMAT, MANIFEST
+
+    try:
+        fmt = json.loads((folder / MANIFEST).read_text()).get("format", "")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return isinstance(fmt, str) and fmt.split("/")[0] == FORMAT.split("/")[0]
+
+
+@contextlib.contextmanager
+def artifact_folder(out: Path):
+    """Yield an empty folder to build the artifact `out` in; on a clean exit it replaces `out` whole.
+
+    The build of OUT holds OUT's lock, PARENT/.OUT.lock, from before its work folder exists until
+    the commit is done (the file is removed then): a second build of OUT stops in one line, so nothing but the lock's holder
+    ever commits. The work folder PARENT/.OUT.build-<random> (the artifact being made, the search's
+    candidates, the artifact it replaces) is held under its owner lock (engine.io.make_owned_temp):
+    a killed build's is removed by the next build in PARENT, whatever its OUT; on every other exit
+    it is removed here. The commit (two renames) runs with SIGTERM, SIGINT and SIGHUP held back,
+    so a signal never leaves OUT missing between them."""
+    import signal
+
+    from engine.io import LockHeld, make_owned_temp, release_lock, sweep_abandoned, take_lock
+
+    out = Path(os.path.realpath(out))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    lock = out.parent / f".{out.name}.lock"
+    try:
+        lock_fd = take_lock(lock)
+    except LockHeld as e:
+        raise RuntimeError(f"another build of {out} is running (pid {e.holder} holds {lock}); this build stops "
+                           "and changes nothing") from None
+    try:
+        for p in sweep_abandoned(out.parent, lambda n: n.startswith(".") and ".build-" in n):
+            print(f"[engine.build] removed {p}, the work folder of a build that was killed", file=sys.stderr)
+        work, owner_fd = make_owned_temp(out.parent, f".{out.name}.build-")
+        try:
+            tmp = work / "artifact"
+            tmp.mkdir(mode=0o755)
+            os.chmod(tmp, 0o755)   # whatever the umask: the run may be another (non-root) user
+            yield tmp
+            share_tree_like_root(tmp)   # a backend's 0600 file (or a private umask) must not lock a non-root run out
+            held = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
+            old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+            committed = False
+            try:
+                if os.path.lexists(out):
+                    os.replace(out, work / "replaced")
+                os.replace(tmp, out)
+                committed = True
+            finally:
+                try:
+                    signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+                except BaseException as e:   # a signal held back during the commit arrives now
+                    e.committed = committed  # type: ignore[attr-defined]
+                    raise
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+            os.close(owner_fd)    # after the folder is gone: a sweeper never sees it unlocked
+    finally:
+        release_lock(lock_fd, lock)
 
 
 def _batch_size(text: str) -> int | str:
@@ -165,7 +222,8 @@ def argument_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", type=Path,
                    help="local .safetensors / .pth / .bin (every backend but null needs one; default: none)")
     p.add_argument("--out", required=True, type=Path,
-                   help="the artifact folder to write (required); an existing one is replaced as a whole, atomically")
+                   help="the artifact folder to write (required): absent, empty, or an artifact of this kit, which is "
+                        "replaced as a whole, atomically; anything else is refused and left as it is")
     p.add_argument("--device", choices=tuple(PRESETS), default="cpu",
                    help="the device the artifact runs on and is measured on; it picks the preset (engine/presets.py)")
     p.add_argument("--precision", choices=PRECISIONS + ("auto",),
@@ -297,6 +355,12 @@ def refuse(e: Exception, debug: bool) -> int:
     return 2
 
 
+def _signal_name(sig: int) -> str:
+    import signal
+
+    return signal.Signals(sig).name
+
+
 def report(out: Path, meta: dict) -> None:
     """The build's one stdout line: JSON naming the artifact and what was built."""
     print(json.dumps({"out": str(out), "backend": meta["backend"], "device": meta["device"],
@@ -306,16 +370,22 @@ def report(out: Path, meta: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from engine import settings
+    from engine.children import Terminated, signals_exit
 
     a = parse_args(argv)                                                   # parse
     # --debug: the compiles read it (engine.backends.aot.quiet_reports), and so do the children
-    with settings.debug_env(a.debug):
+    with settings.debug_env(a.debug), signals_exit():
         try:
             spec, guard, auto = plan(a)                                    # plan
             meta = build(spec, a.checkpoint, a.out, backend=backends.DEFAULT if a.backend == "auto" else a.backend,
                          device=a.device, guard=guard, auto=auto)          # run the phases (engine.build.clock)
         except (OSError, ValueError, RuntimeError) as e:
             return refuse(e, a.debug)
+        except (Terminated, KeyboardInterrupt) as e:   # its work folder and children are gone already
+            sig = e.signal if isinstance(e, Terminated) else 2
+            state = "was committed before it stopped" if getattr(e, "committed", False) else "is as it was"
+            print(f"engine.build: stopped by signal {sig} ({_signal_name(sig)}): {a.out} {state}", file=sys.stderr)
+            return 128 + sig
     report(a.out, meta)                                                    # write
     return 0
 

@@ -31,8 +31,6 @@ resume and at the end; a bad one is rebuilt.
 """
 from __future__ import annotations
 
-import errno
-import fcntl
 import hashlib
 import io
 import json
@@ -45,6 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.io import LockHeld, take_lock
 from engine.retrieval.presets import RETRIEVAL
 
 FORMAT = "cir-index/1"
@@ -280,6 +279,19 @@ def write_new(path: Path, data) -> None:
         raise
 
 
+def is_index_folder(folder: Path) -> bool:
+    """`folder` is an index this kit made or began (its mark, meta.json of this format, an
+    unfinished build's folder or its lock): a build may write into it."""
+    from engine.io import marked
+
+    if marked(folder, "index") or (folder / BUILD_DIR).is_dir() or (folder / LOCK_FILE).is_file():
+        return True
+    try:
+        return json.loads((folder / "meta.json").read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 class BuildLock:
     """`with BuildLock(index_dir):` holds INDEX_DIR/.lock (flock, exclusive) for a build's life;
     IndexBusyError naming the holder's pid when another build has it. The kernel drops the lock
@@ -290,18 +302,10 @@ class BuildLock:
         self.fd: int | None = None
 
     def __enter__(self) -> BuildLock:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
-            os.close(fd)
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise IndexBusyError(f"another build holds this index {self.path.parent} (pid {holder})") from None
-            raise
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self.fd = fd
+            self.fd = take_lock(self.path)
+        except LockHeld as e:
+            raise IndexBusyError(f"another build holds this index {self.path.parent} (pid {e.holder})") from None
         return self
 
     def __exit__(self, *exc) -> None:

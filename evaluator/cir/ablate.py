@@ -183,6 +183,7 @@ def _warm_up(cfg: AblateConfig, name: str, out_dir: Path) -> float:
 def ablate(cfg: AblateConfig) -> int:
     """Run, score and tabulate every method; 0 when all ran, 1 when one failed."""
     from engine.cli import UsageError
+    from engine.io import folder_refusal, mark_owned, marked
     from engine.retrieval.index import read_meta
     from evaluator.cir import run as cir_run
     from evaluator.cir import task
@@ -209,7 +210,11 @@ def ablate(cfg: AblateConfig) -> int:
     else:
         methods = cfg.methods
     out_dir = cfg.out_dir or Path(tempfile.mkdtemp(prefix="cir-ablate-"))
+    why = folder_refusal(out_dir, "--out-dir", lambda d: marked(d, "ablate"))
+    if why:
+        raise UsageError(why)
     out_dir.mkdir(parents=True, exist_ok=True)
+    mark_owned(out_dir, "ablate")
     runnable = [m for m in methods if unsupported(m, meta, cfg.corpus) is None]
     if cfg.warmup and runnable:
         _say(f"warm-up: {runnable[0]} on the first {cfg.warmup} requests (untimed)")

@@ -158,6 +158,8 @@ def _main(argv: list[str] | None, stop_after_chunks: int, p2w_stop_after: int) -
         return 2
     cfg.stop_after_chunks, cfg.p2w_stop_after = stop_after_chunks, p2w_stop_after
     t_start = time.perf_counter()
+    from engine.io import folder_refusal, mark_owned
+    from engine.retrieval.index import is_index_folder
     from engine.retrieval.jsonl import read_input, read_records, stderr_warn
     from evaluator.cir import task
     from evaluator.cir.run import tmpdir_problem
@@ -178,8 +180,13 @@ def _main(argv: list[str] | None, stop_after_chunks: int, p2w_stop_after: int) -
     if not records_path.is_file():
         _error(f"{records_path} not found (or not a regular file)")
         return 2
+    why = folder_refusal(cfg.index_dir, "the index dir", is_index_folder, (cfg.corpus,))
+    if why:
+        _error(why)
+        return 2
     try:
         cfg.index_dir.mkdir(exist_ok=True)
+        mark_owned(cfg.index_dir, "index")
     except OSError as e:
         _error(f"cannot create the index dir {cfg.index_dir}: {e.strerror or e}")
         return 2

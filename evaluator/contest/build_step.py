@@ -23,10 +23,13 @@ from __future__ import annotations
 import contextlib
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from engine import children
 
 PROG = "build.sh"
 EXIT_FAILED, EXIT_USAGE = 1, 2
@@ -178,7 +181,8 @@ def build(flags: list[str], artifact: Path) -> None:
     log(f"building {artifact} (untimed preparation)")
     t0 = time.monotonic()
     sys.stderr.flush()
-    rc = subprocess.run([sys.executable, "-m", "engine.build", *flags], stdout=sys.stderr.fileno()).returncode
+    # its own process group, killed with everything it started when this step ends or is killed
+    rc = children.run([sys.executable, "-m", "engine.build", *flags], stdout=sys.stderr.fileno()).returncode
     if rc == EXIT_USAGE:
         raise Stop(EXIT_USAGE, f"python -m engine.build refused the knobs (see above; {ANOTHER_MODEL}: ./build.sh --help)")
     if rc != 0:
@@ -199,6 +203,8 @@ def run_check(artifact: Path) -> None:
 
 def build_step(clock=time.monotonic) -> int:
     from engine import settings as engine_settings
+    from engine.build.command import is_artifact_folder
+    from engine.io import folder_refusal
     from engine.presets import preset
     from evaluator import settings
     from evaluator.contest.task import DEFAULT_MODEL
@@ -211,6 +217,9 @@ def build_step(clock=time.monotonic) -> int:
     if not checkpoint.is_file() or not os.access(checkpoint, os.R_OK):
         raise Stop(EXIT_USAGE, f"checkpoint is not a readable file: {checkpoint}")
     force, device, artifact = settings.build_force(), settings.build_device(), engine_settings.artifact()
+    why = folder_refusal(artifact, "the artifact folder", is_artifact_folder, (checkpoint,))
+    if why:
+        raise Stop(EXIT_USAGE, f"ENGINE_ARTIFACT: {why}")
     knobs = knobs_with_recorded_spec({k: settings.build_knob(k) for k in settings.BUILD_FLAG_KNOBS}, checkpoint)
     knobs["ENGINE_MODEL"] = knobs["ENGINE_MODEL"] or DEFAULT_MODEL
     check_knobs(engine_flags(knobs, checkpoint, artifact, "cpu" if device == "auto" else device))
@@ -252,7 +261,13 @@ def main(argv: list[str] | None = None) -> int:
         if argv:
             raise Stop(EXIT_USAGE, f"unknown argument '{argv[0]}' (build.sh takes none: its knobs are environment "
                                    "variables; see ./build.sh --help)")
-        return build_step()
+        with children.signals_exit():
+            return build_step()
+    except (children.Terminated, KeyboardInterrupt) as e:   # engine.build and its children are gone already
+        sig = e.signal if isinstance(e, children.Terminated) else signal.SIGINT
+        print(f"{PROG}: stopped by signal {sig} ({signal.Signals(sig).name}); the build it ran was stopped too",
+              file=sys.stderr, flush=True)
+        return 128 + sig
     except Stop as e:
         print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
         return e.status

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from engine.backends import BACKENDS
 from engine.backends import DEFAULT as DEFAULT_BACKEND
+from engine.io import mark_owned, marked
 from engine.presets import preset
 
 REPO = Path(__file__).resolve().parents[2]
@@ -128,6 +129,23 @@ class ChildFailed(RuntimeError):
     """A step of the demo (a build, a run) failed: exit 1 with its log's tail."""
 
 
+def claim_demo_folders(out: Path, artifact: Path, ckpt: Path) -> None:
+    """UsageError, before anything is written, unless `out` may hold the demo (absent, empty, or
+    an earlier demo's folder) and `artifact` may be (re)built (absent, empty, or an artifact of this
+    kit, not holding the demo's checkpoint): engine.io.folder_refusal's rules."""
+    from engine.build.command import is_artifact_folder
+    from engine.cli import UsageError
+    from engine.io import folder_refusal
+
+    def earlier_demo(d: Path) -> bool:
+        return marked(d, "demo") or (d / "cohort" / "cohort.json").is_file()
+
+    why = (folder_refusal(out, "the demo folder", earlier_demo)
+           or folder_refusal(artifact, "the artifact folder", is_artifact_folder, (ckpt,)))
+    if why:
+        raise UsageError(why)
+
+
 def prepare(out: Path, count: int = DEFAULT_COUNT, seed: int = 0, crop_mode: str = "squash",
             backend: str = DEFAULT_BACKEND, batch_size: int = BATCH, artifact: Path | None = None,
             precision: str = "fp32", reference: bool = True) -> Prepared:
@@ -137,10 +155,12 @@ def prepare(out: Path, count: int = DEFAULT_COUNT, seed: int = 0, crop_mode: str
     from evaluator.contest.selfcheck import stale_reasons
     from evaluator.synthetic.cohort import make_cohort, make_tiny_checkpoint
 
-    out.mkdir(parents=True, exist_ok=True)
-    env = child_env(out)
     cohort, ckpt = out / "cohort", out / "tiny_eva02.safetensors"
     artifact = artifact or out / "artifact"
+    claim_demo_folders(out, artifact, ckpt)
+    out.mkdir(parents=True, exist_ok=True)
+    mark_owned(out, "demo")
+    env = child_env(out)
     rec = cohort / "cohort.json"
     have = json.loads(rec.read_text()) if rec.is_file() else {}
     if (have.get("seed"), have.get("count")) != (seed, count):

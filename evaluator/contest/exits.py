@@ -19,10 +19,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from engine.io import make_owned_temp, owner_gone
 from evaluator.contest.output import Output, stale
 
 RUN_DIR_PREFIX = "eva-engine-run-"          # TMPDIR/eva-engine-run-<random>: this run's scratch folder
-OWNER = ".owner"                            # its lock file, flocked by the run while it lives
 SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 
 
@@ -51,42 +51,15 @@ def private_tmpdir(prog: str) -> tuple[Path, int] | None:
 
 
 def _owned_folder(base: Path) -> tuple[Path, int]:
-    """A new folder under `base` with a unique name, its OWNER file created and flocked (retried
-    when a sweeper took the folder between the two steps)."""
-    import fcntl
-
-    from engine.io import same_inode
-
-    while True:
-        d = Path(tempfile.mkdtemp(prefix=RUN_DIR_PREFIX, dir=base))   # 0700, a name no other run has
-        fd = os.open(d / OWNER, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError:
-            return d, fd                  # no flock on this filesystem: kept, and never swept
-        if same_inode(fd, d / OWNER):
-            return d, fd
-        os.close(fd)                      # swept before the lock was taken: a new folder
+    """A new folder under `base` with a unique name, its OWNER file created and flocked."""
+    return make_owned_temp(base, RUN_DIR_PREFIX)
 
 
 def _abandoned(folder: Path) -> bool:
     """A scratch folder whose run is gone: its OWNER lock can be taken. One without an OWNER (made
     by an older run, named by its PID) is abandoned when that process no longer runs."""
-    import fcntl
-
-    try:
-        fd = os.open(folder / OWNER, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        return stale(folder.name, RUN_DIR_PREFIX)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except OSError:
-        return False                      # its owner holds it (or no flock here): alive, left alone
-    finally:
-        os.close(fd)
+    gone = owner_gone(folder)
+    return stale(folder.name, RUN_DIR_PREFIX) if gone is None else gone
 
 
 class Held:

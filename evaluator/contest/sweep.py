@@ -146,9 +146,14 @@ def table(results: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     from engine.cli import debugging
+    from engine.io import folder_refusal, mark_owned, marked
     from evaluator.contest.agreement import read_frozen_reference
     from evaluator.contest.manifest import ManifestError, read_manifest
 
+    why = folder_refusal(a.out, "--out", lambda d: marked(d, "sweep"))
+    if why:
+        print(f"sweep: error: {why}", file=sys.stderr)
+        return 2
     try:
         rows = len(read_manifest(a.manifest))
         ref, unreadable = read_frozen_reference(a.reference, a.manifest, rows)
@@ -161,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         _log(f"{int(unreadable.sum())} rows the reference could not read (-1) are left out of the gate and "
              "counted apart (gate_all_rows in the JSON counts them as misses)")
     a.out.mkdir(parents=True, exist_ok=True)
+    mark_owned(a.out, "sweep")
     results = [run_one(a, p, b, ref, unreadable, rows) for p in a.precisions
                for b in (a.batch_sizes[:1] if p == "auto" else a.batch_sizes)]
     doc = {"note": NOTE, "model": a.model, "device": a.device, "rows": rows, "results": results}

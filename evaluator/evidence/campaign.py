@@ -33,7 +33,7 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.io import sha256_file
+from engine.io import folder_refusal, sha256_file
 from evaluator.evidence import conditions, disclosure, fingerprint, report_html, sha256_manifest
 from evaluator.evidence.runs import (
     MIN_COUNT,
@@ -124,8 +124,9 @@ def check_args(a: RunArgs) -> None:
         raise UsageError("--runs must be >= 1")
     if a.bundle_limit_mb < 0:
         raise UsageError("--bundle-limit-mb must be >= 0")
-    if a.out.exists() and any(a.out.iterdir()):
-        raise UsageError(f"--out {a.out}: not empty (an evidence folder is written once)")
+    why = folder_refusal(a.out, "the evidence folder", lambda d: False)   # only a new or empty folder: written once
+    if why:
+        raise UsageError(why)
     if a.runner is None and not (a.source_dir / workload.entry).is_file():
         raise UsageError(f"{a.source_dir / workload.entry}: missing (the contest ABI entry point)")
     for path in a.attach:

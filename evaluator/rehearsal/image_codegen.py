@@ -30,6 +30,8 @@ import types
 from pathlib import Path
 from unittest import mock
 
+from engine.io import folder_refusal, mark_owned, marked
+
 REPO = Path(__file__).resolve().parents[2]
 # torch.cuda.get_device_properties of one H200 (the fields Inductor's heuristics read)
 H200 = dict(name="NVIDIA H200", major=9, minor=0, multi_processor_count=132, total_memory=143 << 30,
@@ -196,7 +198,11 @@ def main(argv: list[str] | None = None) -> int:
                    "site-packages/nvidia/cu13)")
     a = p.parse_args(argv)
     out = a.out or Path(tempfile.mkdtemp(prefix="image-codegen-"))
+    why = folder_refusal(out, "--out", lambda d: marked(d, "image-codegen"))
+    if why:
+        p.error(why)
     out.mkdir(parents=True, exist_ok=True)
+    mark_owned(out, "image-codegen")
     # before Inductor and Triton read them: every cache under --out
     os.environ.update(TORCHINDUCTOR_CACHE_DIR=str(out / "inductor"), TRITON_CACHE_DIR=str(out / "triton"))
     try:

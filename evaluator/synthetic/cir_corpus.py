@@ -37,12 +37,14 @@ def image_id(i: int):
 def make_corpus(out: Path, templates: int = 40, per_template: int = 8, seed: int = 0,
                 broken: int = 3, requests: int = 60) -> dict:
     """Write out/{images/, records.jsonl, requests.jsonl, labels.jsonl}; return counts."""
-    from evaluator.synthetic.cohort import encode, render
+    from evaluator.synthetic.cohort import claim_generated_folder, encode, render, write_generated_marker
     from evaluator.synthetic.cohort import templates as make_templates
 
+    claim_generated_folder(out, "the corpus folder")
     rng = np.random.default_rng(seed)
     tpl = make_templates(templates, seed)
     out.mkdir(parents=True, exist_ok=True)
+    write_generated_marker(out, "evaluator.synthetic.cir_corpus", seed=seed)   # first: an interrupted run's folder stays ours
     records, by_template = [], {}
     bar = Progress(templates * per_template, "cir corpus: rendering", unit="images")
     for i in range(templates * per_template):
@@ -89,8 +91,6 @@ def make_corpus(out: Path, templates: int = 40, per_template: int = 8, seed: int
                            "positives": [others[int(rng.integers(len(others)))]]})
     (out / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in reqs))
     (out / "labels.jsonl").write_text("".join(json.dumps(r) + "\n" for r in labels))
-    from evaluator.synthetic.cohort import write_generated_marker
-
     write_generated_marker(out, "evaluator.synthetic.cir_corpus", seed=seed, images=n, requests=len(reqs))
     return {"images": n, "broken": broken, "requests": len(reqs)}
 

@@ -34,6 +34,18 @@ def write_generated_marker(out: Path, generator: str, **facts) -> Path:
     return path
 
 
+def claim_generated_folder(out: Path, what: str) -> None:
+    """UsageError (nothing written) unless `out` may receive generated data: absent, empty, or
+    already the kit's generated data (its GENERATED_MARKER); engine.io.folder_refusal's other
+    rules apply too (never `.`, the current directory, the project, a file)."""
+    from engine.cli import UsageError
+    from engine.io import folder_refusal
+
+    why = folder_refusal(out, what, lambda d: (d / GENERATED_MARKER).is_file())
+    if why:
+        raise UsageError(why)
+
+
 def encode(px: np.ndarray, rng: np.random.Generator, kind: str) -> tuple[bytes, str]:
     """JPEG bytes of `px` in one of the cohort's encodings; returns (bytes, description)."""
     from PIL import Image
@@ -91,9 +103,11 @@ def make_cohort(out: Path, count: int, seed: int = 0, classes: int = 100, broken
     checkpoint's for its predictions to have trained-looking margins. `workers` > 1 renders
     in parallel processes (same bytes).
     """
+    claim_generated_folder(out, "the cohort folder")
     rng = np.random.default_rng(seed)
     broken = max(1, count // 100) if broken is None else broken
     (out / "images").mkdir(parents=True, exist_ok=True)
+    write_generated_marker(out, "evaluator.synthetic.cohort", seed=seed, count=count)   # first: an interrupted run's folder stays ours
     jobs = [(seed, i, count, broken, classes, template_seed) for i in range(count)]
     made = []
     with Progress(count, "cohort: rendering", unit="images") as bar:
