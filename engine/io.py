@@ -4,6 +4,7 @@ Reading an input: `read_regular` (a regular file of bounded size, never a FIFO o
 `resolve_relative` / `resolve_inside` (a manifest's relative path, followed or confined to
 its root). Also: what kind of file a mode names, the bytes under a folder, the sha256 of a
 file, sharing a written tree as its root folder is shared, locked temp files (created under a random name, removed only when their owner is gone),
+a file opened under an exclusive lock of its own (`open_locked`: one writer at a time),
 an atomic write (a crash never leaves a file that looks complete), and the installed
 versions of named packages.
 
@@ -176,6 +177,38 @@ def create_locked_temp(path: str | os.PathLike, mode: int = 0o644) -> tuple[int,
             os.close(fd)
             raise
         os.close(fd)                                  # a cleaner removed it in between: draw again
+
+
+def open_locked(path: str | os.PathLike, flags: int, mode: int = 0o644) -> tuple[int, bool]:
+    """(fd, locked): `path` opened with `flags` (never O_TRUNC: empty it once the lock is yours) and
+    held under an exclusive flock, taken without waiting, for as long as the fd (or a dup of it)
+    stays open. A lock dies with its process: a killed holder never blocks the next one.
+    BlockingIOError naming `path` when another open file holds it (nothing changed, nothing left
+    open). locked False: the filesystem has no flock (the caller says so, and goes on unguarded).
+    The lock is on the file `path` names when it is taken (checked after: a name removed or
+    replaced meanwhile is opened again)."""
+    import fcntl
+
+    while True:
+        fd = os.open(path, flags | os.O_CLOEXEC, mode)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            a, b = os.fstat(fd), os.stat(path)       # follows a link, as the open did
+            if (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino):
+                return fd, True
+        except OSError as e:
+            if e.errno in _NO_LOCKS:
+                return fd, False
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise BlockingIOError(e.errno, "held by another process writing it now", os.fspath(path)) from None
+            if isinstance(e, FileNotFoundError):
+                continue                             # removed between the open and the check: again
+            raise
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)                                 # replaced meanwhile: lock the file the name holds now
 
 
 def same_inode(fd: int, path: str | os.PathLike) -> bool:

@@ -282,6 +282,25 @@ def test_a_second_run_in_place_stops_and_leaves_the_first_ones_output(inputs, tm
     assert out.read_bytes() == b"\x06\x00\x00\x00"
 
 
+def test_an_in_place_output_on_a_filesystem_without_flock_is_written_not_refused(inputs, tmp_path, monkeypatch):
+    """No flock there proves no other writer: OUTPUT is written in place unguarded (as a temp file
+    there is), not refused as if another run held it."""
+    import errno
+    import fcntl
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    out = tmp_path / "p.i32"
+    out.write_bytes(b"old")
+    _folder_refuses_changes(monkeypatch, out)
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    o = Output(out, *inputs)
+    assert o.tmp is None and out.stat().st_size == 0
+    o.commit(b"\x09\x00\x00\x00")
+    assert out.read_bytes() == b"\x09\x00\x00\x00"
+
+
 def test_an_in_place_output_with_other_hard_links_is_refused(inputs, tmp_path, monkeypatch):
     out = tmp_path / "p.i32"
     out.write_bytes(b"old")

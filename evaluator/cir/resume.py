@@ -4,12 +4,21 @@ An output resumes only if the same requests, method, index and CLIP wrote it: it
 (`run_identity`) is recorded beside it (FILE.run.json; in a read-only folder, under the index
 dir's .runs/) before any row is written, and compared (`resume_mismatch`) before it is reused.
 Which of its rows stay is the output rules' work (evaluator.cir.jsonl.resume_rows).
+
+One run writes an output at a time: `HeldOutput` holds OUTPUT itself (its real path, through a
+symlink) under an exclusive flock from before its rows are read, truncated or appended until
+the run ends; a second run on it, whatever its flags, stops with OutputBusy and changes
+neither OUTPUT nor its record. The lock dies with its process (a killed run never blocks the
+next), and nothing is made beside OUTPUT, so a read-only folder holding a writable OUTPUT is
+held as well. The contest holds an OUTPUT it writes in place with the same lock
+(engine.io.open_locked).
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import stat
 from pathlib import Path
 from typing import BinaryIO
 
@@ -19,6 +28,76 @@ from evaluator.cir.task import TOP_K
 
 class ResumeError(Exception):
     """The output cannot be resumed or written: one line naming it (and --fresh where that helps)."""
+
+
+class OutputBusy(ResumeError):
+    """Another run holds OUTPUT's lock: it is writing OUTPUT now."""
+
+
+class HeldOutput:
+    """`with HeldOutput(output, say):` OUTPUT reserved for this run (the module's rule): its real
+    path opened (created when absent) and held under an exclusive flock until the `with` ends.
+    OutputBusy when another run holds it, ResumeError when it cannot be opened for writing. On a
+    filesystem without flock the run goes on unguarded, said through `say`. A non-regular OUTPUT
+    (a FIFO, /dev/stdout) is not held: it keeps no rows to protect. An OUTPUT this run created
+    and never wrote (it stopped before its first row) is removed on leaving."""
+
+    def __init__(self, output: Path, say):
+        self.path, self.real = output, Path(os.path.realpath(output))
+        self.fd: int | None = None
+        self.created = self.opened = False
+        try:
+            if not stat.S_ISREG(os.stat(self.real).st_mode):
+                return
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise ResumeError(f"cannot write {output}: {e.strerror or e}") from e
+        try:
+            self.fd, locked = self._open()
+        except BlockingIOError:
+            shown = output if self.real == Path(os.path.abspath(output)) else f"{output} (really {self.real})"
+            raise OutputBusy(f"another run is writing OUTPUT now (it holds the lock on {shown}); this run "
+                             "stops and leaves OUTPUT and its record as they are") from None
+        except OSError as e:
+            raise ResumeError(f"cannot write {output}: {e.strerror or e}") from e
+        if not locked:
+            say(f"warning: the filesystem of {self.real} has no file locks (flock): a second run on this "
+                "output is not refused while this one writes it")
+
+    def _open(self) -> tuple[int, bool]:
+        """(fd, locked) of the real path, created here when absent (self.created)."""
+        from engine.io import open_locked
+
+        while True:
+            try:
+                fd, locked = open_locked(self.real, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+                self.created = True
+                return fd, locked
+            except FileExistsError:
+                pass
+            try:
+                return open_locked(self.real, os.O_RDWR)
+            except FileNotFoundError:
+                continue                     # removed in between: create it
+
+    def __enter__(self) -> HeldOutput:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.fd is None:
+            return
+        try:   # made by this run and never written: leave no empty output behind (still under the lock)
+            if self.created and not self.opened and os.fstat(self.fd).st_size == 0:
+                from engine.io import same_inode
+
+                if same_inode(self.fd, self.real):
+                    os.unlink(self.real)
+        except OSError:
+            pass
+        finally:
+            os.close(self.fd)            # releases the lock
+            self.fd = None
 
 
 def requests_digest(requests) -> str:
@@ -94,10 +173,23 @@ def kept_rows(output: Path, index_dir: Path, ident: dict, requests, gallery_ids,
         raise ResumeError(f"cannot read {output} to resume it: {e}; pass --fresh to overwrite it") from e
 
 
-def open_output(output: Path, kept: Resumed | None) -> BinaryIO:
-    """`output` opened for writing: in place when rows are kept, else afresh. ResumeError when it cannot be."""
+def open_output(held: HeldOutput, kept: Resumed | None) -> BinaryIO:
+    """The held output opened for writing (through the held file, so its lock stays on what is
+    written): in place when rows are kept, else emptied. ResumeError when it cannot be."""
+    output = held.path
     try:
-        return open(output, "r+b" if kept is not None else "wb")
+        if held.fd is None:          # not held (not a regular file): opened by name, as ever
+            return open(output, "r+b" if kept is not None else "wb")
+        out = os.fdopen(os.dup(held.fd), "r+b")
+        held.opened = True
+        if kept is None:
+            try:
+                out.seek(0)
+                out.truncate(0)
+            except OSError:
+                out.close()
+                raise
+        return out
     except OSError as e:
         raise ResumeError(f"cannot write {output}: {e.strerror or e}") from e
 

@@ -8,7 +8,9 @@ unit query, scores against the whole gallery (one matrix multiply), top 50 exclu
 reference (`kernels.topk.topk`). Output rows: {"query_id", "results": [{"image_id",
 "score"}]}. An existing output resumes after its valid rows (a torn last line is dropped),
 only if the same requests, method, index and CLIP wrote it (its record, beside it, holds a
-digest of the requests); otherwise it is refused, naming --fresh.
+digest of the requests); otherwise it is refused, naming --fresh. One run writes an output at a
+time: the output is held under an exclusive lock from before it is read or changed until the run
+ends, and a second run on it (whatever its flags) stops in one line, changing nothing.
 A request whose reference is not in the index is answered from its text alone.
 The method may add gallery-aware options (`slerp+gap+qbnorm`, `pic2word+reinspect`, ...):
 engine.retrieval.query runs them; docs/retrieval_quality.md lists them. The CLIP: --model-dir,
@@ -165,55 +167,58 @@ def interrupt_ends(prog: str, kept: str):
 
 def _main(argv: list[str] | None, on_row, log_summary: bool = True) -> int:
     from engine.stdio import safe_std_streams
+    from evaluator.cir import resume
 
     safe_std_streams()   # diagnostics are best effort: a broken stderr never fails the call
     cfg = parse_args(argv)
-    problem = limits_problem(cfg)
+    problem = limits_problem(cfg) or tmpdir_problem() or output_problem(cfg.output)
     if problem:
         return _error(problem)
-    t0 = time.perf_counter()
-    from engine.clip.load import ClipLoadError
-    from engine.retrieval.index import IndexLoadError, load_index
-    from engine.retrieval.jsonl import read_requests, stderr_warn
-    from engine.retrieval.query import PipelineError
-    from evaluator.cir import resume
-
-    warn = stderr_warn("cir_run")
-    problem = tmpdir_problem() or output_problem(cfg.output)
-    if problem:
-        return _error(f"{problem}")
-    try:
-        index = load_index(cfg.index_dir)
-        requests = read_requests(cfg.queries, warn)
-    except (IndexLoadError, OSError, ValueError) as e:
-        return _error(f"{e}")
-    try:
-        method = chosen_method(cfg, index.meta.get("method") or {})
-    except (TypeError, ValueError) as e:
-        return _error(f"{e}")
-    try:
-        searcher = open_searcher(cfg, index, warn)
-        pipe = searcher.pipeline(method, cfg.k)
-        pipe.prepare(requests)
-    except (ClipLoadError, OSError, PipelineError) as e:
-        return _error(f"{e}")
-
-    ident = resume.run_identity(method, index, searcher.info, requests)
-    try:
-        kept = resume.kept_rows(cfg.output, cfg.index_dir, ident, requests, index.ids, warn) if cfg.resume else None
-        out = resume.open_output(cfg.output, kept)
+    try:   # one writer per output: held before it is read, cut or appended, until this call ends
+        held = resume.HeldOutput(cfg.output, _log)
     except resume.ResumeError as e:
         return _error(f"{e}")
-    resume.write_identity(cfg.output, cfg.index_dir, ident, _log)   # before any row: a killed call keeps it too
-    with out:
-        done = resume.cut_to_kept(out, kept)
-        if done:
-            _log(f"resuming {cfg.output}: {len(done)} rows kept")
-        pending = [r for r in requests if str(r.query_id) not in done]
-        t1 = time.perf_counter()
-        n = answer_naming_output(cfg, pipe, pending, out, on_row)
-    report(cfg, {"queries": len(requests), "answered": n, "resumed": len(done)}, method, searcher, pipe,
-           (t0, t1, time.perf_counter()), log_summary)
+    with held:
+        t0 = time.perf_counter()
+        from engine.clip.load import ClipLoadError
+        from engine.retrieval.index import IndexLoadError, load_index
+        from engine.retrieval.jsonl import read_requests, stderr_warn
+        from engine.retrieval.query import PipelineError
+
+        warn = stderr_warn("cir_run")
+        try:
+            index = load_index(cfg.index_dir)
+            requests = read_requests(cfg.queries, warn)
+        except (IndexLoadError, OSError, ValueError) as e:
+            return _error(f"{e}")
+        try:
+            method = chosen_method(cfg, index.meta.get("method") or {})
+        except (TypeError, ValueError) as e:
+            return _error(f"{e}")
+        try:
+            searcher = open_searcher(cfg, index, warn)
+            pipe = searcher.pipeline(method, cfg.k)
+            pipe.prepare(requests)
+        except (ClipLoadError, OSError, PipelineError) as e:
+            return _error(f"{e}")
+
+        ident = resume.run_identity(method, index, searcher.info, requests)
+        try:
+            kept = (resume.kept_rows(cfg.output, cfg.index_dir, ident, requests, index.ids, warn)
+                    if cfg.resume else None)
+            out = resume.open_output(held, kept)
+        except resume.ResumeError as e:
+            return _error(f"{e}")
+        resume.write_identity(cfg.output, cfg.index_dir, ident, _log)   # before any row: a killed call keeps it too
+        with out:
+            done = resume.cut_to_kept(out, kept)
+            if done:
+                _log(f"resuming {cfg.output}: {len(done)} rows kept")
+            pending = [r for r in requests if str(r.query_id) not in done]
+            t1 = time.perf_counter()
+            n = answer_naming_output(cfg, pipe, pending, out, on_row)
+        report(cfg, {"queries": len(requests), "answered": n, "resumed": len(done)}, method, searcher, pipe,
+               (t0, t1, time.perf_counter()), log_summary)
     return 0
 
 

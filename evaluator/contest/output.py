@@ -28,7 +28,7 @@ import os
 import stat
 from pathlib import Path
 
-from engine.io import create_locked_temp, file_kind, remove_abandoned, same_inode, temp_prefix
+from engine.io import create_locked_temp, file_kind, open_locked, remove_abandoned, same_inode, temp_prefix
 
 _NO_FALLOCATE = (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)   # the filesystem cannot: write zeros instead
 
@@ -137,9 +137,8 @@ class Output:
             self._in_place(folder, e)
 
     def _in_place(self, folder: Path, e: OSError) -> None:
-        """No temp file can be made in OUTPUT's folder: write OUTPUT itself, under its own flock."""
-        import fcntl
-
+        """No temp file can be made in OUTPUT's folder: write OUTPUT itself, under its own flock
+        (engine.io.open_locked, the lock scripts/run.sh holds on its output too)."""
         path = self.path
         if not (os.path.isfile(path) and os.access(path, os.W_OK)):
             raise OutputError(f"cannot write OUTPUT in {folder}: {e.strerror or e}") from None
@@ -147,15 +146,12 @@ class Output:
             raise OutputError(f"cannot write OUTPUT in {folder} ({e.strerror or e}), and OUTPUT has other "
                               f"hard links: writing it in place would change them: {path}") from None
         try:
-            self.fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)   # not O_TRUNC: another writer may hold it
-        except OSError as e2:
-            raise OutputError(f"cannot write OUTPUT {path}: {e2.strerror or e2}") from None
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            self.discard()
+            self.fd, _ = open_locked(path, os.O_WRONLY)   # not O_TRUNC: another writer may hold it
+        except BlockingIOError:
             raise OutputError(f"another run is writing OUTPUT in place now (it holds its lock); this run stops "
                               f"and leaves OUTPUT to it: {path}") from None
+        except OSError as e2:   # (a filesystem without flock: written unguarded, as a temp file there is)
+            raise OutputError(f"cannot write OUTPUT {path}: {e2.strerror or e2}") from None
         os.ftruncate(self.fd, 0)   # emptied now, written at the end
 
     def reserve(self, nbytes: int) -> None:
