@@ -371,26 +371,19 @@ class LockHeld(RuntimeError):
 
 
 def take_lock(path: str | os.PathLike) -> int:
-    """The fd of `path` (created if absent) under an exclusive flock, this pid written in it; closing
-    the fd releases it, and so does the holder's death, however it dies. LockHeld when a live process
-    holds it. A lock taken on a file its holder removed meanwhile (release_lock) is taken again on
-    the new one, so the name and the lock always agree."""
-    import fcntl
-
+    """The fd of the lock file `path` (created if absent) under an exclusive flock (open_locked),
+    this pid written in it; closing the fd releases it, and so does the holder's death, however it
+    dies. LockHeld, naming the pid written there, while a live process holds it. On a filesystem
+    without flock the fd is returned unlocked (nothing can be proven there)."""
     path = Path(path)
-    while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    try:
+        fd, _ = open_locked(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0))
+    except BlockingIOError:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
-            os.close(fd)
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise LockHeld(path, holder) from None
-            raise
-        if same_inode(fd, path):
-            break
-        os.close(fd)                      # released and removed between the open and the flock
+            holder = path.read_text(errors="replace").strip()[:32]
+        except OSError:
+            holder = ""
+        raise LockHeld(path, holder or "unknown") from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
