@@ -260,14 +260,17 @@ def naming(e: OSError, path: str | os.PathLike) -> OSError:
     return type(e)(e.errno, e.strerror or os.strerror(e.errno), os.fspath(path))
 
 
-def write_atomic(path: str | os.PathLike, data: bytes) -> None:
-    """Write `data` to `path` through a locked temp file in the same folder, fsync, rename: two
-    writers of one path never share a temp file, and the last rename wins with a whole file."""
+def write_atomic(path: str | os.PathLike, data) -> None:
+    """Write `data` (bytes, or a list of bytes-like parts written in order) to `path` through a
+    locked temp file in the same folder, fsync, rename: two writers of one path never share a temp
+    file, and the last rename wins with a whole file; a crash never leaves a file at `path` that
+    looks complete. The one atomic writer of the kit (kernels/ is handed it)."""
     path = Path(path)
     fd, tmp = create_locked_temp(path)
     try:
         with open(fd, "wb", closefd=False) as f:
-            f.write(data)
+            for part in (data if isinstance(data, list) else [data]):
+                f.write(part)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -15,7 +15,7 @@ The excluded column is each query's reference image (-1 = none). Entry points:
   no setting itself.
 - `store_compiled(folder, write=)` / `stored` arguments: the index build compiles the kernel
   once (NVRTC) into FOLDER/topk.json + FOLDER/topk-sm<arch>.cubin (`write(path, bytes)`: the
-  caller's atomic file writer; default a local tempfile + os.replace); a query run given
+  caller's atomic file writer, engine.io.write_atomic from the index build); a query run given
   that folder loads the binary (no NVRTC). A missing or unusable one is compiled at run
   time, and said once on stderr.
 - `python -m kernels.topk`: checks the reference against torch.topk (and the kernel against
@@ -42,9 +42,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -319,39 +317,14 @@ def cuda_unavailable() -> str | None:
     return None
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write `data` to `path` whole or not at all: a temp file in the same folder, fsync, rename."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".tmp-{path.name}-")
-    try:
-        os.fchmod(fd, 0o644)  # mkstemp makes 0600: the stored module is an ordinary readable file
-        with open(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    """Hex SHA-256 of a file, read in 4 MiB blocks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-def store_compiled(folder: Path, device_index: int = 0,
-                   write: Callable[[Path, bytes], None] | None = None) -> dict:
+def store_compiled(folder: Path, write: Callable[[Path, bytes], None], device_index: int = 0) -> dict:
     """Compile the kernel with NVRTC for this GPU into `folder` (created): RECORD + the binary.
 
-    `write(path, data)`: how each file is written (the caller's atomic writer; default
-    `_write_atomic`). Returns the record (what was stored), or {"stored": False, "reason": ...}
+    `write(path, data)`: how each file is written (the caller's atomic writer: kernels/ writes no
+    file of its own). Returns the record (what was stored), or {"stored": False, "reason": ...}
     when CUDA or CuPy is absent or the compile fails (the run then compiles at its first
     kernel call)."""
-    write_atomic = write or _write_atomic
+    write_atomic = write
     why = cuda_unavailable()
     if why is not None:
         return {"stored": False, "reason": why}
@@ -396,7 +369,7 @@ def stored_module(folder: Path | None, arch: str) -> tuple[Path | None, str | No
     binary = Path(folder) / name
     if not binary.is_file():
         return None, f"{binary} is missing"
-    if _sha256_file(binary) != record.get("sha256"):
+    if hashlib.sha256(binary.read_bytes()).hexdigest() != record.get("sha256"):   # a cubin: kilobytes
         return None, f"{binary} does not match its recorded SHA-256"
     return binary, None
 

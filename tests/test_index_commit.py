@@ -154,21 +154,22 @@ def test_a_decoder_that_gives_way_mid_build_leaves_no_mixed_index(tmp_path, monk
 
 
 def test_temp_files_are_created_exclusively(tmp_path, monkeypatch):
-    """A temp name another writer holds is never written through (O_EXCL); names are random."""
+    """A temp name another writer holds is never written through (O_EXCL): the writer draws another."""
+    import itertools
     import secrets
+    import time
 
-    from engine.retrieval.index import write_new
+    from engine.io import write_atomic
 
     target = tmp_path / "chunk-000001.npz"
+    ticks = itertools.chain([7, 7], itertools.count(8))           # the first two draws collide
+    monkeypatch.setattr(time, "time_ns", lambda: next(ticks))
     monkeypatch.setattr(secrets, "token_hex", lambda n: "f" * 2 * n)
-    theirs = tmp_path / f".tmp-{target.name}-{'f' * 12}"
+    theirs = tmp_path / f".tmp-{target.name}-{7:016x}{'f' * 8}"
     theirs.write_bytes(b"another writer's bytes")
-    with pytest.raises(FileExistsError):
-        write_new(target, b"mine")
-    assert theirs.read_bytes() == b"another writer's bytes" and not target.exists()
-    monkeypatch.undo()
-    write_new(target, b"mine")
-    assert target.read_bytes() == b"mine" and sorted(p.name for p in tmp_path.iterdir()) == [theirs.name, target.name]
+    write_atomic(target, b"mine")
+    assert theirs.read_bytes() == b"another writer's bytes" and target.read_bytes() == b"mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [theirs.name, target.name]
 
 
 def _unit_rows(n: int, dim: int, seed: int) -> np.ndarray:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine.io import write_atomic
 from kernels import topk as topk_mod
 from kernels.topk import KERNEL_SOURCE, MAX_K, store_compiled, to_host, topk, topk_cupy, topk_reference
 
@@ -387,7 +388,7 @@ class FakeCupy:
 
 def test_the_build_stores_the_compiled_kernel_and_says_what(monkeypatch, tmp_path):
     fake = FakeCupy().install(monkeypatch)
-    record = store_compiled(tmp_path / "kernels")
+    record = store_compiled(tmp_path / "kernels", write=write_atomic)
     assert fake.compiled == [topk_mod.NVRTC_OPTIONS]
     assert record["stored"] and record["file"] == "topk-sm90.cubin" and record["format"] == "cubin"
     assert record["arch"] == "90" and record["source_sha256"] == topk_mod.SOURCE_SHA256
@@ -412,27 +413,27 @@ def test_the_build_writes_through_the_callers_writer(monkeypatch, tmp_path):
 
 def test_ptx_from_nvrtc_is_stored_as_ptx(monkeypatch, tmp_path):
     FakeCupy(binary=".version 8.0\n.target sm_90\n").install(monkeypatch)
-    record = store_compiled(tmp_path)
+    record = store_compiled(tmp_path, write=write_atomic)
     assert record["file"] == "topk-sm90.ptx" and record["format"] == "ptx"
 
 
 def test_nothing_is_stored_without_cuda_or_when_the_compile_fails(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert store_compiled(tmp_path / "a") == {"stored": False, "reason": "no CUDA device"}
+    assert store_compiled(tmp_path / "a", write=write_atomic) == {"stored": False, "reason": "no CUDA device"}
     fake = FakeCupy().install(monkeypatch)
 
     def fails(source, options=()):
         raise RuntimeError("nvrtc: error: invalid value for --gpu-architecture")
 
     fake.compiler.compile_using_nvrtc = fails
-    record = store_compiled(tmp_path / "b")
+    record = store_compiled(tmp_path / "b", write=write_atomic)
     assert record["stored"] is False and "NVRTC compile failed (RuntimeError: nvrtc: error" in record["reason"]
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
 def test_the_run_loads_the_stored_kernel_without_nvrtc(monkeypatch, tmp_path, capsys):
     fake = FakeCupy().install(monkeypatch)
-    store_compiled(tmp_path)
+    store_compiled(tmp_path, write=write_atomic)
     assert topk_mod._functions(tmp_path, 0) == {"topk_f32": "topk_f32", "topk_f16": "topk_f16"}
     topk_mod._functions(tmp_path, 0)  # cached: loaded once
     assert fake.modules == ["topk-sm90.cubin"] and capsys.readouterr().err == ""
@@ -467,7 +468,7 @@ def test_an_unusable_stored_kernel_is_compiled_once_and_said_once(monkeypatch, t
     fake = FakeCupy().install(monkeypatch)
     folder = tmp_path / "kernels"
     if what != "absent":
-        store_compiled(folder)
+        store_compiled(folder, write=write_atomic)
         _tamper(folder, what)
     binary, reason = topk_mod.stored_module(folder, "90")
     assert binary is None and why in reason
@@ -480,7 +481,7 @@ def test_an_unusable_stored_kernel_is_compiled_once_and_said_once(monkeypatch, t
 
 def test_a_stored_kernel_the_driver_refuses_is_compiled_instead(monkeypatch, tmp_path, capsys):
     fake = FakeCupy(binary=b"bad image").install(monkeypatch)
-    store_compiled(tmp_path)
+    store_compiled(tmp_path, write=write_atomic)
     assert topk_mod.stored_module(tmp_path, "90") == (tmp_path / "topk-sm90.ptx", None)  # the file itself is intact
     topk_mod._functions(tmp_path, 0)
     assert fake.modules == ["topk-sm90.ptx", "nvrtc"]

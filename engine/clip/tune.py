@@ -254,9 +254,9 @@ def check_recorded_files(folder: Path, files: dict) -> None:
 
 def save_resume(build_dir: Path, record: dict) -> None:
     """The choice of an unfinished build, so a resumed one embeds with the same towers."""
-    from engine.retrieval.index import write_new
+    from engine.io import write_atomic
 
-    write_new(build_dir / RECORD, json.dumps(record).encode())
+    write_atomic(build_dir / RECORD, json.dumps(record).encode())
 
 
 def read_resume(build_dir: Path) -> dict | None:

@@ -35,7 +35,6 @@ import hashlib
 import io
 import json
 import os
-import secrets
 import shutil
 import uuid
 from dataclasses import dataclass, field
@@ -43,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.io import LockHeld, take_lock
+from engine.io import LockHeld, take_lock, write_atomic
 from engine.retrieval.presets import RETRIEVAL
 
 FORMAT = "cir-index/1"
@@ -76,7 +75,7 @@ def _npy_parts(arr: np.ndarray) -> list:
 
 
 def _sha256_parts(data) -> str:
-    """sha256 of bytes, or of a list of parts in order (the bytes write_new writes)."""
+    """sha256 of bytes, or of a list of parts in order (the bytes write_atomic writes)."""
     h = hashlib.sha256()
     for part in (data if isinstance(data, list) else [data]):
         h.update(part)
@@ -261,24 +260,6 @@ def read_meta(index_dir: Path) -> dict | None:
     return meta if isinstance(meta, dict) else None
 
 
-def write_new(path: Path, data) -> None:
-    """Write `data` (bytes, or a list of bytes-like parts written in order) to `path` through a
-    temp file of a random name created with O_EXCL (never another writer's), fsync, rename: a
-    crash never leaves a file at `path` that looks complete."""
-    tmp = path.with_name(f".tmp-{path.name}-{secrets.token_hex(6)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            for part in (data if isinstance(data, list) else [data]):
-                f.write(part)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def is_index_folder(folder: Path) -> bool:
     """`folder` is an index this kit made or began (its mark, meta.json of this format, an
     unfinished build's folder or its lock): a build may write into it."""
@@ -354,7 +335,7 @@ class ChunkStore:
         if old != self.key:
             shutil.rmtree(self.dir, ignore_errors=True)
             self.dir.mkdir(parents=True)
-            write_new(prog, json.dumps({"key": self.key}, indent=1).encode())
+            write_atomic(prog, json.dumps({"key": self.key}, indent=1).encode())
             return {}
         for tmp in self.dir.glob(".tmp-*"):       # left by a killed writer (the lock says none is running)
             tmp.unlink(missing_ok=True)
@@ -391,10 +372,10 @@ class ChunkStore:
         decoder: the one that decoded its images. The chunk, then its record (with its sha256)."""
         data = _chunk_bytes(rows, emb, failed)
         self.record_path(chunk).unlink(missing_ok=True)   # no record names the bytes until they are whole
-        write_new(self.path(chunk), data)
+        write_atomic(self.path(chunk), data)
         rec = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data), "decoder": decoder,
                "rows": int(len(rows))}
-        write_new(self.record_path(chunk), json.dumps(rec).encode())
+        write_atomic(self.record_path(chunk), json.dumps(rec).encode())
         self.decoders[chunk] = decoder
 
     def load(self, chunks: range) -> tuple[np.ndarray, np.ndarray, list[dict]]:
@@ -467,11 +448,11 @@ def commit(index_dir: Path, emb: np.ndarray, ids: list, meta: dict,
             raise ValueError(f"unknown index extra {name!r} (one of {EXTRA_FILES})")
         files[name], blobs[name] = f"{name}-{build}{suffix}", data
     for name, data in blobs.items():
-        write_new(index_dir / files[name], data)
+        write_atomic(index_dir / files[name], data)
     meta = {"format": FORMAT, "build_id": build, "files": files, "count": int(emb.shape[0]),
             "dim": int(emb.shape[1]),
             "sha256": {name: _sha256_parts(data) for name, data in blobs.items()}, **meta}
-    write_new(index_dir / "meta.json", (json.dumps(meta, indent=1) + "\n").encode())   # the switch
+    write_atomic(index_dir / "meta.json", (json.dumps(meta, indent=1) + "\n").encode())   # the switch
     keep = set(files.values())
     old = [index_dir.glob(f"{name}-*") for name in ("embeddings", "ids", *EXTRA_FILES)]
     for p in (q for g in old for q in g):
