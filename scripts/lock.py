@@ -93,7 +93,7 @@ def metadata() -> int:
     locks = lm.read_locks()
     try:
         data = lm.fetch(locks, say=lambda line: print(line, file=sys.stderr))
-    except (OSError, LookupError) as e:
+    except (OSError, LookupError) as e:      # the index unreachable, a file unreadable
         print(f"lock.py: error: reading the index: {e}", file=sys.stderr)
         return 1
     Path(lm.REPO / lm.DATA).write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")

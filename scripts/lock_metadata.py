@@ -238,7 +238,9 @@ def _requires_dist(text: str) -> list[str]:
 
 
 def _wheel_metadata(archive: zipfile.ZipFile) -> str:
-    name = next(n for n in archive.namelist() if re.fullmatch(r"[^/]+\.dist-info/METADATA", n))
+    name = next((n for n in archive.namelist() if re.fullmatch(r"[^/]+\.dist-info/METADATA", n)), None)
+    if name is None:
+        raise LookupError(f"{archive.filename or 'a wheel'}: no .dist-info/METADATA")
     return archive.read(name).decode()
 
 
@@ -264,13 +266,17 @@ def file_requires(f: dict) -> tuple[list[str], str | None]:
                 return _requires_dist(_wheel_metadata(zipfile.ZipFile(_download(url, Path(tmp))))), None
     with tempfile.TemporaryDirectory() as tmp:                             # an sdist: its PKG-INFO
         path = _download(url, Path(tmp))
+        top_pkg_info = lambda n: n.count("/") == 1 and n.endswith("/PKG-INFO")  # noqa: E731
         if path.name.endswith(".zip"):
             with zipfile.ZipFile(path) as z:
-                text = z.read(next(n for n in z.namelist() if n.count("/") == 1 and n.endswith("/PKG-INFO"))).decode()
+                member = next((n for n in z.namelist() if top_pkg_info(n)), None)
+                text = z.read(member).decode() if member else None
         else:
             with tarfile.open(path) as t:
-                member = next(m for m in t.getmembers() if m.name.count("/") == 1 and m.name.endswith("/PKG-INFO"))
-                text = t.extractfile(member).read().decode()
+                member = next((m for m in t.getmembers() if top_pkg_info(m.name)), None)
+                text = t.extractfile(member).read().decode() if member else None
+    if text is None:
+        raise LookupError(f"{f['filename']}: no PKG-INFO")
     head = HeaderParser().parsestr(text)
     dynamic = {d.lower() for d in head.get_all("Dynamic") or []}
     if Version(head["Metadata-Version"]) < Version("2.2") or "requires-dist" in dynamic:
@@ -291,13 +297,19 @@ def fetch(locks: dict[str, str], say=print) -> dict:
         for name, pin in sorted(installed(locks, arch).items()):
             key, version = pin_key(pin), next(iter(pin.specifier)).version
             if name not in listing:
-                listing[name] = index_files(name)
+                try:
+                    listing[name] = index_files(name)
+                except OSError as e:
+                    raise OSError(f"{INDEX}{name}/: {e}") from e
             f = choose(listing[name], version, arch)
             if f is None:
                 raise LookupError(f"{key}: the index has no file for CPython {data['python']} on linux {arch}")
             if f["filename"] not in read:
                 say(f"{arch}: {key}: {f['filename']}")
-                read[f["filename"]] = file_requires(f)
+                try:
+                    read[f["filename"]] = file_requires(f)
+                except (OSError, zipfile.BadZipFile, tarfile.TarError) as e:
+                    raise OSError(f"{f['filename']}: {e}") from e
             requires, partial = read[f["filename"]]
             data["requires"][arch][key] = requires
             data["files"][arch][key] = f["filename"]

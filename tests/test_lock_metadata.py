@@ -32,6 +32,12 @@ def data(lm) -> dict:
     return json.loads(path.read_text())
 
 
+def _torch_tensorrt(lm) -> str:
+    """gpu.txt's torch-tensorrt pin as the data file keys it (`torch-tensorrt==X`)."""
+    return next(lm.pin_key(r) for r in lm.pins((REPO / "requirements" / "gpu.txt").read_text())
+                if r.name == "torch-tensorrt")
+
+
 def test_metadata_is_made_from_the_current_locks(lm, data):
     """The data file names exactly the locks the Dockerfile installs, at their current sha256, and
     holds the requirements of exactly the pins each architecture installs."""
@@ -60,7 +66,8 @@ def test_the_files_read_are_each_architectures_own(lm, data):
         for key, name in data["files"][arch].items():
             assert other not in name, (arch, key, name)
             assert name.endswith(("-any.whl", f"_{arch}.whl", ".tar.gz", ".zip")), (arch, key, name)
-    assert data["files"]["aarch64"]["torch-tensorrt==2.14.0"] != data["files"]["x86_64"]["torch-tensorrt==2.14.0"]
+    trt = _torch_tensorrt(lm)
+    assert data["files"]["aarch64"][trt] != data["files"]["x86_64"][trt]
 
 
 def test_only_nvidia_index_pins_have_incomplete_metadata(lm, data):
@@ -86,7 +93,7 @@ def test_the_lock_without_tensorrt_fails_on_aarch64_only(lm, data):
     assert set(problems) == {"aarch64"}, problems
     assert len(problems["aarch64"]) == 1, problems
     line = problems["aarch64"][0]
-    assert line.startswith("torch-tensorrt==2.14.0 requires tensorrt") and "tensorrt is not pinned" in line, line
+    assert line.startswith(f"{_torch_tensorrt(lm)} requires tensorrt") and "tensorrt is not pinned" in line, line
 
 
 # ---- the check itself, on small made-up locks ----------------------------------------------------
