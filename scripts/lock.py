@@ -15,6 +15,14 @@ checks instead that every pin of a lock has a wheel for the image's other platfo
 `pip install --dry-run --no-deps --only-binary=:all:` for that architecture's manylinux tags up
 to the base image's glibc (Debian bookworm: 2.36) and this Python, nothing downloaded but
 metadata. Needs the index (PyPI); NVIDIA-only pins (gpu.txt's TensorRT libraries) fail it.
+
+    python scripts/lock.py --metadata
+
+reads from PyPI, for every pin of the locks the Dockerfile installs and for linux x86_64 and
+aarch64, the Requires-Dist of the file pip would install there, writes them with the locks' sha256
+to requirements/metadata.json, and checks that the pins meet every requirement on each
+architecture (scripts/lock_metadata.py; tests/test_lock_metadata.py runs that check offline).
+Run it after any change to a lock.
 """
 from __future__ import annotations
 
@@ -24,6 +32,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
@@ -75,6 +84,31 @@ def resolves(lock: str, arch: str, glibc: str) -> int:
     return r.returncode
 
 
+def metadata() -> int:
+    """Write requirements/metadata.json from the index; 0 when the locks meet every requirement on both arches."""
+    import json
+
+    import lock_metadata as lm  # scripts/ is this script's folder, first on sys.path
+
+    locks = lm.read_locks()
+    try:
+        data = lm.fetch(locks, say=lambda line: print(line, file=sys.stderr))
+    except (OSError, LookupError) as e:      # the index unreachable, a file unreadable
+        print(f"lock.py: error: reading the index: {e}", file=sys.stderr)
+        return 1
+    Path(lm.REPO / lm.DATA).write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    problems = lm.unmet(locks, data["requires"])
+    for arch in lm.ARCHES:
+        for line in problems.get(arch, []):
+            print(f"{arch}: {line}", file=sys.stderr)
+        partial = data["partial"][arch]
+        print(f"{arch}: {len(data['requires'][arch])} pins, "
+              f"{'requirements met' if arch not in problems else str(len(problems[arch])) + ' unmet'}"
+              + (f"; incomplete metadata: {', '.join(sorted(partial))}" if partial else ""))
+    print(f"wrote {lm.DATA}")
+    return 1 if problems else 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(prog="python scripts/lock.py", description=__doc__.split("\n\n")[0])
     p.add_argument("roots", nargs="*", help="the packages to lock with their installed dependencies (default: none)")
@@ -85,7 +119,12 @@ def main() -> int:
     p.add_argument("--arch", default="aarch64", help="with --resolves (default aarch64, the scored machine's)")
     p.add_argument("--glibc", default="2.36",
                    help="with --resolves: the base image's glibc (default 2.36, bookworm's)")
+    p.add_argument("--metadata", action="store_true",
+                   help="fetch every Docker lock pin's requirements for both architectures into "
+                        "requirements/metadata.json and check them (default: write a lock)")
     a = p.parse_args()
+    if a.metadata:
+        return metadata()
     if a.resolves:
         return 1 if resolves(a.resolves, a.arch, a.glibc) else 0
     if not a.roots:
