@@ -84,11 +84,11 @@ PLAN = (
 
 def parser() -> argparse.ArgumentParser:
     steps = "\n".join(f"  {n:<23} {share:>4.0%}  {what}" for n, share, what in PLAN)
-    from engine.cli import MAX_DEADLINE_S, ArgumentParser, finite_float, whole_number
+    from engine.cli import MAX_DEADLINE_S, ArgumentParser, HelpFormatter, finite_float, whole_number
 
     seconds = finite_float(0.0, MAX_DEADLINE_S, "s", lo_open=True)
     p = ArgumentParser(prog="scripts/device_check.py", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                formatter_class=HelpFormatter,
                                 epilog=f"steps, in order (name, timeout as a share of --limit-s, what it tells):\n{steps}")
     p.add_argument("--out", type=Path, required=True,
                    help="result folder: device_check.json, .log, gpu_tests.txt (required; the .sh takes it as OUTDIR)")
@@ -100,7 +100,7 @@ def parser() -> argparse.ArgumentParser:
                    help="rows the naive FP32 path answers, the agreement's rows (default: %(default)s)")
     p.add_argument("--batch-size", type=whole_number(1, 4096), default=None,
                    help="the builds' static batch (default: the device preset's, engine/presets.py)")
-    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="where everything runs (default: cuda)")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="where everything runs")
     p.add_argument("--tiny", action="store_true",
                    help="the tiny test model instead of EVA-02-L/448: a rehearsal of every step (default: off)")
     p.add_argument("--gpu-tests-s", type=seconds, default=90.0,

@@ -174,6 +174,16 @@ def _run(mod, how, parser, argv) -> tuple[object, int | None, str]:
             return None, e.code, err.getvalue()
 
 
+def _takes_numbers(mod, how, parser, base: list[str], action: argparse.Action) -> bool:
+    """Whether the option parses a plain number into an int or a float (a count that also takes a word)."""
+    for value in ("1", "16", "0.5"):
+        result, code, _ = _run(mod, how, parser, [*base, action.option_strings[-1], value])
+        got = getattr(result, action.dest, None) if code is None else None
+        if isinstance(got, int | float) and not isinstance(got, bool):
+            return True
+    return False
+
+
 @pytest.fixture
 def filled(tmp_path):
     (tmp_path / "dir").mkdir()
@@ -213,7 +223,7 @@ def test_every_option_refuses_hostile_numbers_in_one_line(path, filled, clean_en
             opt = action.option_strings[-1]
             if action.type in (int, float):
                 problems.append(f"{opt}: a bare type={action.type.__name__} (use engine.cli.finite_float/whole_number)")
-            numeric = isinstance(action.type, cli.Ranged)
+            numeric = isinstance(action.type, cli.Ranged) or _takes_numbers(mod, how, top, base, action)
             for value in HOSTILE:
                 walked += 1
                 result, code, err = _run(mod, how, top, [*base, opt, value])
@@ -231,7 +241,7 @@ def test_every_option_refuses_hostile_numbers_in_one_line(path, filled, clean_en
                     problems.append(f"{opt} {value}: {len(lines)} stderr lines, not one: {err!r}")
                 elif opt not in lines[-1] and action.dest.replace("_", "-") not in lines[-1]:
                     problems.append(f"{opt} {value}: the refusal does not name the option: {lines[-1]}")
-            if numeric and isinstance(parser.formatter_class, type) and issubclass(parser.formatter_class,
+            if isinstance(action.type, cli.Ranged) and isinstance(parser.formatter_class, type) and issubclass(parser.formatter_class,
                                                                                    cli.HelpFormatter):
                 if action.type.allowed not in " ".join(parser.format_help().split()):
                     problems.append(f"{opt}: --help does not state its range {action.type.allowed}")
