@@ -158,7 +158,7 @@ class Ranged:
             raise ValueError(f"a range needs finite bounds lo <= hi, got {lo}, {hi}")
         self.whole, self.lo, self.hi, self.unit = whole, lo, hi, unit
         self.lo_open, self.hi_open = lo_open, hi_open
-        self.__name__ = "whole number" if whole else "number"   # argparse names a type by it
+        self.__name__ = "int" if whole else "float"   # what it yields (argparse names a type by it)
         if whole:
             span = f"{_num(lo)}..{_num(hi)}"
         else:
@@ -168,10 +168,13 @@ class Ranged:
     def __repr__(self) -> str:
         return f"Ranged({self.__name__} in {self.allowed})"
 
+    def _what(self) -> str:
+        return "whole number" if self.whole else "number"
+
     def __call__(self, text: str) -> float | int:
         import math
 
-        what = f"must be a {self.__name__} in {self.allowed}, got {text!r}"
+        what = f"must be a {self._what()} in {self.allowed}, got {text!r}"
         try:
             v = int(text, 10) if self.whole else float(text)
         except (TypeError, ValueError):
