@@ -30,8 +30,18 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
         # `is`, not `in (None, False)`: a default of 0 (a seed, a count) equals False and is shown
         if (action.required or action.nargs == 0 or action.default is None or action.default is False
                 or action.default is argparse.SUPPRESS):
-            return action.help or ""
-        return super()._get_help_string(action)
+            return _with_range(action, action.help or "")
+        return _with_range(action, super()._get_help_string(action))
+
+
+def _with_range(action: argparse.Action, text: str) -> str:
+    """`text` with the allowed range of a Ranged option (engine.cli.finite_float, whole_number) added."""
+    allowed = getattr(action.type, "allowed", None)
+    if not allowed or allowed in text:
+        return text
+    tail = " (default: %(default)s)"   # argparse's, kept last
+    head, end = (text[:-len(tail)], tail) if text.endswith(tail) else (text, "")
+    return f"{head} (range: {allowed.replace('%', '%%')}){end}"
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -126,3 +136,76 @@ def guard(prog: str, body: Callable[[], int], errors: tuple[type[BaseException],
         if debugging(debug):
             raise
         return error(prog, one_line(e))
+
+
+# ---- ranged numbers: argparse `type=` factories ---------------------------------------------------
+
+def _num(v: float) -> str:
+    """A bound as the help and the refusal print it: 604800, 0.5, 4294967295."""
+    return str(int(v)) if float(v).is_integer() and abs(v) < 1e16 else f"{v:g}"
+
+
+class Ranged:
+    """An argparse `type`: a finite number within [lo, hi] (either end open when asked), else a
+    one-line refusal naming the allowed range and its unit. `allowed` is that range as text
+    (HelpFormatter adds it to the option's help). Made by finite_float() and whole_number()."""
+
+    def __init__(self, whole: bool, lo: float, hi: float, unit: str = "", lo_open: bool = False,
+                 hi_open: bool = False):
+        import math
+
+        if not (math.isfinite(lo) and math.isfinite(hi) and lo <= hi):
+            raise ValueError(f"a range needs finite bounds lo <= hi, got {lo}, {hi}")
+        self.whole, self.lo, self.hi, self.unit = whole, lo, hi, unit
+        self.lo_open, self.hi_open = lo_open, hi_open
+        self.__name__ = "int" if whole else "float"   # what it yields (argparse names a type by it)
+        if whole:
+            span = f"{_num(lo)}..{_num(hi)}"
+        else:
+            span = f"{'(' if lo_open else '['}{_num(lo)}, {_num(hi)}{')' if hi_open else ']'}"
+        self.allowed = f"{span} {unit}".strip()
+
+    def __repr__(self) -> str:
+        return f"Ranged({self.__name__} in {self.allowed})"
+
+    def _what(self) -> str:
+        return "whole number" if self.whole else "number"
+
+    def __call__(self, text: str) -> float | int:
+        import math
+
+        what = f"must be a {self._what()} in {self.allowed}, got {text!r}"
+        try:
+            v = int(text, 10) if self.whole else float(text)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(what) from None
+        if not self.whole and not math.isfinite(v):
+            raise argparse.ArgumentTypeError(what)
+        low_ok = self.lo < v if self.lo_open else self.lo <= v
+        high_ok = v < self.hi if self.hi_open else v <= self.hi
+        if not (low_ok and high_ok):
+            raise argparse.ArgumentTypeError(what)
+        return v
+
+
+def finite_float(lo: float, hi: float, unit: str = "", *, lo_open: bool = False, hi_open: bool = False) -> Ranged:
+    """An argparse `type`: a finite float in [lo, hi] (`lo_open`/`hi_open`: that end excluded), in
+    `unit` (s, bp, a fraction: ""); nan, inf, out of range and garbage end in argparse's one line."""
+    return Ranged(False, lo, hi, unit, lo_open, hi_open)
+
+
+def whole_number(lo: int, hi: int, unit: str = "") -> Ranged:
+    """An argparse `type`: a whole number (decimal) in lo..hi, in `unit`; anything else (1.5, 1e3,
+    nan, garbage) ends in argparse's one line naming the range."""
+    return Ranged(True, lo, hi, unit)
+
+
+SEED = whole_number(0, 2**32 - 1)           # a random seed: numpy's range
+MAX_DEADLINE_S = 30 * 86400.0               # the longest deadline or time limit a command takes (30 days)
+
+
+def device_name(text: str) -> str:
+    """An argparse `type`: cpu, cuda or cuda:N (a torch device of the kinds the engine runs on)."""
+    if text in ("cpu", "cuda") or (text.startswith("cuda:") and text[5:].isdigit() and len(text) < 10):
+        return text
+    raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N, got {text!r}")

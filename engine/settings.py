@@ -17,16 +17,16 @@ on and 0, false, no, off for off (an empty value is the default).
 | ENGINE_TF32 | 0/1 | 0 | let FP32 matmuls and convolutions on CUDA use TF32 (0: IEEE FP32, as a frozen FP32 reference computes; 1: to match a reference that ran with TF32) |
 | ENGINE_GUARD | 0/1 | 1 | re-check near-ties of a guarded low-precision artifact in FP32 (0: raw answers) |
 | ENGINE_ARTIFACT_VERIFY | quick/size/sha256 | quick | at load: sizes + a sampled SHA-256 of each file, sizes only, or the full SHA-256 (engine.classify.artifact; an index's compiled CLIP towers too) |
-| ENGINE_PIPELINE_DEPTH | int >= 0 | 2 | decoded batches in flight ahead of inference |
-| ENGINE_READERS | int >= 1 | from ENGINE_THREADS | file reader threads (engine.threads) |
+| ENGINE_PIPELINE_DEPTH | int 0..64 | 2 | decoded batches in flight ahead of inference |
+| ENGINE_READERS | int 1..1024 | from ENGINE_THREADS | file reader threads (engine.threads) |
 | ENGINE_FAST_EXIT | 0/1 | 1 | leave without interpreter teardown once the output is synced |
-| ENGINE_T0 | seconds since the epoch | process start | when the timed run began (scripts/run sets it) |
-| ENGINE_THREADS | int >= 1 | usable CPUs, at most 16 | the thread budget: DALI, torch, OpenMP and readers are sized from it (engine.threads) |
-| ENGINE_MAX_FILE_BYTES | int >= 1 | 67108864 (64 MiB) | larger image files are refused unread |
+| ENGINE_T0 | seconds since the epoch, 0..1e10 | process start | when the timed run began (scripts/run sets it) |
+| ENGINE_THREADS | int 1..1024 | usable CPUs, at most 16 | the thread budget: DALI, torch, OpenMP and readers are sized from it (engine.threads) |
+| ENGINE_MAX_FILE_BYTES | int 1..2^40 | 67108864 (64 MiB) | larger image files are refused unread |
 | ENGINE_DECODER_ISOLATE | 0/1 | 1 | run the DALI CPU decoder in a child process (a native crash costs a batch, not the run) |
-| ENGINE_DECODE_DEADLINE_S | seconds > 0 | 30 | longest one image may take to decode in the child decoder process: past it, that image alone is unreadable (a prediction and a stderr line), never decoded again |
-| ENGINE_MAX_PIXELS | int >= 1 | 89478485 (PIL's bomb limit) | pixels an image may have, at its own size and resized before the crop; a larger one is refused before any allocation (unreadable) |
-| ENGINE_READAHEAD_BYTES | int >= 1 | 268435456 (256 MiB) | encoded bytes read ahead of the decoder, and handed to it at once (a larger file is read alone) |
+| ENGINE_DECODE_DEADLINE_S | seconds in (0, 86400] | 30 | longest one image may take to decode in the child decoder process: past it, that image alone is unreadable (a prediction and a stderr line), never decoded again |
+| ENGINE_MAX_PIXELS | int 1..2^40 | 89478485 (PIL's bomb limit) | pixels an image may have, at its own size and resized before the crop; a larger one is refused before any allocation (unreadable) |
+| ENGINE_READAHEAD_BYTES | int 1..2^40 | 268435456 (256 MiB) | encoded bytes read ahead of the decoder, and handed to it at once (a larger file is read alone) |
 | ENGINE_HW_DECODER_LOAD | 0..1 | 0.9 | share of JPEG decoding DALI's GPU decoder gives the hardware JPEG engine (DALI's own default) |
 | ENGINE_SLOW_DECODER_OK | 0/1 | 0 | let the build's self-check pass a CUDA artifact that would decode with anything but dali-gpu |
 | ONEDNN_MAX_CPU_ISA | oneDNN ISA name | (unset: the CPU's) | oneDNN's own limit on the instructions its GEMMs use, read to know whether bf16 is native here (engine.build.measure) |
@@ -104,10 +104,37 @@ def choice(*choices: str) -> Callable[[str, str], str]:
 
 
 def number(name: str, raw: str) -> float:
+    """A finite number (nan and inf are refused: no switch means them)."""
+    import math
+
     try:
-        return float(raw)
+        v = float(raw)
     except ValueError:
         raise SettingsError(f"{name} must be a number, got {raw!r}") from None
+    if not math.isfinite(v):
+        raise SettingsError(f"{name} must be a finite number, got {raw!r}")
+    return v
+
+
+def int_in(low: int, high: int, unit: str = "") -> Callable[[str, str], int]:
+    """A whole number in low..high (`unit` named in the refusal)."""
+    what = f"a whole number in {low}..{high}{' ' + unit if unit else ''}"
+
+    def parse(name: str, raw: str) -> int:
+        try:
+            v = int(raw)
+        except ValueError:
+            raise SettingsError(f"{name} must be {what}, got {raw!r}") from None
+        if not low <= v <= high:
+            raise SettingsError(f"{name} must be {what}, got {raw!r}")
+        return v
+    return parse
+
+
+MAX_THREADS_SETTING = 1024        # ENGINE_THREADS, ENGINE_READERS: far past any host's cores
+MAX_BYTES_SETTING = 1 << 40       # ENGINE_MAX_FILE_BYTES, ENGINE_READAHEAD_BYTES: 1 TiB
+MAX_PIXELS_SETTING = 1 << 40      # ENGINE_MAX_PIXELS
+MAX_EPOCH_S = 1e10                # ENGINE_T0: seconds since the epoch (the year 2286)
 
 
 def path(name: str, raw: str) -> Path:
@@ -148,12 +175,12 @@ def artifact_verify() -> str:
 
 
 def pipeline_depth() -> int:
-    return read("ENGINE_PIPELINE_DEPTH", int_at_least(0), 2)
+    return read("ENGINE_PIPELINE_DEPTH", int_in(0, 64, "batches"), 2)
 
 
 def readers() -> int | None:
     """The reader thread count given by ENGINE_READERS, or None (engine.threads derives it)."""
-    return read("ENGINE_READERS", int_at_least(1), None)
+    return read("ENGINE_READERS", int_in(1, MAX_THREADS_SETTING, "threads"), None)
 
 
 def fast_exit() -> bool:
@@ -161,7 +188,7 @@ def fast_exit() -> bool:
 
 
 def t0() -> float | None:
-    return read("ENGINE_T0", number, None)
+    return read("ENGINE_T0", number_in(0.0, MAX_EPOCH_S), None)
 
 
 def clip_model_dir() -> Path | None:
@@ -247,11 +274,11 @@ def usable_cpus() -> int:
 
 
 def threads() -> int:
-    return read("ENGINE_THREADS", int_at_least(1), min(usable_cpus(), MAX_THREADS))
+    return read("ENGINE_THREADS", int_in(1, MAX_THREADS_SETTING, "threads"), min(usable_cpus(), MAX_THREADS))
 
 
 def max_file_bytes() -> int:
-    return read("ENGINE_MAX_FILE_BYTES", int_at_least(1), 64 << 20)
+    return read("ENGINE_MAX_FILE_BYTES", int_in(1, MAX_BYTES_SETTING, "bytes"), 64 << 20)
 
 
 def decoder_isolate() -> bool:
@@ -278,12 +305,12 @@ def decode_deadline_s() -> float:
 
 def max_pixels() -> int:
     """Pixel budget of one image, at its size and resized (engine.decoders.pil.checked_window)."""
-    return read("ENGINE_MAX_PIXELS", int_at_least(1), 89_478_485)
+    return read("ENGINE_MAX_PIXELS", int_in(1, MAX_PIXELS_SETTING, "pixels"), 89_478_485)
 
 
 def readahead_bytes() -> int:
     """Encoded bytes the pipeline's readers may hold ahead of the decoder (engine.classify.pipeline)."""
-    return read("ENGINE_READAHEAD_BYTES", int_at_least(1), 256 << 20)
+    return read("ENGINE_READAHEAD_BYTES", int_in(1, MAX_BYTES_SETTING, "bytes"), 256 << 20)
 
 
 def hw_decoder_load() -> float:

@@ -8,7 +8,7 @@
 | CONTEST_REPORT | (none) | where scripts/run writes its timing JSON |
 | CONTEST_CONFINE | 0 | 1: scripts/run --confine (image paths must stay inside IMAGE_ROOT's real path: untrusted inputs) |
 | CIR_METHOD | the index's, else slerp | scripts/build.sh / run.sh --method |
-| CIR_TEXT_WEIGHT | per method | scripts/run.sh --text-weight |
+| CIR_TEXT_WEIGHT | per method | scripts/run.sh --text-weight: a number in [0, 1] |
 | CIR_PROMPT | auto | scripts/run.sh --prompt |
 | CIR_CORPUS | the index's | scripts/run.sh --corpus (records for re-inspection) |
 | REHEARSE_RUN_CMD | scripts/run | the command scripts/rehearse runs as the entry point |
@@ -22,7 +22,7 @@
 | ENGINE_CROP_MODE | the checkpoint's record, else the model's | ./build.sh spec override: center or squash |
 | ENGINE_CROP_PCT | the checkpoint's record, else the model's | ./build.sh spec override: crop fraction |
 | ENGINE_MODEL_KWARGS | the checkpoint's record, else none | ./build.sh spec override: timm kwargs as JSON |
-| ENGINE_BUILD_DEADLINE_S | the device's preset (engine/presets.py `build_deadline_s`) | ./build.sh: seconds for the whole step (the build's phases, then the one-image check); past it the build keeps its best verified candidate, else eager FP32 |
+| ENGINE_BUILD_DEADLINE_S | the device's preset (engine/presets.py `build_deadline_s`) | ./build.sh: seconds, in (0, 86400], for the whole step (the build's phases, then the one-image check); past it the build keeps its best verified candidate, else eager FP32 |
 | FORCE | 0 | ./build.sh: 1 rebuilds even when the artifact is current |
 | PYTHON | python3 | ./build.sh: the interpreter (read by the shell script) |
 """
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.settings import choice, flag, number, path, read, text
+from engine.settings import choice, flag, number_in, path, read, text
 
 
 def contest_manifest() -> Path:
@@ -58,7 +58,7 @@ def cir_method() -> str | None:
 
 
 def cir_text_weight() -> float | None:
-    return read("CIR_TEXT_WEIGHT", number, None)
+    return read("CIR_TEXT_WEIGHT", number_in(0.0, 1.0), None)
 
 
 def cir_prompt() -> str | None:
@@ -83,8 +83,6 @@ def build_device() -> str:
 
 def build_deadline_s() -> float | None:
     """ENGINE_BUILD_DEADLINE_S: seconds for ./build.sh's whole step (None: the device preset's)."""
-    from engine.settings import number_in
-
     return read("ENGINE_BUILD_DEADLINE_S", number_in(0.0, 86400.0, open_low=True), None)
 
 

@@ -748,6 +748,22 @@ def timing_table(rows: int, cols: int, k: int, dtype: torch.dtype, reps: int, ti
     return "\n".join(lines)
 
 
+def _count(high: int):
+    """An argparse `type`: a whole number in 1..high, else argparse's refusal naming the range
+    (kernels/ imports nothing of engine/, so not engine.cli.whole_number)."""
+    import argparse
+
+    def count(text: str) -> int:
+        try:
+            v = int(text, 10)
+        except ValueError:
+            v = 0
+        if not 1 <= v <= high:
+            raise argparse.ArgumentTypeError(f"must be a whole number in 1..{high}, got {text!r}")
+        return v
+    return count
+
+
 def main(argv: list[str] | None = None) -> int:
     """Check the top-k implementations against each other, then time them (llm.c dev/cuda style).
 
@@ -766,21 +782,18 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where to check and time: auto = cuda when torch sees a GPU, else cpu (default: auto)")
-    p.add_argument("--rows", type=int, default=None,
+    p.add_argument("--rows", type=_count(10**7), default=None,
                    help="timing: score rows (queries) (default: %d on cuda, %d on cpu)"
                         % (DEFAULT_SIZE["cuda"][0], DEFAULT_SIZE["cpu"][0]))
-    p.add_argument("--cols", type=int, default=None,
+    p.add_argument("--cols", type=_count(10**9), default=None,
                    help="timing: score columns (gallery size) (default: %d on cuda, %d on cpu)"
                         % (DEFAULT_SIZE["cuda"][1], DEFAULT_SIZE["cpu"][1]))
-    p.add_argument("--k", type=int, default=50, help="timing: results per row (default: 50)")
+    p.add_argument("--k", type=_count(10**6), default=50, help="timing: results per row (default: 50)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float16", help="timing: score dtype (default: float16)")
-    p.add_argument("--reps", type=int, default=5, help="timing: calls per implementation, median taken (default: 5)")
+    p.add_argument("--reps", type=_count(10_000), default=5, help="timing: calls per implementation, median taken (default: 5)")
     p.add_argument("--json", action="store_true",
                    help="also print every result as one JSON line at the end (default: off)")
     a = p.parse_args(argv)
-    for name in ("rows", "cols", "k", "reps"):
-        if getattr(a, name) is not None and getattr(a, name) < 1:
-            p.error(f"--{name} must be >= 1, got {getattr(a, name)}")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
     if device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: torch sees no CUDA device")

@@ -14,7 +14,6 @@ rest says "skipped: no CUDA". env_info and batch_sweep run in the check's own pr
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import importlib
 import importlib.metadata
@@ -428,15 +427,17 @@ def batch_sweep(model: str, kwargs: dict, size: int, ckpt: Path, device: str, ba
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="scripts/device_probes.py", description=__doc__.split("\n\n")[0])
+    from engine.cli import ArgumentParser, whole_number
+
+    p = ArgumentParser(prog="scripts/device_probes.py", description=__doc__.split("\n\n")[0])
     p.add_argument("probe", choices=("packages", "fp8", "graph_capture", "decoder_race", "attention"))
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    p.add_argument("--rows", type=int, default=1025 * 64, help="fp8: GEMM rows (tokens x batch)")
+    p.add_argument("--rows", type=whole_number(1, 10**7), default=1025 * 64, help="fp8: GEMM rows (tokens x batch)")
     p.add_argument("--mode", default="global", choices=("global", "thread_local"))
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--rounds", type=int, default=24)
-    p.add_argument("--size", type=int, default=448)
-    p.add_argument("--tokens", type=int, default=1025)
+    p.add_argument("--batch", type=whole_number(1, 4096), default=32)
+    p.add_argument("--rounds", type=whole_number(1, 10_000), default=24)
+    p.add_argument("--size", type=whole_number(1, 8192), default=448)
+    p.add_argument("--tokens", type=whole_number(1, 65_536), default=1025)
     a = p.parse_args(argv)
     if a.probe == "packages":
         res = packages(a.device)

@@ -633,18 +633,21 @@ def markdown(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    sys.path.insert(0, str(REPO))   # engine.cli, from this tree
+    from engine.cli import MAX_DEADLINE_S, HelpFormatter, finite_float
+
     parser = argparse.ArgumentParser(prog="scripts/mutate.py", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--module", action="append", help="a TARGETS key, dotted module or path (repeatable); "
                         "default: every target")
-    parser.add_argument("--tests", nargs="+", help="test files to run instead of the mapped ones")
-    parser.add_argument("--functions", nargs="+", help="mutate only these functions ('<module>': top level)")
-    parser.add_argument("--operators", nargs="+", choices=OPERATORS, help="only these operators")
-    parser.add_argument("--out", type=Path, default=None, help="write mutation.json and mutation.md here")
-    parser.add_argument("--timeout", type=float, default=60.0,
+    parser.add_argument("--tests", nargs="+", help="test files to run instead of the mapped ones (default: the mapped ones)")
+    parser.add_argument("--functions", nargs="+", help="mutate only these functions ('<module>': top level) (default: every function)")
+    parser.add_argument("--operators", nargs="+", choices=OPERATORS, help="only these operators (default: every operator)")
+    parser.add_argument("--out", type=Path, default=None, help="write mutation.json and mutation.md here (default: not written)")
+    parser.add_argument("--timeout", type=finite_float(0.0, MAX_DEADLINE_S, "s", lo_open=True), default=60.0,
                         help="per-mutant limit in seconds (at least 3x the unmutated run + 10 s)")
     parser.add_argument("--equivalent", type=Path, default=REPO / EQUIVALENT_FILE, help="reviewed equivalent mutants")
-    parser.add_argument("--min-score", type=float, default=0.9, help="exit 1 when a module scores below this")
+    parser.add_argument("--min-score", type=finite_float(0.0, 1.0), default=0.9, help="exit 1 when a module scores below this")
     parser.add_argument("--survivors", action="store_true",
                         help="incremental: with --out, rerun only the mutants OUT/mutation.json did not record as "
                              "killed (survivors, new code); the killed ones are carried")

@@ -478,9 +478,10 @@ def test_malformed_files_in_the_index_dir_are_rebuilt_or_refused(tmp_path, capsy
 BUILD_FLAGS = [
     ("--corpus", "corpus", "Path", None, None, True), ("--index-dir", "index_dir", "Path", None, None, True),
     ("--model-dir", "model_dir", "Path", None, None, False), ("--model-name", "model_name", None, None, None, False),
-    ("--decoder", "decoder", None, None, "auto", False), ("--batch-size", "batch_size", "int", None, None, False),
+    ("--decoder", "decoder", None, ("auto", "pil", "dali-cpu", "dali-gpu", "nvjpeg"), "auto", False), ("--batch-size", "batch_size", "int", None, None, False),
     ("--chunk-size", "chunk_size", "int", None, 4096, False), ("--readers", "readers", "int", None, 8, False),
-    ("--device", "device", None, None, None, False), ("--precision", "precision", None, None, None, False),
+    ("--device", "device", "device_name", None, None, False),
+    ("--precision", "precision", None, ("fp32", "fp16", "bf16"), None, False),
     ("--method", "method", None, None, "slerp", False), ("--text-weight", "text_weight", "float", None, None, False),
     ("--prompt", "prompt", None, None, None, False), ("--force", "force", None, None, False, False),
     ("--mapping", "mapping", None, ("none", "pic2word"), "none", False),
@@ -520,7 +521,8 @@ def test_the_build_flags_are_made_from_the_config_fields_and_keep_their_names_ty
         RETRIEVAL.chunk_size, RETRIEVAL.image_readers, RETRIEVAL.p2w_hidden, RETRIEVAL.p2w_time_budget,
         RETRIEVAL.dba_alpha, RETRIEVAL.ray_workers)
     help_text = " ".join(seen["parser"].format_help().split())
-    assert "images per resumable chunk (default: 4096)" in help_text and "cpu 64, cuda 256" in help_text
+    assert "images per resumable chunk (range: 1..1000000000 images) (default: 4096)" in help_text
+    assert "cpu 64, cuda 256" in help_text
     monkeypatch.setenv("CIR_METHOD", "sum")
     from engine import settings
 

@@ -320,6 +320,8 @@ def verify_artifact(artifact: Path, net, spec: Spec, device: str, pixels: np.nda
 def _run_script(artifact: Path, blobs: list[bytes], decoder: str, timeout: float) -> tuple[np.ndarray, dict]:
     """(top-1 [n] int32, {wall_s, images_per_s, cuda_graph} or {why}) of scripts/run over `blobs`
     written as files, with `decoder` (the one the artifact records, named explicitly)."""
+    from engine.build.clock import bounded_s  # a timeout subprocess can hold: a huge deadline is cut
+
     with tempfile.TemporaryDirectory(prefix="engine-verify-") as d:
         root = Path(d)
         (root / "images").mkdir()
@@ -332,7 +334,8 @@ def _run_script(artifact: Path, blobs: list[bytes], decoder: str, timeout: float
         env = {**os.environ, "ENGINE_ARTIFACT": str(artifact), "ENGINE_DECODER": decoder}
         t = time.perf_counter()
         r = children.run([str(REPO / "scripts" / "run"), str(root / "manifest.tsv"), str(root / "images"), str(out),
-                            "--report", str(report)], env=env, capture_output=True, text=True, timeout=timeout)
+                          "--report", str(report)], env=env, capture_output=True, text=True,
+                         timeout=bounded_s(timeout))
         wall = time.perf_counter() - t
         if r.returncode != 0:
             last = (r.stderr.strip().splitlines() or ["no output"])[-1][:300]

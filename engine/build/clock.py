@@ -17,13 +17,27 @@ import time
 from collections.abc import Callable, Iterator
 
 PHASES = ("checkpoint", "calibration", "search", "recheck", "verify")
+# the longest deadline or wait the build keeps (30 days, engine.cli.MAX_DEADLINE_S): a longer one is cut
+# to it, as a timeout past ~292 years overflows subprocess's and threading's nanosecond clocks
+MAX_WAIT_S = 30 * 86400.0
+
+
+def bounded_s(seconds: float) -> float:
+    """`seconds` as a timeout subprocess and threading take: cut to [0, MAX_WAIT_S]; nan is a ValueError."""
+    seconds = float(seconds)
+    if seconds != seconds:
+        raise ValueError("a deadline or timeout of nan seconds")
+    return min(max(seconds, 0.0), MAX_WAIT_S)
 
 
 class BuildClock:
     """The deadline (seconds from construction), the plan and the actuals of the build's phases."""
 
     def __init__(self, deadline_s: float, estimates: dict[str, float], clock: Callable[[], float] = time.monotonic):
-        self.deadline_s, self.clock = float(deadline_s), clock
+        # negative is kept (a deadline already past), nan refused, inf and past MAX_WAIT_S cut to it
+        self.deadline_s, self.clock = min(float(deadline_s), MAX_WAIT_S), clock
+        if self.deadline_s != self.deadline_s:
+            raise ValueError("the build's deadline is nan seconds")
         self.t0 = clock()
         self.plan = {p: float(estimates.get(p, 0.0)) for p in PHASES}   # as first planned: never changed
         self.estimate = dict(self.plan)                                 # learns from what was measured

@@ -175,25 +175,18 @@ def artifact_folder(out: Path):
         release_lock(lock_fd, lock)
 
 
+MAX_BATCH = 4096          # images in one static batch: far past what one GPU holds at 448 px
+
+
 def _batch_size(text: str) -> int | str:
     if text == "auto":
         return text
     try:
         v = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number or auto, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        v = 0
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be auto or a whole number in 1..{MAX_BATCH}, got {text!r}") from None
+    if not 1 <= v <= MAX_BATCH:
+        raise argparse.ArgumentTypeError(f"must be auto or a whole number in 1..{MAX_BATCH}, got {v}")
     return v
 
 
@@ -214,7 +207,18 @@ def _folder_check(text: str):
 def argument_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
     """The flags of `python -m engine.build`; exit_on_error=False raises argparse.ArgumentError
     (naming the flag) for a value argparse refuses, as a caller that maps flags to its own knobs wants."""
-    from engine.cli import ArgumentParser, HelpFormatter, debug_flag, json_object
+    from engine.cli import (
+        MAX_DEADLINE_S,
+        ArgumentParser,
+        HelpFormatter,
+        debug_flag,
+        finite_float,
+        json_object,
+        whole_number,
+    )
+
+    seconds = finite_float(0.0, MAX_DEADLINE_S, "s", lo_open=True)
+    images = whole_number(1, 10**9, "images")
 
     p = debug_flag(ArgumentParser(prog="python -m engine.build", description=__doc__.split("\n\n")[0],
                                   formatter_class=HelpFormatter, exit_on_error=exit_on_error))
@@ -237,10 +241,10 @@ def argument_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
                    help="static batch; auto: the fastest of the device preset's batch sizes, measured on the "
                         f"compiled graph (default: the device preset's: {per_device('batch_size')})")
     s = p.add_argument_group("measured build (any of precision, batch size, backend auto)")
-    s.add_argument("--search-budget-s", type=float, default=None,
+    s.add_argument("--search-budget-s", type=seconds, default=None,
                    help="the search's cap: it spends at most this, and at most what the deadline leaves "
                         f"(default: the device preset's: {per_device('search_budget_s')})")
-    s.add_argument("--deadline-s", type=float, default=None,
+    s.add_argument("--deadline-s", type=seconds, default=None,
                    help="seconds for the whole measured (auto) build: checkpoint load, calibration reference, search, re-check "
                         "graph, verification each spend from it; past it the best verified candidate, else eager "
                         f"FP32 (default: the device preset's: {per_device('build_deadline_s')})")
@@ -249,17 +253,17 @@ def argument_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
                         "(default: the ones this device runs natively)")
     s.add_argument("--no-verify", dest="verify", action="store_false",
                    help="skip the chosen artifact's end-to-end check through scripts/run")
-    p.add_argument("--input-size", type=_positive_int,
+    p.add_argument("--input-size", type=whole_number(1, 8192, "px"),
                    help="side S of the square network input (default: the model's timm pretrained cfg)")
     p.add_argument("--crop-mode", choices=CROP_MODES,
                    help="center: the short side resized to S / crop-pct, then the centre S x S; squash: resized to "
                         "S x S directly (default: the model's timm pretrained cfg, else center)")
-    p.add_argument("--crop-pct", type=float,
+    p.add_argument("--crop-pct", type=finite_float(0.0, 1.0, lo_open=True),
                    help="the centre crop's share of the resized short side, in (0, 1] (default: the model's timm "
                         "pretrained cfg)")
     p.add_argument("--interpolation",
                    help="resize filter: bicubic, bilinear or nearest (default: the model's timm pretrained cfg)")
-    p.add_argument("--num-classes", type=int, help="classes of the head (default: the model's timm pretrained cfg)")
+    p.add_argument("--num-classes", type=whole_number(1, 10**6), help="classes of the head (default: the model's timm pretrained cfg)")
     p.add_argument("--model-kwargs", type=json_object,
                    help="extra timm constructor kwargs as JSON (default: none)")
     g = p.add_argument_group("margin guard (precisions below fp32)")
@@ -272,14 +276,14 @@ def argument_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
     g.add_argument("--calibration-check", type=_folder_check, metavar="MODULE:FUNCTION",
                    help="function(folder, files) -> reasons to refuse --calibration-images (e.g. it holds "
                         "evaluation data) (default: none, the folder is taken as it is)")
-    g.add_argument("--calibration-count", type=int,
+    g.add_argument("--calibration-count", type=whole_number(16, 10**6, "images"),
                    help="calibration images tau is chosen on, at least 16 "
                         f"(default: the device preset's: {per_device('calibration_count')})")
-    g.add_argument("--guard-budget", type=float, metavar="BP",
+    g.add_argument("--guard-budget", type=finite_float(0.0, 10000.0, "bp", lo_open=True), metavar="BP",
                    help="disagreements with FP32 on PIL's pixels allowed, in basis points of the images (1 = 0.01 %%): "
                         "tau keeps its estimate under it, less the decoder's measured flips under auto "
                         f"(default: the device preset's: {per_device('guard_budget')})")
-    g.add_argument("--guard-safety", type=float,
+    g.add_argument("--guard-safety", type=finite_float(1.0, 1000.0),
                    help="factor (>= 1) on the estimated disagreements "
                         f"(default: the device preset's: {per_device('guard_safety')})")
     g.add_argument("--recheck-batch", type=_batch_size,
@@ -287,7 +291,7 @@ def argument_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
                         f"(default: the device preset's: {per_device('recheck_batch')})")
     g.add_argument("--recheck-backend", choices=tuple(backends.BACKENDS), default=None,
                    help="backend of the re-check graph (default: --backend)")
-    g.add_argument("--run-images", type=_positive_int,
+    g.add_argument("--run-images", type=images,
                    help="images one run classifies: --recheck-batch auto sizes its calls for them "
                         "(default: a long run, the fastest batch)")
     return p

@@ -12,7 +12,6 @@ compile time is its own field, never in a rate.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -100,16 +99,16 @@ def bench(clip: str, image_batch: int, text_batch: int, precisions: list[str], r
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine.cli import HelpFormatter
+    from engine.cli import ArgumentParser, HelpFormatter, whole_number
 
-    p = argparse.ArgumentParser(prog="python -m engine.clip.bench", description=__doc__.splitlines()[0],
+    p = ArgumentParser(prog="python -m engine.clip.bench", description=__doc__.splitlines()[0],
                                 formatter_class=HelpFormatter)
     p.add_argument("--clip", required=True, help="a CLIP folder or an open_clip architecture name")
-    p.add_argument("--image-batch", type=int, default=RETRIEVAL.bench_image_batch,
+    p.add_argument("--image-batch", type=whole_number(1, 4096, "images"), default=RETRIEVAL.bench_image_batch,
                    help="images per timed call of the image tower")
-    p.add_argument("--text-batch", type=int, default=RETRIEVAL.bench_text_batch, help="prompts per timed call of the text tower")
+    p.add_argument("--text-batch", type=whole_number(1, 65_536, "prompts"), default=RETRIEVAL.bench_text_batch, help="prompts per timed call of the text tower")
     p.add_argument("--precisions", nargs="+", default=["fp32"], help="precisions to compile and time (fp32 bf16 fp16)")
-    p.add_argument("--rounds", type=int, default=RETRIEVAL.bench_rounds, help="alternated eager/aot rounds; medians reported")
+    p.add_argument("--rounds", type=whole_number(1, 1000), default=RETRIEVAL.bench_rounds, help="alternated eager/aot rounds; medians reported")
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="clip-bench-") as work:
         print(json.dumps(bench(a.clip, a.image_batch, a.text_batch, a.precisions, a.rounds, Path(work)), indent=1))

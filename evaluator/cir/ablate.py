@@ -58,7 +58,7 @@ class AblateConfig:
 
 
 def parse_args(argv: list[str] | None) -> AblateConfig:
-    from engine.cli import parser
+    from engine.cli import device_name, parser, whole_number
 
     p = parser(PROG, __doc__.split("\n\n")[0], {
         "CLIP_MODEL_DIR": "the CLIP folder (as --model-dir)", "CLIP_DEVICE": "cpu or cuda (as --device)",
@@ -74,10 +74,10 @@ def parse_args(argv: list[str] | None) -> AblateConfig:
     p.add_argument("--model-dir", type=Path, default=None,
                    help="CLIP folder (default: env CLIP_MODEL_DIR, else /task/models/clip when it is there, "
                         "else the folder the index records when its digest matches)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: env CLIP_DEVICE, else cuda if present)")
+    p.add_argument("--device", default=None, type=device_name, help="cpu, cuda or cuda:N (default: env CLIP_DEVICE, else cuda if present)")
     p.add_argument("--corpus", type=Path, default=None, help="corpus for re-inspecting methods (default: the index's)")
-    p.add_argument("--batch-size", type=int, default=RETRIEVAL.query_batch, help="requests per batch")
-    p.add_argument("--warmup", type=int, default=WARMUP, help="requests of the untimed warm-up (0: none)")
+    p.add_argument("--batch-size", type=whole_number(1, 4096, "requests"), default=RETRIEVAL.query_batch, help="requests per batch")
+    p.add_argument("--warmup", type=whole_number(0, 10**6, "requests"), default=WARMUP, help="requests of the untimed warm-up (0: none)")
     a = p.parse_args(argv)
     if a.methods is not None:
         a.methods = [m.strip() for m in a.methods.split(",") if m.strip()]

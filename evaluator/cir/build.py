@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.cli import MAX_DEADLINE_S, device_name
+from engine.decoders.registry import DECODERS
 from engine.retrieval.presets import RETRIEVAL
 from evaluator import settings as evaluator_settings
 from evaluator.cir import task
@@ -43,6 +45,9 @@ def _error(msg: str) -> int:
 
 
 _R = RETRIEVAL   # the defaults: the retrieval table (engine/retrieval/presets.py)
+_MAX_BATCH = 4096          # images or requests in one batch
+_MAX_COUNT = 10**9         # images, steps, texts: far past a gallery of a few hundred thousand
+_MAX_THREADS = 1024        # reader threads
 _EXTRAS = "extras"
 
 
@@ -54,41 +59,50 @@ class BuildConfig:
     model_dir: Path | None = flag(f"CLIP folder (default: env CLIP_MODEL_DIR, else {task.CLIP_DIR}, the task's mount)",
                                           None)
     model_name: str | None = flag("architecture for a bare state dict (default: env CLIP_MODEL_NAME, else read from the folder)", None)
-    decoder: str = flag("auto | pil | dali-cpu | dali-gpu (env ENGINE_DECODER; auto: dali-gpu on CUDA, dali-cpu "
-                        "otherwise)", "auto")
+    decoder: str = flag("auto | " + " | ".join(DECODERS) + " (env ENGINE_DECODER; auto: dali-gpu on CUDA, "
+                        "dali-cpu otherwise)", "auto", choices=("auto", *DECODERS))
     batch_size: int | None = flag("images per batch (default by device: "
-                                  + ", ".join(f"{d} {b}" for d, b in _R.image_batch.items()) + ")", None)
-    chunk_size: int = flag("images per resumable chunk", _R.chunk_size)
-    readers: int = flag("file reader threads of the decode", _R.image_readers)
-    device: str | None = flag("cpu | cuda (env CLIP_DEVICE; default cuda when present)", None)
-    precision: str | None = flag("fp32 | fp16 | bf16 (default: env CLIP_PRECISION, else fp16 on CUDA, fp32 on CPU)", None)
+                                  + ", ".join(f"{d} {b}" for d, b in _R.image_batch.items()) + ")", None,
+                                  span=(1, _MAX_BATCH), unit="images")
+    chunk_size: int = flag("images per resumable chunk", _R.chunk_size, span=(1, _MAX_COUNT), unit="images")
+    readers: int = flag("file reader threads of the decode", _R.image_readers, span=(1, _MAX_THREADS))
+    device: str | None = flag("cpu, cuda or cuda:N (env CLIP_DEVICE; default cuda when present)", None,
+                              parse=device_name)
+    precision: str | None = flag("fp32 | fp16 | bf16 (default: env CLIP_PRECISION, else fp16 on CUDA, fp32 on CPU)", None,
+                                 choices=("fp32", "fp16", "bf16"))
     method: str = flag("default composition method recorded for scripts/run.sh (env CIR_METHOD)", _R.method,
                        env=evaluator_settings.cir_method)
-    text_weight: float | None = flag("text weight recorded with the method (default: the method's own)", None)
+    text_weight: float | None = flag("text weight recorded with the method (default: the method's own)", None,
+                                     span=(0.0, 1.0))
     prompt: str | None = flag("prompt recorded with the method (default: the method's own)", None)
     force: bool = flag("rebuild even if the index is up to date", False)
     mapping: str = flag("learn a Pic2Word image-to-word mapping on the gallery (method pic2word)", "none",
                         choices=("none", "pic2word"), group=_EXTRAS)
-    p2w_epochs: int = flag("passes over the gallery (when --p2w-steps is 0)", _R.p2w_epochs, group=_EXTRAS)
-    p2w_steps: int = flag("optimiser steps (0: epochs x N / batch)", 0, group=_EXTRAS)
-    p2w_batch_size: int = flag("training batch (InfoNCE negatives: batch - 1)", _R.p2w_batch_size, group=_EXTRAS)
-    p2w_lr: float = flag("peak learning rate (after the warm-up)", _R.p2w_lr, group=_EXTRAS)
+    p2w_epochs: int = flag("passes over the gallery (when --p2w-steps is 0)", _R.p2w_epochs, group=_EXTRAS,
+                           span=(1, 100_000))
+    p2w_steps: int = flag("optimiser steps (0: epochs x N / batch)", 0, group=_EXTRAS, span=(0, _MAX_COUNT))
+    p2w_batch_size: int = flag("training batch (InfoNCE negatives: batch - 1)", _R.p2w_batch_size, group=_EXTRAS,
+                               span=(1, 65_536))
+    p2w_lr: float = flag("peak learning rate (after the warm-up)", _R.p2w_lr, group=_EXTRAS, span=(0.0, 10.0),
+                         lo_open=True)
     p2w_warmup: int = flag("linear warm-up steps before the cosine decay (-1: a tenth of the run)", -1,
-                           group=_EXTRAS)
-    p2w_hidden: int = flag("the mapping's MLP width", _R.p2w_hidden, group=_EXTRAS)
+                           group=_EXTRAS, span=(-1, _MAX_COUNT))
+    p2w_hidden: int = flag("the mapping's MLP width", _R.p2w_hidden, group=_EXTRAS, span=(1, 65_536))
     p2w_seed: int = flag("seed of the initialisation, data order, dropout and the text bank's rows", _R.p2w_seed,
-                         group=_EXTRAS)
-    p2w_ckpt_every: int = flag("steps between training checkpoints", _R.p2w_ckpt_every, group=_EXTRAS)
-    p2w_time_budget: float = flag("seconds of training at most", _R.p2w_time_budget, group=_EXTRAS)
+                         group=_EXTRAS, span=(0, 2**32 - 1))
+    p2w_ckpt_every: int = flag("steps between training checkpoints", _R.p2w_ckpt_every, group=_EXTRAS,
+                               span=(1, _MAX_COUNT))
+    p2w_time_budget: float = flag("seconds of training at most", _R.p2w_time_budget, group=_EXTRAS,
+                                  span=(0.0, MAX_DEADLINE_S), unit="s", lo_open=True)
     text_bank: int = flag(f"gallery-derived texts to store (-1: {_R.text_bank_size} with a mapping, else 0)", -1,
-                          group=_EXTRAS)
-    dba: int = flag("store DBA rows over N neighbours (0: off)", 0, group=_EXTRAS)
-    dba_alpha: float = flag("DBA's exponent on similarities", _R.dba_alpha, group=_EXTRAS)
+                          group=_EXTRAS, span=(-1, _MAX_COUNT))
+    dba: int = flag("store DBA rows over N neighbours (0: off)", 0, group=_EXTRAS, span=(0, 10_000))
+    dba_alpha: float = flag("DBA's exponent on similarities", _R.dba_alpha, group=_EXTRAS, span=(0.0, 100.0))
     dba_chunk: int = flag("gallery rows per DBA block (0: one [N, N] matrix, the reference twin)", _R.dba_chunk,
-                          group=_EXTRAS)
+                          group=_EXTRAS, span=(0, _MAX_COUNT))
     ray: bool = flag("embed on Ray Data actors: a local Ray, or the cluster at RAY_ADDRESS (pip install '.[scale]')",
                      False)
-    workers: int = flag("Ray actors, with --ray (one GPU each on CUDA)", _R.ray_workers)
+    workers: int = flag("Ray actors, with --ray (one GPU each on CUDA)", _R.ray_workers, span=(1, 2**31 - 1))
     confine_to_corpus: bool = False      # records paths must be relative and stay inside the corpus folder
     stop_after_chunks: int = 0     # stop (resumably) after this many chunks; 0: never (main's argument)
     p2w_stop_after: int = 0        # stop (resumably) after this many Pic2Word steps; 0: never (main's argument)

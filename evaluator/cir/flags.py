@@ -9,7 +9,10 @@ written once (its name, type, default and help) and the parser cannot drift from
 
 The flag is `--` + the field's name with dashes, its dest the field's name, its type the
 field's annotation (int, float, Path; str and `X | None` as X), its default the field's, its
-help the doc. A bool field is a switch (store_true). `env` names a function read at parse
+help the doc. A bool field is a switch (store_true). An int or float field must give its
+`span=(lo, hi)` and `unit` (engine.cli.whole_number / finite_float: nan, inf, out of range
+and garbage end in argparse's one line; `lo_open` excludes lo); `parse` replaces the type (a
+validator such as engine.cli.device_name). `env` names a function read at parse
 time whose value, when not None, replaces the field's default (e.g. CIR_METHOD). A field made
 with `cli=False` is a setting of the config that no flag sets.
 """
@@ -24,10 +27,26 @@ _TYPES = {"int": int, "float": float, "Path": Path, "str": None, "bool": bool}
 
 
 def flag(doc: str, default=dataclasses.MISSING, *, choices: tuple | None = None, group: str | None = None,
-         env: Callable[[], object] | None = None, metavar: str | None = None, cli: bool = True):
-    """A config field and its flag; no default: a required flag (and a required field)."""
-    meta = {"doc": doc, "choices": choices, "group": group, "env": env, "metavar": metavar, "cli": cli}
+         env: Callable[[], object] | None = None, metavar: str | None = None, cli: bool = True,
+         span: tuple[float, float] | None = None, unit: str = "", lo_open: bool = False,
+         parse: Callable[[str], object] | None = None):
+    """A config field and its flag; no default: a required flag (and a required field). `span`:
+    the (lo, hi) an int or float flag accepts, in `unit`."""
+    meta = {"doc": doc, "choices": choices, "group": group, "env": env, "metavar": metavar, "cli": cli,
+            "span": span, "unit": unit, "lo_open": lo_open, "parse": parse}
     return dataclasses.field(default=default, metadata=meta)
+
+
+def _ranged(name: str, kind: type, meta) -> Callable[[str], object]:
+    """The argparse type of an int or float field: its span, checked (a field without one is refused)."""
+    from engine.cli import finite_float, whole_number
+
+    if meta.get("span") is None:
+        raise TypeError(f"{name}: an {kind.__name__} flag needs span=(lo, hi)")
+    lo, hi = meta["span"]
+    if kind is int:
+        return whole_number(lo, hi, meta["unit"])
+    return finite_float(lo, hi, meta["unit"], lo_open=meta["lo_open"])
 
 
 def _type(annotation) -> type | None:
@@ -60,4 +79,8 @@ def add_flags(p: argparse.ArgumentParser, config: type, groups: dict | None = No
         for key in ("choices", "metavar"):
             if meta[key] is not None:
                 kw[key] = meta[key]
+        if meta.get("parse") is not None:
+            kind = meta["parse"]
+        elif kind in (int, float):
+            kind = _ranged(name, kind, meta)
         where.add_argument(name, **({"type": kind} if kind else {}), **kw)

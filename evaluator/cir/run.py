@@ -71,7 +71,15 @@ class RunConfig:
 
 
 def parse_args(argv: list[str] | None) -> RunConfig:
-    from engine.cli import ArgumentParser, HelpFormatter, corpus_flags, debug_flag
+    from engine.cli import (
+        ArgumentParser,
+        HelpFormatter,
+        corpus_flags,
+        debug_flag,
+        device_name,
+        finite_float,
+        whole_number,
+    )
     from engine.retrieval.compose import method_help, prompt_help
 
     p = ArgumentParser(prog="scripts/run.sh", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
@@ -87,17 +95,18 @@ def parse_args(argv: list[str] | None) -> RunConfig:
     p.add_argument("--method", default=evaluator_settings.cir_method(),
                    help="slerp | sum | text-only | pic2word, optionally +options, e.g. slerp+gap+qbnorm "
                         "(env CIR_METHOD; default: the index's, else slerp). Sources: " + method_help())
-    p.add_argument("--text-weight", type=float, default=evaluator_settings.cir_text_weight(),
+    p.add_argument("--text-weight", type=finite_float(0.0, 1.0), default=evaluator_settings.cir_text_weight(),
                    help="text weight for every request (env CIR_TEXT_WEIGHT; default per method)")
     p.add_argument("--prompt", default=evaluator_settings.cir_prompt(),
                    help="auto (the method's default: plain; pic2word for pic2word), a name, or a template "
                         "with {modification} (env CIR_PROMPT). Names: " + prompt_help())
-    p.add_argument("--batch-size", type=int, default=RETRIEVAL.query_batch, help="requests per batch")
-    p.add_argument("--k", type=int, default=TOP_K, help=f"results per query (at most {TOP_K})")
-    p.add_argument("--device", default=None,
+    p.add_argument("--batch-size", type=whole_number(1, 4096, "requests"), default=RETRIEVAL.query_batch,
+                   help="requests per batch")
+    p.add_argument("--k", type=whole_number(1, TOP_K), default=TOP_K, help=f"results per query (at most {TOP_K})")
+    p.add_argument("--device", default=None, type=device_name,
                    help="where the CLIP towers run: cpu, cuda or cuda:N (default: env CLIP_DEVICE, else cuda when "
                         "available, else cpu)")
-    p.add_argument("--precision", default=None,
+    p.add_argument("--precision", default=None, choices=("fp32", "fp16", "bf16"),
                    help="CLIP autocast precision: fp32, fp16 or bf16 (default: env CLIP_PRECISION, else fp16 on "
                         "CUDA and fp32 on the CPU)")
     p.add_argument("--no-resume", "--fresh", dest="resume", action="store_false",
@@ -108,7 +117,7 @@ def parse_args(argv: list[str] | None) -> RunConfig:
     p.add_argument("--report", type=Path, default=None, help="also write the run summary JSON here (default: not written)")
     p.add_argument("--corpus", type=Path, default=evaluator_settings.cir_corpus(),
                    help="corpus folder (records.jsonl) for re-inspection (env CIR_CORPUS; default: the index's)")
-    p.add_argument("--bank-chunk", type=int, default=RETRIEVAL.bank_chunk,
+    p.add_argument("--bank-chunk", type=whole_number(0, 10**9, "requests"), default=RETRIEVAL.bank_chunk,
                    help="requests per bank-statistics block (0: one [M, N] matrix, the reference twin)")
     corpus_flags(p, "re-inspection follows them, as the build does; an index built confined stays confined")
     debug_flag(p)

@@ -23,7 +23,6 @@ unreadable), for the demo, the rehearsal and the sweep.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -32,6 +31,8 @@ from decimal import Decimal
 from pathlib import Path
 
 import numpy as np
+
+from engine.cli import finite_float, whole_number
 
 GATE = 0.99
 
@@ -206,18 +207,8 @@ def contest_gate(pred: np.ndarray, ref: np.ndarray, gate: float = GATE) -> Conte
     return ContestGate(int((pred[has] == ref[has]).sum()), int(len(ref)), int((~has).sum()), gate)
 
 
-def _gate_value(text: str) -> float:
-    value = float(text)
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must lie in (0, 1], got {text}")
-    return value
-
-
-def _rows_value(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return value
+_gate_value = finite_float(0.0, 1.0, lo_open=True)     # --gate: a fraction of the rows
+_rows_value = whole_number(1, 10**9, "rows")            # --expect-rows
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -347,7 +347,7 @@ def run(a) -> int:
 
 
 def parse_args(argv: list[str] | None):
-    from engine.cli import parser
+    from engine.cli import SEED, parser, whole_number
 
     p = parser(PROG, __doc__.split("\n\n")[0], {
         "OMP_WAIT_POLICY": "passed to every child process (default PASSIVE, as scripts/run sets it)",
@@ -356,13 +356,13 @@ def parse_args(argv: list[str] | None):
     p.add_argument("command", nargs="?", choices=("run", "prepare"), default="run",
                    help="run: measure and compare; prepare: write the inputs only")
     p.add_argument("--out", type=Path, default=Path("demo"), help="folder for everything the demo writes")
-    p.add_argument("--count", type=int, default=DEFAULT_COUNT, help="generated images (1 %% planted broken)")
-    p.add_argument("--seed", type=int, default=0, help="cohort and checkpoint seed")
+    p.add_argument("--count", type=whole_number(2, MAX_COUNT, "images"), default=DEFAULT_COUNT, help="generated images (1 %% planted broken)")
+    p.add_argument("--seed", type=SEED, default=0, help="cohort and checkpoint seed")
     p.add_argument("--crop-mode", choices=("center", "squash"), default="squash", help="spec crop mode")
     p.add_argument("--backend", choices=tuple(BACKENDS), default=DEFAULT_BACKEND, help="runtime backend")
     p.add_argument("--precision", choices=("fp32", "fp16", "bf16"), default="fp32", help="artifact precision")
-    p.add_argument("--batch-size", type=int, default=BATCH, help="static batch of the artifact")
-    p.add_argument("--repeats", type=int, default=2, help="timed processes of each path (run)")
+    p.add_argument("--batch-size", type=whole_number(1, 1024, "images"), default=BATCH, help="static batch of the artifact")
+    p.add_argument("--repeats", type=whole_number(1, 20), default=2, help="timed processes of each path (run)")
     p.add_argument("--artifact", type=Path, help="artifact dir (default OUT/artifact)")
     a = p.parse_args(argv)
     if not 2 <= a.count <= MAX_COUNT:

@@ -72,7 +72,7 @@ def thread_settings(device: str) -> dict:
 
 def parse_args(argv: list[str] | None):
     from engine import settings
-    from engine.cli import json_object, parser
+    from engine.cli import device_name, finite_float, json_object, parser, whole_number
 
     p = parser(PROG, __doc__.split("\n\n")[0], {
         **settings.env_help(("ENGINE_THREADS", "OMP_WAIT_POLICY", "ENGINE_MAX_FILE_BYTES", "ENGINE_PROGRESS",
@@ -84,13 +84,13 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--model", help="timm name (decides the spec); default: what the checkpoint records")
     p.add_argument("--checkpoint", required=True, type=Path, help="safetensors or torch state dict")
     recorded = "the checkpoint's record when --model is not given, else"
-    p.add_argument("--input-size", type=int, help=f"spec override: input size in px (default: {recorded} the model's)")
+    p.add_argument("--input-size", type=whole_number(1, 8192, "px"), help=f"spec override: input size in px (default: {recorded} the model's)")
     p.add_argument("--crop-mode", choices=("center", "squash"),
                    help=f"spec override (default: {recorded} the model's)")
-    p.add_argument("--crop-pct", type=float, help=f"spec override: crop fraction (default: {recorded} the model's)")
+    p.add_argument("--crop-pct", type=finite_float(0.0, 1.0, lo_open=True), help=f"spec override: crop fraction (default: {recorded} the model's)")
     p.add_argument("--model-kwargs", type=json_object,
                    help=f"timm create_model kwargs as a JSON object (default: {recorded} none)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (IEEE FP32 either way: TF32 off unless ENGINE_TF32=1)")
+    p.add_argument("--device", default="cpu", type=device_name, help="cpu, cuda or cuda:N (IEEE FP32 either way: TF32 off unless ENGINE_TF32=1)")
     return p.parse_args(argv)
 
 

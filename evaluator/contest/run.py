@@ -43,7 +43,7 @@ class RunError(Exception):
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     from engine import settings
-    from engine.cli import ArgumentParser, HelpFormatter, env_epilog
+    from engine.cli import ArgumentParser, HelpFormatter, env_epilog, whole_number
     from engine.decoders import DECODERS
     from evaluator import settings as ev
 
@@ -66,9 +66,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "lead, as the reference opens them)")
     p.add_argument("--decoder", default=settings.decoder(), choices=tuple(DECODERS),
                    help="env ENGINE_DECODER; default: the artifact's")
-    p.add_argument("--readers", type=int, default=settings.readers(),
+    p.add_argument("--readers", type=whole_number(1, settings.MAX_THREADS_SETTING, "threads"), default=settings.readers(),
                    help="file reader threads (env ENGINE_READERS; default from ENGINE_THREADS)")
-    p.add_argument("--depth", type=int, default=settings.pipeline_depth(),
+    p.add_argument("--depth", type=whole_number(0, 64, "batches"), default=settings.pipeline_depth(),
                    help="decoded batches in flight ahead of inference; 0 = decode and infer in turn "
                         "(env ENGINE_PIPELINE_DEPTH)")
     a = p.parse_args(argv)

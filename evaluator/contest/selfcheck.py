@@ -223,7 +223,7 @@ def run_check(artifact: Path, timeout: float = RUN_TIMEOUT_S) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine.cli import HelpFormatter, guard, parser
+    from engine.cli import MAX_DEADLINE_S, HelpFormatter, finite_float, guard, parser
 
     p = parser(PROG, __doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("build_argv", nargs=argparse.REMAINDER, help="the flags for python -m engine.build")
     r = sub.add_parser("run", help="one generated image through scripts/run", formatter_class=HelpFormatter)
     r.add_argument("--artifact", type=Path, required=True, help="the artifact to check")
-    r.add_argument("--timeout", type=float, default=RUN_TIMEOUT_S, help="seconds scripts/run may take on one image")
+    r.add_argument("--timeout", type=finite_float(0.0, MAX_DEADLINE_S, "s", lo_open=True), default=RUN_TIMEOUT_S, help="seconds scripts/run may take on one image")
     k = sub.add_parser("recorded", help="the spec knobs a checkpoint records, as KNOB=value lines",
                        formatter_class=HelpFormatter)
     k.add_argument("checkpoint", type=Path)

@@ -33,7 +33,7 @@ def _log(msg: str) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    from engine.cli import ArgumentParser, HelpFormatter, debug_flag
+    from engine.cli import MAX_DEADLINE_S, ArgumentParser, HelpFormatter, debug_flag, finite_float
 
     p = debug_flag(ArgumentParser(prog="python -m evaluator.sweep", description=__doc__.split("\n\n")[0],
                                   formatter_class=HelpFormatter))
@@ -46,13 +46,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="comma-separated: fp32, bf16, fp16, fp8 (fp8: Hopper), auto (the build's own measured "
                         "choice, engine.build.autotune: built once, whatever --batch-sizes says)")
     p.add_argument("--batch-sizes", default="32", help="comma-separated static batch sizes")
-    p.add_argument("--backend", default=None, help="engine.backends name (default: the registry's)")
+    from engine.backends import BACKENDS
+
+    p.add_argument("--backend", default=None, choices=tuple(BACKENDS), help="engine.backends name (default: the registry's)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where every build and run goes")
     p.add_argument("--out", type=Path, default=Path("sweep"), help="artifacts, predictions and reports go here")
     p.add_argument("--json", type=Path, default=None, help="also write the results JSON here (default: not written)")
     p.add_argument("--build-arg", action="append", default=[],
                    help="extra python -m engine.build argument (repeatable), e.g. --build-arg=--input-size=112")
-    p.add_argument("--timeout-s", type=float, default=3600.0, help="per build and per run")
+    p.add_argument("--timeout-s", type=finite_float(0.0, MAX_DEADLINE_S, "s", lo_open=True), default=3600.0, help="per build and per run")
     a = p.parse_args(argv)
     a.precisions = [s.strip() for s in a.precisions.split(",") if s.strip()]
     try:
@@ -62,8 +64,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     bad = [x for x in a.precisions if x not in ("fp32", "bf16", "fp16", "fp8", "auto")]
     if bad or not a.precisions:
         p.error(f"--precisions takes fp32, bf16, fp16, fp8, auto; got {bad or a.precisions}")
-    if not a.batch_sizes or min(a.batch_sizes) < 1:
-        p.error("--batch-sizes must be >= 1")
+    if not a.batch_sizes or min(a.batch_sizes) < 1 or max(a.batch_sizes) > 4096:
+        p.error("--batch-sizes must be whole numbers in 1..4096")
     for name in ("checkpoint", "manifest", "reference"):
         if not getattr(a, name).is_file():
             p.error(f"--{name} {getattr(a, name)}: not a file")

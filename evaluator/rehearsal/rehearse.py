@@ -449,7 +449,7 @@ def rehearse(a: argparse.Namespace) -> dict:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     from engine.backends import BACKENDS
     from engine.backends import DEFAULT as DEFAULT_BACKEND
-    from engine.cli import parser
+    from engine.cli import MAX_DEADLINE_S, finite_float, parser, whole_number
 
     p = parser(PROG, __doc__.split("\n\n")[0], {
         "REHEARSE_RUN_CMD": "sh command run instead of scripts/run (as --run-cmd)",
@@ -464,14 +464,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                                    "reference (default: the one the artifact's manifest records)")
     p.add_argument("--prepared", type=Path, help="a dir made by `python -m evaluator.demo prepare` (used as is; "
                                                  "default: one prepared in a temporary folder)")
-    p.add_argument("--count", type=int, default=120, help="generated cohort size (no --cohort, no --prepared)")
+    p.add_argument("--count", type=whole_number(2, 100_000, "images"), default=120, help="generated cohort size (no --cohort, no --prepared)")
     p.add_argument("--backend", choices=tuple(BACKENDS), default=DEFAULT_BACKEND,
                    help="artifact backend when preparing (engine.backends)")
-    p.add_argument("--uid", type=int, default=10001, help="unprivileged uid (and gid) to run as (the image's user)")
+    p.add_argument("--uid", type=whole_number(1, 2**31 - 2), default=10001, help="unprivileged uid (and gid) to run as (the image's user)")
     p.add_argument("--memory", default="auto", help="address-space bound: auto (16G on CPU, none on CUDA), none, 8G")
-    p.add_argument("--nproc", type=int, default=4096, help="process+thread bound for the user (RLIMIT_NPROC)")
-    p.add_argument("--gate", type=float, default=0.99, help="agreement with the reference needed to pass")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds the run may take")
+    p.add_argument("--nproc", type=whole_number(1, 2**22, "processes"), default=4096, help="process+thread bound for the user (RLIMIT_NPROC)")
+    p.add_argument("--gate", type=finite_float(0.0, 1.0, lo_open=True), default=0.99, help="agreement with the reference needed to pass")
+    p.add_argument("--timeout", type=finite_float(0.0, MAX_DEADLINE_S, "s", lo_open=True), default=1800.0, help="seconds the run may take")
     p.add_argument("--run-cmd", default=evaluator_settings.rehearse_run_cmd(),
                    help="sh command run instead of scripts/run, with MANIFEST IMAGE_ROOT OUTPUT as $1..$3 "
                         "($REHEARSE_REPO is the code copy); env REHEARSE_RUN_CMD (default: scripts/run itself)")

@@ -135,16 +135,16 @@ def write_tiny_clip(out: Path, seed: int = 0) -> dict[str, Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine.cli import guard, parser
+    from engine.cli import SEED, guard, parser, whole_number
 
     prog = "python -m evaluator.cir_corpus"
     p = parser(prog, __doc__.split("\n\n")[0], {"ENGINE_PROGRESS": "auto, bar, lines or off"})
     p.add_argument("--out", type=Path, required=True, help="folder for images/, records, requests and labels")
-    p.add_argument("--templates", type=int, default=40, help="concepts (one procedural template each)")
-    p.add_argument("--per-template", type=int, default=8, help="gallery images per concept")
-    p.add_argument("--requests", type=int, default=60, help="requests (half CIRCO-style, half CIRR-style)")
-    p.add_argument("--broken", type=int, default=3, help="unreadable records planted in records.jsonl")
-    p.add_argument("--seed", type=int, default=0, help="the same seed gives the same bytes")
+    p.add_argument("--templates", type=whole_number(1, 10_000), default=40, help="concepts (one procedural template each)")
+    p.add_argument("--per-template", type=whole_number(2, 10_000, "images"), default=8, help="gallery images per concept")
+    p.add_argument("--requests", type=whole_number(0, 10**6), default=60, help="requests (half CIRCO-style, half CIRR-style)")
+    p.add_argument("--broken", type=whole_number(0, 10**6, "records"), default=3, help="unreadable records planted in records.jsonl")
+    p.add_argument("--seed", type=SEED, default=0, help="the same seed gives the same bytes")
     p.add_argument("--clip", type=Path, default=None, help="also write the tiny CLIP's three layouts here (default: not written)")
     a = p.parse_args(argv)
     if a.templates < 1 or a.per_template < 2:

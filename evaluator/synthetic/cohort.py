@@ -240,14 +240,14 @@ def safetensors_bytes(tensors: dict, metadata: dict[str, str]) -> bytes:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine.cli import guard, parser
+    from engine.cli import SEED, guard, parser, whole_number
 
     p = parser("python -m evaluator.cohort", __doc__.split("\n\n")[0], {"ENGINE_PROGRESS": "auto, bar, lines or off"})
     p.add_argument("--out", type=Path, required=True, help="folder for images/, manifest.tsv and cohort.json")
-    p.add_argument("--count", type=int, default=200, help="images, broken ones included")
-    p.add_argument("--seed", type=int, default=0, help="draws the images; the same seed gives the same bytes")
-    p.add_argument("--classes", type=int, default=100, help="class templates (1..1000)")
-    p.add_argument("--broken", type=int, help="planted broken files among --count (default 1 %%, at least 1)")
+    p.add_argument("--count", type=whole_number(1, 10**7, "images"), default=200, help="images, broken ones included")
+    p.add_argument("--seed", type=SEED, default=0, help="draws the images; the same seed gives the same bytes")
+    p.add_argument("--classes", type=whole_number(1, 1000), default=100, help="class templates")
+    p.add_argument("--broken", type=whole_number(0, 10**7, "images"), help="planted broken files among --count (default 1 %%, at least 1)")
     p.add_argument("--checkpoint", action="store_true", help="also write OUT/tiny_eva02.safetensors")
     a = p.parse_args(argv)
     if a.count < 1 or not 1 <= a.classes <= 1000:
