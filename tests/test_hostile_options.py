@@ -368,7 +368,7 @@ def test_a_long_deadline_reaches_no_clock_as_an_overflow(monkeypatch, tmp_path):
         seen.append(kw["timeout"])
         return subprocess.CompletedProcess(cmd, 1, "", "no artifact\n")
 
-    monkeypatch.setattr(auto.subprocess, "run", fake_run)
+    monkeypatch.setattr(auto.children, "run", fake_run)
     for timeout in (1e12, math.inf):
         _, info = auto._run_script(tmp_path, [], "pil", timeout)
         assert "exited 1" in info["why"]
