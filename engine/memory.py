@@ -134,6 +134,18 @@ def exhaustion_line(e: BaseException) -> str | None:
     return None
 
 
+def sigint_origin() -> str | None:
+    """Where a SIGINT may have come from, in words, under an address-space limit; None without one.
+    A Python handler cannot see the sender, and a native library that fails to start a thread
+    raises SIGINT at itself (OpenBLAS: `blas_thread_init: pthread_create failed`), which such a
+    limit makes likely: the line a run prints then names the limit beside Ctrl-C, not a key alone."""
+    soft = address_space_limit()
+    if soft is None:
+        return None
+    return (f"sent by Ctrl-C or a kill, or raised by a library that could not start a thread under the "
+            f"{soft >> 20} MiB address-space limit, ulimit -v")
+
+
 def is_memory_import_error(e: BaseException) -> bool:
     """Whether an import failed for want of memory (a library that could not be mapped)."""
     text = str(e).lower()
