@@ -59,7 +59,11 @@ def _passes_at_or_just_above_the_need(run, need: int, out: Path, prog: str):
 
 # --- the estimate and its message ------------------------------------------------------------------
 
-def test_the_need_is_fixed_plus_threads_plus_files(tmp_path):
+def test_the_need_is_fixed_plus_threads_plus_files(tmp_path, monkeypatch):
+    from engine import settings
+
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)     # the entry points' 1: no thread past the first
+    settings.reload()
     (tmp_path / "a").write_bytes(bytes(3 * MiB))
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "b").write_bytes(bytes(MiB))
@@ -72,6 +76,28 @@ def test_the_need_is_fixed_plus_threads_plus_files(tmp_path):
     assert memory.thread_bytes(10, cpus=1) == 8 * one + 2 * memory.THREAD_PAST_ARENAS   # 8 arenas per CPU
     assert memory.retrieval_thread_bytes(7, 1) == memory.retrieval_thread_bytes(7, 2) == 14
     assert memory.decoder_bytes(None) == 0 < memory.decoder_bytes("pil") < memory.decoder_bytes("dali-cpu")
+
+
+def test_the_need_counts_each_openblas_thread_past_the_first(monkeypatch):
+    """numpy's OpenBLAS starts OPENBLAS_NUM_THREADS threads as numpy loads (one per CPU at most, and
+    one per CPU for a value it cannot use); the entry points set 1 unless the caller set it."""
+    from engine import settings
+
+    monkeypatch.setattr(settings, "usable_cpus", lambda: 4)
+
+    def need(value: str | None) -> int:
+        if value is None:
+            monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
+        else:
+            monkeypatch.setenv("OPENBLAS_NUM_THREADS", value)
+        settings.reload()
+        return memory.need_bytes([], 100 * MiB)
+
+    base = 100 * MiB + memory.MARGIN
+    assert need(None) == need("1") == base
+    assert need("2") == base + memory.OPENBLAS_THREAD
+    assert need("64") == need("0") == need("x") == base + 3 * memory.OPENBLAS_THREAD
+    settings.reload()
 
 
 def test_the_check_names_the_limit_and_the_need_in_one_line(monkeypatch):
@@ -225,7 +251,8 @@ def test_the_shell_entries_give_openblas_one_thread_before_python_starts_and_kee
     from engine import threads
 
     def sourced(env: dict) -> str:
-        r = subprocess.run(["sh", "-c", '. "$here/scripts/runtime_env.sh"; echo "$OPENBLAS_NUM_THREADS"'],
+        sourced_file = REPO.joinpath("scripts", "runtime_env.sh")    # sourced only: no entry point starts
+        r = subprocess.run(["sh", "-c", '. "$1"; echo "$OPENBLAS_NUM_THREADS"', "sh", str(sourced_file)],
                            env={**env, "here": str(REPO)}, capture_output=True, text=True, timeout=30)
         return r.stdout.strip()
 
