@@ -68,7 +68,7 @@ class RunConfig:
     bank_chunk: int = RETRIEVAL.bank_chunk   # requests per bank-statistics block; 0: one [M, N] matrix (reference twin)
 
 
-METHOD_SOURCES, PROMPT_SOURCES = "{method sources}", "{prompt sources}"   # filled in by _SourcesHelp
+METHOD_SOURCES, PROMPT_SOURCES = "{method sources}", "{prompt sources}"   # filled in by _sources_help()
 
 
 def _sources_help():
@@ -159,10 +159,11 @@ INTERRUPTED = 130   # exit status after SIGINT, as a shell reports a process it 
 @contextlib.contextmanager
 def interrupt_ends(prog: str, kept: str):
     """SIGINT ends the command as SIGTERM does (its default action: at once, no teardown): one
-    line on stderr, then os._exit(INTERRUPTED). Under an address-space limit the line says the
-    signal may be a library's own (engine.memory.sigint_origin), not that a key was pressed. What is finished is already on disk (each row is
+    line on stderr, then os._exit(INTERRUPTED). What is finished is already on disk (each row is
     flushed as it is written; each chunk renamed into place), and a KeyboardInterrupt unwinding
     through the decode threads and the decoder process would take seconds and print a traceback.
+    Under an address-space limit the line says the signal may be a library's own, raised when it
+    could not start a thread (engine.memory.sigint_origin), not only a key or a kill.
     The previous handler comes back on leaving (in-process callers, tests)."""
     import signal
     import threading
