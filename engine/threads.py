@@ -10,11 +10,17 @@ the CPUs this process may use, at most 16):
     inter_op  torch inter-op threads        1
 
 `library_env` must reach the environment before numpy or torch is imported (OpenMP and
-OpenBLAS size their pools when they load); `apply_torch` sets torch's own counts.
+OpenBLAS size their pools when they load; numpy's OpenBLAS starts its threads right then, and
+one it cannot start, under an address-space or process limit, makes it raise SIGINT at itself):
+`apply_library_env` puts it there, keeping what the caller set; scripts/runtime_env.sh sets
+OPENBLAS_NUM_THREADS the same way for everything a shell entry point starts. `apply_torch` sets
+torch's own counts.
 """
 from __future__ import annotations
 
+import os
 import sys
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 
 from engine import settings
@@ -46,13 +52,28 @@ def budget(device: str = "cpu") -> Budget:
     return Budget(t, readers, t, intra, 1)
 
 
+OPENBLAS_THREADS = "1"   # numpy's OpenBLAS: scripts/runtime_env.sh sets the same default
+
+
 def library_env(b: Budget) -> dict[str, str]:
     """Environment for the native thread pools (set before numpy / torch load)."""
     n = str(b.intra_op)
     # OpenBLAS only serves numpy here: one thread, and no per-thread buffers under a memory cap;
     # OpenMP threads sleep between calls (busy-waiting ones starve the decode threads on few cores)
-    return {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n, "OPENBLAS_NUM_THREADS": "1",
+    return {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n, "OPENBLAS_NUM_THREADS": OPENBLAS_THREADS,
             "OMP_WAIT_POLICY": settings.omp_wait_policy()}
+
+
+def apply_library_env(b: Budget, environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
+    """Put `library_env(b)` into `environ` (the process's by default) where it has no value yet: a
+    variable the caller set explicitly (not empty) is kept. Returns the values in effect. Call it
+    before numpy or torch is imported."""
+    env = os.environ if environ is None else environ
+    wanted = library_env(b)
+    for k, v in wanted.items():
+        if not env.get(k):
+            env[k] = v
+    return {k: env[k] for k in wanted}
 
 
 def apply_torch(b: Budget) -> None:

@@ -9,4 +9,8 @@ export TORCHINDUCTOR_CACHE_DIR="$TMPDIR/inductor" TRITON_CACHE_DIR="$TMPDIR/trit
 # Torch's OpenMP threads busy-wait between batches and starve the decoder threads
 # sharing the cores: make them sleep instead.
 : "${OMP_WAIT_POLICY:=PASSIVE}" ; export OMP_WAIT_POLICY
+# numpy's OpenBLAS starts its threads as numpy loads, before any Python line can size them, and
+# one it cannot start (an address-space or process limit) makes it raise SIGINT at itself: one
+# thread, as engine.threads.library_env sets (OpenBLAS only serves numpy here). Set, it is kept.
+: "${OPENBLAS_NUM_THREADS:=1}" ; export OPENBLAS_NUM_THREADS
 export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"

@@ -59,7 +59,11 @@ def _passes_at_or_just_above_the_need(run, need: int, out: Path, prog: str):
 
 # --- the estimate and its message ------------------------------------------------------------------
 
-def test_the_need_is_fixed_plus_threads_plus_files(tmp_path):
+def test_the_need_is_fixed_plus_threads_plus_files(tmp_path, monkeypatch):
+    from engine import settings
+
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)     # the entry points' 1: no thread past the first
+    settings.reload()
     (tmp_path / "a").write_bytes(bytes(3 * MiB))
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "b").write_bytes(bytes(MiB))
@@ -72,6 +76,28 @@ def test_the_need_is_fixed_plus_threads_plus_files(tmp_path):
     assert memory.thread_bytes(10, cpus=1) == 8 * one + 2 * memory.THREAD_PAST_ARENAS   # 8 arenas per CPU
     assert memory.retrieval_thread_bytes(7, 1) == memory.retrieval_thread_bytes(7, 2) == 14
     assert memory.decoder_bytes(None) == 0 < memory.decoder_bytes("pil") < memory.decoder_bytes("dali-cpu")
+
+
+def test_the_need_counts_each_openblas_thread_past_the_first(monkeypatch):
+    """numpy's OpenBLAS starts OPENBLAS_NUM_THREADS threads as numpy loads (one per CPU at most, and
+    one per CPU for a value it cannot use); the entry points set 1 unless the caller set it."""
+    from engine import settings
+
+    monkeypatch.setattr(settings, "usable_cpus", lambda: 4)
+
+    def need(value: str | None) -> int:
+        if value is None:
+            monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
+        else:
+            monkeypatch.setenv("OPENBLAS_NUM_THREADS", value)
+        settings.reload()
+        return memory.need_bytes([], 100 * MiB)
+
+    base = 100 * MiB + memory.MARGIN
+    assert need(None) == need("1") == base
+    assert need("2") == base + memory.OPENBLAS_THREAD
+    assert need("64") == need("0") == need("x") == base + 3 * memory.OPENBLAS_THREAD
+    settings.reload()
 
 
 def test_the_check_names_the_limit_and_the_need_in_one_line(monkeypatch):
@@ -215,3 +241,87 @@ def test_scripts_run_under_an_interpreter_without_the_dependencies_names_it(tmp_
     line = _one_error_line(r, "run", f"the interpreter {python} has no ")
     assert line.startswith("run: error: cannot import ") and "memory" not in line
     assert not (tmp_path / "p.i32").exists()
+
+
+# --- threads a library starts by itself: capped before numpy loads, a SIGINT it raises blamed on no key -------
+
+def test_the_shell_entries_give_openblas_one_thread_before_python_starts_and_keep_a_set_value():
+    """numpy's OpenBLAS starts its threads as numpy loads; scripts/runtime_env.sh (sourced by every
+    shell entry point) sets the budget's value first, and a value the caller set stays."""
+    from engine import threads
+
+    def sourced(env: dict) -> str:
+        sourced_file = REPO.joinpath("scripts", "runtime_env.sh")    # sourced only: no entry point starts
+        r = subprocess.run(["sh", "-c", '. "$1"; echo "$OPENBLAS_NUM_THREADS"', "sh", str(sourced_file)],
+                           env={**env, "here": str(REPO)}, capture_output=True, text=True, timeout=30)
+        return r.stdout.strip()
+
+    bare = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+    assert sourced(bare) == threads.OPENBLAS_THREADS == "1"
+    assert sourced({**bare, "OPENBLAS_NUM_THREADS": "3"}) == "3"
+
+
+def test_the_budget_fills_the_thread_variables_the_caller_left_unset(monkeypatch):
+    from engine import threads
+
+    monkeypatch.setenv("ENGINE_THREADS", "3")
+    b = threads.budget("cpu")
+    env = {"OMP_NUM_THREADS": "5", "OPENBLAS_NUM_THREADS": ""}
+    assert threads.apply_library_env(b, env) == {**threads.library_env(b), "OMP_NUM_THREADS": "5"}
+    assert env["OMP_NUM_THREADS"] == "5" and env["MKL_NUM_THREADS"] == "3" and env["OPENBLAS_NUM_THREADS"] == "1"
+
+
+def test_the_retrieval_entries_read_their_flags_without_loading_numpy_or_torch():
+    """The address-space check runs after the flags are read and before torch loads: reading them
+    must load neither (torch maps about 3 GiB, and numpy's OpenBLAS starts threads as it loads)."""
+    code = ("import sys\nfrom evaluator.cir import build, run\n"
+            "run.parse_args(['--index-dir', 'i', '--queries', 'q', '--output', 'o'])\n"
+            "build.parse_args(['--corpus', 'c', '--index-dir', 'i'])\n"
+            "print(sorted(m for m in ('numpy', 'torch') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.split() == ["[]"], r.stdout + r.stderr[-2000:]
+
+
+def test_a_sigint_under_an_address_space_limit_names_the_limit_beside_ctrl_c(tmp_path):
+    """A Python handler cannot see who sent SIGINT, and a library that cannot start a thread raises
+    it at itself: under an address-space limit the line names that limit, not a key alone."""
+    code = ("import resource, signal, sys\nfrom evaluator.cir.run import interrupt_ends\n"
+            "resource.setrlimit(resource.RLIMIT_AS, (int(sys.argv[1]) << 20, resource.RLIM_INFINITY))\n"
+            "with interrupt_ends('prog', 'rows kept'):\n    signal.raise_signal(signal.SIGINT)\n")
+    r = subprocess.run([sys.executable, "-c", code, "6000"], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 130 and r.stderr.splitlines() == [
+        "prog: stopped by SIGINT (sent by Ctrl-C or a kill, or raised by a library that could not start a thread "
+        "under the 6000 MiB address-space limit, ulimit -v): rows kept"], r.stderr[-2000:]
+
+
+def test_the_contest_run_names_the_limit_beside_ctrl_c_for_sigint_only(monkeypatch):
+    import signal
+
+    from evaluator.contest.run import signal_named
+
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (3072 * MiB, resource.RLIM_INFINITY))
+    assert signal_named(signal.SIGINT).startswith("SIGINT (sent by Ctrl-C or a kill, or raised by a library")
+    assert "3072 MiB address-space limit" in signal_named(signal.SIGINT)
+    assert signal_named(signal.SIGTERM) == "SIGTERM"
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    assert signal_named(signal.SIGINT) == "SIGINT"
+
+
+@pytest.mark.abi
+def test_a_query_run_under_3_gib_ends_in_one_line_naming_the_limit_never_an_interrupt(tmp_path):
+    """Under 3 GiB, numpy's OpenBLAS could not start its second thread once torch was mapped and
+    raised SIGINT, told as an interruption (exit 130). Now: a whole run, or one line naming the
+    limit, exit 2, nothing written."""
+    queries = corpus() / "requests.jsonl"
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}   # OpenBLAS left to size itself
+    r = subprocess.run([str(REPO / "scripts" / "run.sh"), *run_args(queries, tmp_path / "o.jsonl")],
+                       env={**env, "ENGINE_THREADS": THREADS, "CLIP_DEVICE": "cpu", "PYTHON": sys.executable},
+                       preexec_fn=_limited(3072 * MiB), capture_output=True, text=True, timeout=300)
+    assert "SIGINT" not in r.stderr, r.stderr[-3000:]
+    if r.returncode == 0:
+        assert len((tmp_path / "o.jsonl").read_text().splitlines()) == len(queries.read_text().splitlines())
+        return
+    _one_error_line(r, "scripts/run.sh", "address-space limit (3072 MiB")
+    assert not (tmp_path / "o.jsonl").exists()

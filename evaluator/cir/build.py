@@ -159,7 +159,7 @@ def _main(argv: list[str] | None, stop_after_chunks: int, p2w_stop_after: int) -
     from engine import threads
 
     try:
-        os.environ.update(threads.library_env(threads.budget("cpu")))   # before torch sizes its pools
+        threads.apply_library_env(threads.budget("cpu"))   # before numpy / torch size their pools
     except ValueError as e:   # a bad ENGINE_THREADS / ENGINE_READERS
         _error(f"{e}")
         return 2

@@ -70,19 +70,31 @@ class RunConfig:
     bank_chunk: int = RETRIEVAL.bank_chunk   # requests per bank-statistics block; 0: one [M, N] matrix (reference twin)
 
 
-def parse_args(argv: list[str] | None) -> RunConfig:
-    from engine.cli import (
-        ArgumentParser,
-        HelpFormatter,
-        corpus_flags,
-        debug_flag,
-        device_name,
-        finite_float,
-        whole_number,
-    )
-    from engine.retrieval.compose import method_help, prompt_help
+METHOD_SOURCES, PROMPT_SOURCES = "{method sources}", "{prompt sources}"   # filled in by _sources_help()
 
-    p = ArgumentParser(prog="scripts/run.sh", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+
+def _sources_help():
+    """engine.cli.HelpFormatter that fills in the methods' and prompts' sources only when --help is
+    printed: their tables import torch, which must wait for the address-space check."""
+    from engine.cli import HelpFormatter
+
+    class SourcesHelp(HelpFormatter):
+        def _get_help_string(self, action) -> str:
+            text = super()._get_help_string(action)
+            if METHOD_SOURCES in text or PROMPT_SOURCES in text:
+                from engine.retrieval.compose import method_help, prompt_help
+
+                text = text.replace(METHOD_SOURCES, method_help()).replace(PROMPT_SOURCES, prompt_help())
+            return text
+
+    return SourcesHelp
+
+
+def parse_args(argv: list[str] | None) -> RunConfig:
+    """The flags, read without importing torch or numpy (the address-space check comes after)."""
+    from engine.cli import ArgumentParser, corpus_flags, debug_flag, device_name, finite_float, whole_number
+
+    p = ArgumentParser(prog="scripts/run.sh", description=__doc__.split("\n\n")[0], formatter_class=_sources_help())
     p.add_argument("--index-dir", type=Path, required=True, help="the gallery index scripts/build.sh wrote")
     p.add_argument("--queries", type=Path, required=True, help="requests JSONL, one request per line")
     p.add_argument("--output", type=Path, required=True,
@@ -94,12 +106,12 @@ def parse_args(argv: list[str] | None) -> RunConfig:
                    help="architecture for a bare state dict (env CLIP_MODEL_NAME; default: read from the folder)")
     p.add_argument("--method", default=evaluator_settings.cir_method(),
                    help="slerp | sum | text-only | pic2word, optionally +options, e.g. slerp+gap+qbnorm "
-                        "(env CIR_METHOD; default: the index's, else slerp). Sources: " + method_help())
+                        "(env CIR_METHOD; default: the index's, else slerp). Sources: " + METHOD_SOURCES)
     p.add_argument("--text-weight", type=finite_float(0.0, 1.0), default=evaluator_settings.cir_text_weight(),
                    help="text weight for every request (env CIR_TEXT_WEIGHT; default per method)")
     p.add_argument("--prompt", default=evaluator_settings.cir_prompt(),
                    help="auto (the method's default: plain; pic2word for pic2word), a name, or a template "
-                        "with {modification} (env CIR_PROMPT). Names: " + prompt_help())
+                        "with {modification} (env CIR_PROMPT). Names: " + PROMPT_SOURCES)
     p.add_argument("--batch-size", type=whole_number(1, 4096, "requests"), default=RETRIEVAL.query_batch,
                    help="requests per batch")
     p.add_argument("--k", type=whole_number(1, TOP_K), default=TOP_K, help=f"results per query (at most {TOP_K})")
@@ -153,13 +165,20 @@ def interrupt_ends(prog: str, kept: str):
     line on stderr, then os._exit(INTERRUPTED). What is finished is already on disk (each row is
     flushed as it is written; each chunk renamed into place), and a KeyboardInterrupt unwinding
     through the decode threads and the decoder process would take seconds and print a traceback.
+    Under an address-space limit the line says the signal may be a library's own, raised when it
+    could not start a thread (engine.memory.sigint_origin), not only a key or a kill.
     The previous handler comes back on leaving (in-process callers, tests)."""
     import signal
     import threading
 
+    from engine.memory import sigint_origin
+
+    origin = sigint_origin()   # read now: a handler that runs inside an import must not import
+    said = "interrupted (SIGINT)" if origin is None else f"stopped by SIGINT ({origin})"
+
     def leave(signum, frame):
         try:
-            sys.stderr.write(f"{prog}: interrupted (SIGINT): {kept}\n")
+            sys.stderr.write(f"{prog}: {said}: {kept}\n")
             sys.stderr.flush()
         finally:
             os._exit(INTERRUPTED)
@@ -239,7 +258,7 @@ def limits_problem(cfg: RunConfig) -> str | None:
     from evaluator.cir.limits import address_space_problem, clip_folder_guess
 
     try:
-        os.environ.update(threads.library_env(threads.budget("cpu")))   # before torch sizes its pools
+        threads.apply_library_env(threads.budget("cpu"))   # before numpy / torch size their pools
     except ValueError as e:
         return f"{e}"
     # before torch loads: without room, glibc may abort a thread with nothing to catch

@@ -29,7 +29,7 @@ from pathlib import Path
 import engine
 from engine.classify.classifier import LoadError
 from engine.io import read_regular, resolve_relative
-from engine.memory import exhaustion_line, import_failure
+from engine.memory import exhaustion_line, import_failure, sigint_origin
 from engine.process_stats import process_start, start_offset
 from evaluator.contest.exits import Held, Signalled, exit_now, private_tmpdir, signals_exit
 from evaluator.contest.output import Output, OutputError
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return _run(argv, wall0, held)
         except Signalled as e:
-            print(f"{PROG}: stopped by {signal.Signals(e.code - 128).name}; no OUTPUT written", file=sys.stderr)
+            print(f"{PROG}: stopped by {signal_named(e.code - 128)}; no OUTPUT written", file=sys.stderr)
             return e.code
         except RunError as e:
             print(f"{PROG}: error: {e}", file=sys.stderr)
@@ -106,6 +106,13 @@ def main(argv: list[str] | None = None) -> int:
             held.release()
 
 
+def signal_named(sig: int) -> str:
+    """The signal's name; for SIGINT under an address-space limit, also that a library failing to
+    start a thread raises it at itself (engine.memory.sigint_origin): no key is blamed alone."""
+    origin = sigint_origin() if sig == signal.SIGINT else None
+    return signal.Signals(sig).name + (f" ({origin})" if origin else "")
+
+
 def _run(argv, wall0: float, held: Held) -> int:
     try:
         a = parse_args(argv)
@@ -121,7 +128,7 @@ def _run(argv, wall0: float, held: Held) -> int:
         settings.artifact_verify()
     except ValueError as e:
         raise RunError(str(e)) from None
-    os.environ.update(threads.library_env(budget))   # before numpy / torch load and size their pools
+    threads.apply_library_env(budget)   # before numpy / torch load and size their pools
     if not os.path.isdir(a.image_root):
         raise RunError(f"IMAGE_ROOT is not a directory (or not reachable): {a.image_root}")
     from evaluator.contest.manifest import ManifestError, parse_manifest
