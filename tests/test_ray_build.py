@@ -140,14 +140,14 @@ def test_an_actor_error_reaches_the_user_as_our_one_line(tmp_path, ray_address, 
     records = folder / "records.jsonl"
     absolute = [{**r, "path": str(src / r["path"])} if isinstance(r.get("path"), str) else r for r in rows]
     records.write_text("".join(json.dumps(r) + "\n" for r in absolute))
-    real = build_ray._RayRun._run_chunks
+    real = build_ray._RayRun._embed
 
     def changed_first(self, *a, **k):
         with records.open("a") as f:
             f.write(json.dumps({"image_id": "late", "path": absolute[0]["path"]}) + "\n")
         return real(self, *a, **k)
 
-    monkeypatch.setattr(build_ray._RayRun, "_run_chunks", changed_first)
+    monkeypatch.setattr(build_ray._RayRun, "_embed", changed_first)
     monkeypatch.setenv("CLIP_MODEL_DIR", str(clip_dirs()["open_clip"]))
     monkeypatch.setenv("CLIP_DEVICE", "cpu")
     monkeypatch.setenv("RAY_ADDRESS", ray_address)

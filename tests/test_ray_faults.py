@@ -73,9 +73,10 @@ def _fake_start(monkeypatch, fake: FakeRay | None) -> None:
     """build_ray.start_ray hands out `fake` (None: starting Ray fails the test)."""
     from engine.retrieval import build_ray
 
-    def start(session, local_cpus, *a):
+    def start(*args, **kwargs):       # (session, local CPUs, ...): a session gets the fake as its Ray
         assert fake is not None, "Ray was started"
-        session.ray = fake
+        if args and hasattr(args[0], "ray"):
+            args[0].ray = fake
         return fake
 
     monkeypatch.setattr(build_ray, "start_ray", start)
@@ -104,13 +105,16 @@ def test_workers_beyond_the_cpus_and_the_chunks_are_capped_in_one_line(tmp_path,
     assert list(ref.ids) == list(got.ids)
     np.testing.assert_allclose(np.asarray(ref.emb, np.float32), np.asarray(got.emb, np.float32), atol=2e-3, rtol=0)
 
-    # a resumed build with one chunk left starts one actor, whatever the CPUs
-    fake = FakeRay(cpus=64)
-    _fake_start(monkeypatch, fake)
-    assert cli([*build_args(tmp_path / "idx2"), "--ray", "--workers", "8"], stop_after_chunks=5) == 3
-    assert cli([*build_args(tmp_path / "idx2"), "--ray", "--workers", "8"]) == 0
-    assert "--workers 8: starting 1 actors (64 CPUs usable, 1 unfinished chunks)" in capsys.readouterr().err
-    assert fake.calls["pool_size"] == 1
+
+
+def test_the_workers_are_capped_at_the_unfinished_chunks_and_a_cluster_without_room_is_one_line():
+    from engine.retrieval import build_ray
+
+    assert build_ray.capped_workers(8, 1, 64, "CPU") == (1, "--workers 8: starting 1 actors (64 CPUs usable, "
+                                                             "1 unfinished chunks)")
+    assert build_ray.capped_workers(2, 6, 4, "GPU") == (2, None)
+    with pytest.raises(build_ray.RayBuildError, match="offers no GPU"):
+        build_ray.capped_workers(2, 6, 0, "GPU")
 
 
 @needs_ray
@@ -173,7 +177,6 @@ def test_ray_data_that_cannot_import_names_the_install_line(tmp_path, monkeypatc
     import sys
 
     monkeypatch.setitem(sys.modules, "ray.data", None)      # as when pandas or pyarrow is missing
-    _fake_start(monkeypatch, None)
     assert cli([*build_args(tmp_path / "idx"), "--ray"]) == 2
     last = _last(capsys.readouterr().err)
     assert last.startswith("scripts/build.sh: error: --ray needs Ray Data, which cannot be imported here"), last
