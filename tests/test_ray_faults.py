@@ -208,3 +208,19 @@ def test_a_ray_address_nobody_serves_is_one_line_within_the_stated_timeout(tmp_p
     last = _last(capsys.readouterr().err)
     assert last.startswith(f"scripts/build.sh: error: RAY_ADDRESS 127.0.0.1:{port}: no Ray cluster answered "
                            f"within {build_ray.CONNECT_TIMEOUT_S:g} s"), last
+
+
+@needs_ray
+def test_a_tmpdir_too_long_for_rays_sockets_is_refused_before_anything_loads(tmp_path, monkeypatch, capsys, cli):
+    from engine.retrieval import build_ray
+
+    long = tmp_path / ("t" * 80)
+    long.mkdir()
+    monkeypatch.setenv("TMPDIR", str(long))
+    _fake_start(monkeypatch, None)
+    assert cli([*build_args(tmp_path / "idx"), "--ray"]) == 2
+    last = _last(capsys.readouterr().err)
+    room = build_ray.SOCKET_PATH_MAX - build_ray.SOCKET_SUFFIX
+    assert last.startswith(f"scripts/build.sh: error: TMPDIR {long} is too long a path for a local Ray "
+                           f"({len(str(long))} bytes; at most {room}"), last
+    assert not (tmp_path / "idx").exists()

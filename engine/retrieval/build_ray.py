@@ -38,6 +38,9 @@ CONNECT_TIMEOUT_S = 10   # RAY_ADDRESS must accept a connection within this many
 SESSION_MB = 512         # a local Ray's session folder (logs, sockets, runtime files), beside spilled objects
 RAY_DISK_LIMIT = 0.95    # Ray refuses to create or spill objects on a disk fuller than this (its default)
 TEMP_PREFIX = "ray-"     # TMPDIR/ray-<random>: this build's local Ray (short: Ray's socket paths are bounded)
+SOCKET_PATH_MAX = 107    # bytes of a Unix socket's path (Linux); Ray's sockets live in its session folder
+# what a local Ray adds to TMPDIR in its longest socket path: /ray-<8>/session_<date_time_us>_<pid>/sockets/plasma_store
+SOCKET_SUFFIX = len(f"/{TEMP_PREFIX}xxxxxxxx/session_2026-01-01_00-00-00_000000_4194304/sockets/plasma_store")
 
 
 def _log(msg: str) -> None:
@@ -124,7 +127,8 @@ def disk_problem(folder: Path, need_mb: int) -> str | None:
 
 def preflight(object_store_mb: int = RETRIEVAL.ray_object_store_mb) -> None:
     """What a --ray build needs, checked before anything loads: Ray Data importable, RAY_ADDRESS well
-    formed and answering, or (a local Ray) room for it in TMPDIR. RayBuildError (one line) if not."""
+    formed and answering, or (a local Ray) room for it in TMPDIR and a TMPDIR path short enough for its
+    sockets. RayBuildError (one line) if not."""
     from engine import settings as engine_settings
 
     import_ray()
@@ -133,7 +137,13 @@ def preflight(object_store_mb: int = RETRIEVAL.ray_object_store_mb) -> None:
         if addr[1] is not None:
             probe(*addr)
         return
-    problem = disk_problem(engine_settings.tmpdir(), SESSION_MB + object_store_mb)
+    tmp = engine_settings.tmpdir()
+    room = SOCKET_PATH_MAX - SOCKET_SUFFIX
+    if len(os.fsencode(tmp)) > room:
+        raise RayBuildError(f"TMPDIR {tmp} is too long a path for a local Ray ({len(os.fsencode(tmp))} bytes; at "
+                            f"most {room}: its Unix sockets go under it, and their paths are bounded): set TMPDIR "
+                            "to a shorter folder", 2)
+    problem = disk_problem(tmp, SESSION_MB + object_store_mb)
     if problem:
         raise RayBuildError(f"TMPDIR {problem}: set TMPDIR to a larger disk", 2)
 
