@@ -5,6 +5,7 @@ the user as one line; a SIGTERM leaves no Ray process or folder behind. One loca
 serves the whole module; one test starts the build's own local Ray, to see what it leaves."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -127,38 +128,72 @@ def test_the_ray_build_embeds_with_the_towers_it_measured_and_records_them(tmp_p
 
 
 @needs_ray
-def test_an_actor_error_reaches_the_user_as_our_one_line(tmp_path, ray_address, monkeypatch, capsys):
-    """records.jsonl changes once the driver has read it: every actor's own check refuses it, and the
-    user reads that refusal once, as one line (not Ray's ActorDiedError and its traceback), exit 1."""
-    from engine.retrieval import build_ray
-    from evaluator.cir import build as cir_build
-
+def test_an_actor_error_reaches_the_user_as_our_one_line_and_nothing_is_left(tmp_path):
+    """records.jsonl changes once the driver has read it (here: once the build's own local Ray
+    starts): every actor's own check refuses it, and the user reads that refusal once, as one line
+    (not Ray's ActorDiedError and its traceback), exit 1; no process of that Ray and no Ray folder
+    is left behind."""
     src = corpus()
     folder = tmp_path / "corpus"
     folder.mkdir()
     rows = [json.loads(line) for line in (src / "records.jsonl").read_text().splitlines() if line.strip()]
-    records = folder / "records.jsonl"
     absolute = [{**r, "path": str(src / r["path"])} if isinstance(r.get("path"), str) else r for r in rows]
+    records = folder / "records.jsonl"
     records.write_text("".join(json.dumps(r) + "\n" for r in absolute))
-    real = build_ray._RayRun._embed
+    with _short_tmpdir() as tmp:
+        env = {**os.environ, "CLIP_MODEL_DIR": str(clip_dirs()["open_clip"]), "CLIP_DEVICE": "cpu",
+               "PYTHONPATH": str(REPO), "TMPDIR": str(tmp)}
+        env.pop("RAY_ADDRESS", None)
+        p = subprocess.Popen([sys.executable, "-m", "evaluator.cir.build", "--corpus", str(folder),
+                              *build_args(tmp_path / "idx")[2:], "--ray"], env=env, cwd=REPO,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline and p.poll() is None and not list(tmp.glob("ray*")):
+                time.sleep(0.05)
+            with records.open("a") as f:        # the driver read the records before Ray started
+                f.write(json.dumps({"image_id": "late", "path": absolute[0]["path"]}) + "\n")
+            _, err = p.communicate(timeout=300)
+            assert p.returncode == 1, err[-3000:]
+            assert "Traceback" not in err and "ActorDiedError" not in err, err[-3000:]
+            mine = [ln for ln in err.splitlines() if ln.startswith("scripts/build.sh:")]
+            assert mine == [err.strip().splitlines()[-1]], err[-3000:]
+            assert mine[0].startswith(f"scripts/build.sh: error: a Ray actor failed: {records} changed while the "
+                                      "build ran"), mine
+            _assert_nothing_left(p.pid, tmp)
+            assert not (tmp_path / "idx" / "meta.json").exists()
+        finally:
+            _kill_group(p.pid)
 
-    def changed_first(self, *a, **k):
-        with records.open("a") as f:
-            f.write(json.dumps({"image_id": "late", "path": absolute[0]["path"]}) + "\n")
-        return real(self, *a, **k)
 
-    monkeypatch.setattr(build_ray._RayRun, "_embed", changed_first)
-    monkeypatch.setenv("CLIP_MODEL_DIR", str(clip_dirs()["open_clip"]))
-    monkeypatch.setenv("CLIP_DEVICE", "cpu")
-    monkeypatch.setenv("RAY_ADDRESS", ray_address)
-    args = ["--corpus", str(folder), *build_args(tmp_path / "idx")[2:], "--ray"]
-    assert cir_build.main(args) == 1
-    err = capsys.readouterr().err
-    assert "Traceback" not in err and "ActorDiedError" not in err, err[-3000:]
-    mine = [ln for ln in err.splitlines() if ln.startswith("scripts/build.sh:")]
-    assert mine == [mine[-1]] == [err.strip().splitlines()[-1]], err[-3000:]
-    assert mine[0].startswith(f"scripts/build.sh: error: a Ray actor failed: {records} changed while the build ran")
-    assert not (tmp_path / "idx" / "meta.json").exists()
+@contextlib.contextmanager
+def _short_tmpdir():
+    """A TMPDIR of its own, short: a local Ray's socket paths under it are bounded."""
+    import shutil
+
+    tmp = Path(tempfile.mkdtemp(prefix="rt-", dir="/tmp"))
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _assert_nothing_left(pgid: int, tmp: Path) -> None:
+    """No process of the build's process group runs (GCS, raylet, workers, agents) and no Ray folder
+    is left in `tmp`."""
+    left = _group_alive(pgid)
+    for _ in range(50):          # what the build killed is gone before it exits; a moment of slack
+        if not left:
+            break
+        time.sleep(0.1)
+        left = _group_alive(pgid)
+    assert left == [], left
+    assert [f.name for f in tmp.iterdir() if f.name.startswith("ray")] == []
+
+
+def _kill_group(pgid: int) -> None:
+    for pid in _group_alive(pgid):
+        os.kill(int(pid.split()[0]), signal.SIGKILL)
 
 
 def _group_alive(pgid: int) -> list[str]:
@@ -180,37 +215,25 @@ def test_a_sigterm_mid_ray_build_leaves_nothing_behind_and_the_single_build_resu
     """SIGTERM to a --ray build that started its own local Ray: one line, exit 128 + 15, no process
     of its Ray left (GCS, raylet, workers, agents: its process group), no Ray folder in TMPDIR, the
     finished chunks kept; the single build (no --ray) resumes them to the clean build's index."""
-    tmp = Path(tempfile.mkdtemp(prefix="rt-", dir="/tmp"))   # short: Ray's socket paths are bounded
-    p = None
-    try:
+    with _short_tmpdir() as tmp:
         idx = tmp_path / "idx"
         p = _ray_build(idx, {"RAY_ADDRESS": None, "TMPDIR": str(tmp)})
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and len(list((idx / ".build").glob("chunk-*.json"))) < 2:
-            time.sleep(0.05)
-        p.send_signal(signal.SIGTERM)
-        _, err = p.communicate(timeout=60)
-        assert p.returncode == 128 + signal.SIGTERM, err[-3000:]
-        assert err.strip().splitlines()[-1] == ("scripts/build.sh: interrupted (SIGTERM): finished chunks are kept; "
-                                                "the same command resumes the build"), err[-3000:]
-        assert "Traceback" not in err and "SIGTERM received" not in err, err[-3000:]
-        left = _group_alive(p.pid)
-        for _ in range(50):          # what the build killed is gone before it exits; a moment of slack
-            if not left:
-                break
-            time.sleep(0.1)
-            left = _group_alive(p.pid)
-        assert left == [], left
-        assert [f.name for f in tmp.iterdir() if f.name.startswith("ray-")] == []
-        kept = len(list((idx / ".build").glob("chunk-*.json")))
-        assert kept >= 2 and not (idx / "meta.json").exists()
-        r = script("build.sh", *build_args(idx), env={"TMPDIR": str(tmp)})
-        assert r.returncode == 0, r.stderr[-3000:]
-        assert "resuming:" in r.stderr
-        _same_index(built_index(), idx)
-    finally:
-        for pid in _group_alive(p.pid) if p is not None else []:
-            os.kill(int(pid.split()[0]), signal.SIGKILL)
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline and len(list((idx / ".build").glob("chunk-*.json"))) < 2:
+                time.sleep(0.05)
+            p.send_signal(signal.SIGTERM)
+            _, err = p.communicate(timeout=60)
+            assert p.returncode == 128 + signal.SIGTERM, err[-3000:]
+            assert err.strip().splitlines()[-1] == ("scripts/build.sh: interrupted (SIGTERM): finished chunks are "
+                                                    "kept; the same command resumes the build"), err[-3000:]
+            assert "Traceback" not in err and "SIGTERM received" not in err, err[-3000:]
+            _assert_nothing_left(p.pid, tmp)
+            kept = len(list((idx / ".build").glob("chunk-*.json")))
+            assert kept >= 2 and not (idx / "meta.json").exists()
+            r = script("build.sh", *build_args(idx), env={"TMPDIR": str(tmp)})
+            assert r.returncode == 0, r.stderr[-3000:]
+            assert "resuming:" in r.stderr
+            _same_index(built_index(), idx)
+        finally:
+            _kill_group(p.pid)

@@ -224,6 +224,9 @@ class RaySession:
         # listed before the shutdown: once the raylet is gone, its agents are nobody's descendants
         pids = processes_naming(self.temp_dir) if self.temp_dir is not None else []
         if self.started and graceful:
+            import gc
+
+            gc.collect()      # object refs freed after the shutdown would make Ray end the process
             try:
                 self.ray.shutdown()
             except Exception as e:        # noqa: BLE001 -- what is left is killed below
@@ -485,15 +488,19 @@ class _RayRun(gallery._Run):
             workers, line = capped_workers(self.workers, len(todo), session.capacity(gpu), "GPU" if gpu else "CPU")
             if line:
                 _log(line)
-            self._run_chunks(ray, session, todo, workers, gpu)
+            failure = self._run_chunks(ray, session, todo, workers, gpu)
+            if failure:   # raised here, not in _run_chunks: no frame of ours holding Ray's objects outlives Ray
+                raise RayBuildError(failure, 1)
         if self.stop_after and self.saved >= self.stop_after and len(todo) < len(chunks):
             _log(f"stopping after {self.saved} chunks, as asked (resumable)")
             return False
         return True
 
-    def _run_chunks(self, ray, session, todo: list[int], workers: int, gpu: bool) -> None:
-        """Embed `todo` on `workers` actors, one chunk per call; RayBuildError (one line) on an
-        actor's error or a worker's death."""
+    def _run_chunks(self, ray, session, todo: list[int], workers: int, gpu: bool) -> str | None:
+        """Embed `todo` on `workers` actors, one chunk per call; the line saying why it stopped on
+        an actor's error or a worker's death, else None. (Returned, not raised: a traceback would keep
+        this frame, its dataset and object refs alive past ray.shutdown, and a ref freed then makes
+        Ray end the process.)"""
         import json
 
         n, size = len(self.records), self.chunk_size
@@ -509,10 +516,11 @@ class _RayRun(gallery._Run):
                     readers=self.readers, confine=self.confine, towers_record=self.towers_record))
         t0 = time.perf_counter()
         images = 0
+        rows_done = iter(ds.iter_rows())
         try:
-            for i, row in enumerate(ds.iter_rows(), 1):
+            for i, row in enumerate(rows_done, 1):
                 if row["error"]:
-                    raise RayBuildError(f"a Ray actor failed: {row['error']}", 1)
+                    return f"a Ray actor failed: {row['error']}"
                 rec = json.loads(row["record"])
                 self.store.decoders[int(row["chunk"])] = rec["decoder"]
                 self.embedded += rec["rows"]
@@ -522,9 +530,16 @@ class _RayRun(gallery._Run):
                 _log(f"chunk {int(row['chunk']) + 1}/{self.n_chunks} done ({i}/{len(todo)} this run, "
                      f"{images / dt if dt > 0 else 0.0:.1f} images/s)")
         except ray.exceptions.RayError as e:
-            raise RayBuildError(session.death_line(e, self.index_dir), 1) from None
+            return session.death_line(e, self.index_dir)
         finally:
             self.t_embed += time.perf_counter() - t0
+            close = getattr(rows_done, "close", None)
+            if close is not None:         # Ray Data's executor stops before Ray does (no thread left calling it)
+                try:
+                    close()
+                except Exception:         # noqa: BLE001 -- Ray's shutdown follows and ends what is left
+                    pass
+        return None
 
 
 def build(records, records_sha: str, towers, info: dict, method: dict, *, tower_args: tuple,
