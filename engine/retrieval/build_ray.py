@@ -18,9 +18,8 @@ importable, a malformed RAY_ADDRESS or one where nothing answers within CONNECT_
 room in TMPDIR for a local Ray, an actor's own error (carried back as a row, never as Ray's
 ActorDiedError), a worker that died (the cause named: a full disk, memory, else Ray's first line).
 A dead actor is not restarted nor its chunk retried (Ray Data's default: forever); the build ends.
-A local Ray lives
-in its own folder TMPDIR/ray-<random>; on every exit (success, failure, SIGTERM, SIGHUP, SIGINT)
-its processes are stopped and the folder removed (RaySession).
+A local Ray lives in its own folder TMPDIR/ray-<random>; on every exit (success, failure,
+SIGTERM, SIGHUP, SIGINT) its processes are stopped and the folder removed (RaySession).
 """
 from __future__ import annotations
 
