@@ -182,6 +182,14 @@ def _main(argv: list[str] | None, stop_after_chunks: int, p2w_stop_after: int) -
     if problem:
         _error(f"{problem}")
         return 2
+    if cfg.ray:
+        from engine.retrieval import build_ray
+
+        try:   # before the CLIP loads: Ray Data importable, RAY_ADDRESS answering, room in TMPDIR
+            build_ray.preflight()
+        except build_ray.RayBuildError as e:
+            _error(f"{e}")
+            return e.status
     try:
         method = task.method(cfg.method, cfg.text_weight, cfg.prompt)
     except ValueError as e:
@@ -238,29 +246,28 @@ def _main(argv: list[str] | None, stop_after_chunks: int, p2w_stop_after: int) -
                 confine_to_corpus=cfg.confine_to_corpus, force=cfg.force, stop_after_chunks=cfg.stop_after_chunks,
                 t_start=t_start, t_loaded=t_loaded)
     build = _ray_build(cfg, towers, info) if cfg.ray else gallery.build
-    if build is None:
-        return 2
+    errors = (IndexLoadError,)
+    if cfg.ray:
+        from engine.retrieval.build_ray import RayBuildError
+
+        errors = (IndexLoadError, RayBuildError)
     try:
         done = build(records, records_sha, towers, info, method.to_dict(), **args)
-    except IndexLoadError as e:
+    except errors as e:
         _error(f"{e}")
-        return 2
+        return getattr(e, "status", 2)
     return 0 if done else STOPPED
 
 
 def _ray_build(cfg: BuildConfig, towers, info):
-    """--ray: the build with its chunks embedded on Ray actors (engine.retrieval.build_ray), or None
-    (said in one line) when Ray is not installed."""
+    """--ray: the build with its chunks embedded on Ray actors (engine.retrieval.build_ray); Ray's
+    failures end it in one line (build_ray.RayBuildError), a signal too."""
     import functools
-    import importlib.util
 
-    if importlib.util.find_spec("ray") is None:
-        _error("--ray needs Ray Data, which is not installed: pip install -r requirements/scale.txt")
-        return None
     from engine.retrieval import build_ray
 
     tower_args = (str(info["dir"]), cfg.model_name, cfg.batch_size, str(towers.device), towers.precision)
-    return functools.partial(build_ray.build, tower_args=tower_args, workers=cfg.workers)
+    return functools.partial(build_ray.build, tower_args=tower_args, workers=cfg.workers, prog=PROG)
 
 if __name__ == "__main__":
     sys.exit(main())
