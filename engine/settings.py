@@ -30,7 +30,7 @@ on and 0, false, no, off for off (an empty value is the default).
 | ENGINE_HW_DECODER_LOAD | 0..1 | 0.9 | share of JPEG decoding DALI's GPU decoder gives the hardware JPEG engine (DALI's own default) |
 | ENGINE_SLOW_DECODER_OK | 0/1 | 0 | let the build's self-check pass a CUDA artifact that would decode with anything but dali-gpu |
 | ONEDNN_MAX_CPU_ISA | oneDNN ISA name | (unset: the CPU's) | oneDNN's own limit on the instructions its GEMMs use, read to know whether bf16 is native here (engine.build.measure) |
-| OPENBLAS_NUM_THREADS | int | 1 (engine.threads) | threads numpy's OpenBLAS starts as numpy loads; the shell entry points and engine.threads set 1 unless it is set, and each past the first counts in the address-space need (engine.memory); OpenBLAS reads it itself, the engine only looks |
+| OPENBLAS_NUM_THREADS | 1..1024 | 1 (engine.threads) | threads numpy's OpenBLAS starts as numpy loads (a value OpenBLAS cannot use is refused); the shell entry points and engine.threads set 1 unless it is set, and each past the first counts in the address-space need (engine.memory); OpenBLAS reads it itself |
 | TMPDIR | path | /tmp | scratch space (a run keeps its own folder there and removes it on exit) |
 | CLIP_MODEL_DIR | path | (the caller's) | local CLIP folder or state-dict file |
 | CLIP_MODEL_NAME | str | (from the folder) | open_clip architecture of an OpenAI-style state dict |
@@ -329,11 +329,9 @@ def onednn_max_cpu_isa() -> str:
 
 def openblas_threads() -> int:
     """Threads numpy's OpenBLAS starts, from OPENBLAS_NUM_THREADS (1 when unset: engine.threads and
-    the shell entry points set it so before numpy loads); a value OpenBLAS cannot use (not a whole
-    number >= 1) makes it start one per CPU. OpenBLAS reads it itself: the engine only looks."""
-    def parse(name: str, raw: str) -> int:
-        return int(raw) if raw.isdigit() and int(raw) >= 1 else usable_cpus()
-    return min(read("OPENBLAS_NUM_THREADS", parse, 1), usable_cpus())
+    the shell entry points set it so before numpy loads). OpenBLAS reads it itself and starts one
+    thread per CPU for a value it cannot use; the engine refuses such a value in one line instead."""
+    return min(read("OPENBLAS_NUM_THREADS", int_in(1, MAX_THREADS_SETTING, "threads"), 1), usable_cpus())
 
 
 def tmpdir() -> Path:

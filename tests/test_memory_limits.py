@@ -79,8 +79,8 @@ def test_the_need_is_fixed_plus_threads_plus_files(tmp_path, monkeypatch):
 
 
 def test_the_need_counts_each_openblas_thread_past_the_first(monkeypatch):
-    """numpy's OpenBLAS starts OPENBLAS_NUM_THREADS threads as numpy loads (one per CPU at most, and
-    one per CPU for a value it cannot use); the entry points set 1 unless the caller set it."""
+    """numpy's OpenBLAS starts OPENBLAS_NUM_THREADS threads as numpy loads (one per CPU at most); the
+    entry points set 1 unless the caller set it, and a value OpenBLAS cannot use is refused."""
     from engine import settings
 
     monkeypatch.setattr(settings, "usable_cpus", lambda: 4)
@@ -96,7 +96,10 @@ def test_the_need_counts_each_openblas_thread_past_the_first(monkeypatch):
     base = 100 * MiB + memory.MARGIN
     assert need(None) == need("1") == base
     assert need("2") == base + memory.OPENBLAS_THREAD
-    assert need("64") == need("0") == need("x") == base + 3 * memory.OPENBLAS_THREAD
+    assert need("64") == base + 3 * memory.OPENBLAS_THREAD
+    for bad in ("0", "x"):
+        with pytest.raises(settings.SettingsError, match="OPENBLAS_NUM_THREADS must be a whole number"):
+            need(bad)
     settings.reload()
 
 
