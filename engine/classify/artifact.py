@@ -66,6 +66,7 @@ class WeightsCheck:
         self.waited_s = 0.0                    # how long wait() blocked the caller
         self._error: str | None = None
         self._thread: threading.Thread | None = None
+        self._task: int | None = None          # the hashing thread's kernel task id
         self._ran = not files
 
     @classmethod
@@ -90,6 +91,7 @@ class WeightsCheck:
 
     def _hash(self) -> None:
         t0 = time.perf_counter()
+        self._task = threading.get_native_id()
         try:
             for path, want, _ in self.files:
                 try:
@@ -112,6 +114,7 @@ class WeightsCheck:
         t0 = time.perf_counter()
         if self._thread is not None:
             self._thread.join()
+            _wait_task_gone(self._task)
         elif not self._ran:
             self._hash()
         self.waited_s += time.perf_counter() - t0
@@ -122,6 +125,17 @@ class WeightsCheck:
         """What the timing report records: bytes hashed after the load began, the hash's own
         seconds and how long the answers waited for it."""
         return {"bytes": self.bytes, "hash_s": round(self.hash_s, 4), "waited_s": round(self.waited_s, 4)}
+
+
+def _wait_task_gone(task: int | None, limit_s: float = 0.2) -> None:
+    """Wait (at most `limit_s`) until a joined thread's kernel task has exited: join returns once
+    its Python part ended, a moment before the task is gone, and a run under a PID bound starts its
+    reader threads right after (Linux; elsewhere, no /proc, it returns at once)."""
+    if task is None:
+        return
+    end = time.monotonic() + limit_s
+    while os.path.exists(f"/proc/self/task/{task}") and time.monotonic() < end:
+        time.sleep(0.0005)
 
 
 @dataclass(frozen=True)
