@@ -16,7 +16,7 @@ on and 0, false, no, off for off (an empty value is the default).
 | ENGINE_CUDA_GRAPHS | 0/1 | the artifact's (1) | replay the static batch from a captured CUDA graph (an auto build records whether that measured faster) |
 | ENGINE_TF32 | 0/1 | 0 | let FP32 matmuls and convolutions on CUDA use TF32 (0: IEEE FP32, as a frozen FP32 reference computes; 1: to match a reference that ran with TF32) |
 | ENGINE_GUARD | 0/1 | 1 | re-check near-ties of a guarded low-precision artifact in FP32 (0: raw answers) |
-| ENGINE_ARTIFACT_VERIFY | quick/size/sha256 | quick | at load: sizes + a sampled SHA-256 of each file, sizes only, or the full SHA-256 (engine.classify.artifact; an index's compiled CLIP towers too) |
+| ENGINE_ARTIFACT_VERIFY | quick/size/sha256 | quick | a classification artifact's check before the model loads: sizes + a sampled SHA-256 of each file, sizes only, or the full SHA-256; under quick and size the full SHA-256 of every file still runs, on a thread while the model loads, and classify waits for it before the first image (engine.classify.artifact). An index's compiled CLIP tower files get their full SHA-256 at load in every mode |
 | ENGINE_PIPELINE_DEPTH | int 0..64 | 2 | decoded batches in flight ahead of inference |
 | ENGINE_READERS | int 1..1024 | from ENGINE_THREADS | file reader threads (engine.threads) |
 | ENGINE_FAST_EXIT | 0/1 | 1 | leave without interpreter teardown once the output is synced |

@@ -22,6 +22,8 @@ from engine.classify.artifact import (
     DIGEST_KEY,
     FORMAT,
     MANIFEST,
+    SAMPLE_BLOCKS,
+    SAMPLE_BYTES,
     ArtifactError,
     load_artifact,
     manifest_digest,
@@ -120,28 +122,94 @@ def test_flipped_byte_is_a_sha256_error(art):
     assert "weights.safetensors" in str(e.value)
 
 
+def _between_samples(p: Path) -> int:
+    """An offset of `p` that no block of sample_sha256 reads: halfway between its 8th and 9th blocks."""
+    span = p.stat().st_size - SAMPLE_BYTES
+    starts = [span * k // (SAMPLE_BLOCKS - 1) for k in range(SAMPLE_BLOCKS)]
+    at = (starts[7] + SAMPLE_BYTES + starts[8]) // 2
+    assert not any(s <= at < s + SAMPLE_BYTES for s in starts)
+    return at
+
+
 def test_quick_verification_is_the_default_and_catches_a_replaced_file(art, monkeypatch):
-    """quick (default): sizes + a sampled SHA-256: a same-size file with other contents is refused,
-    a byte flipped between the sampled blocks is not (only the full sha256 mode reads every byte)."""
+    """quick (default): sizes + a sampled SHA-256 before the load: a same-size file with other
+    contents is refused there; a byte flipped between the sampled blocks passes it, and the full
+    SHA-256 that runs meanwhile refuses it when the answers wait for it (check_weights)."""
     monkeypatch.delenv("ENGINE_ARTIFACT_VERIFY", raising=False)
     w = art / "weights.safetensors"
-    _flip_byte(w, at=w.stat().st_size // 2 + 7 * 1024 * 1024 // 16)  # not in a sampled block
-    assert load_artifact(art).backend == "eager"
+    _flip_byte(w, at=_between_samples(w))
+    loaded = load_artifact(art)
+    assert loaded.backend == "eager"
+    with pytest.raises(ArtifactError, match="weights.safetensors is corrupt: its SHA-256 differs"):
+        loaded.check_weights()
     w.write_bytes(bytes(reversed(w.read_bytes())))                    # same size, other bytes
     with pytest.raises(ArtifactError, match="sampled SHA-256"):
         load_artifact(art)
 
 
-def test_size_verification_is_the_off_switch(art, monkeypatch):
+def test_size_verification_checks_sizes_before_the_load_and_every_byte_after(art, monkeypatch):
     _flip_byte(art / "weights.safetensors", at=0)
     monkeypatch.setenv("ENGINE_ARTIFACT_VERIFY", "size")
-    assert load_artifact(art).backend == "eager"  # same size: the cheap check passes
+    loaded = load_artifact(art)
+    assert loaded.backend == "eager"              # same size: the check before the load passes
+    with pytest.raises(ArtifactError, match="SHA-256 differs"):
+        loaded.check_weights()                    # ... the full hash does not
     monkeypatch.delenv("ENGINE_ARTIFACT_VERIFY")
     assert load_artifact(art, verify="size").backend == "eager"
     with pytest.raises(ArtifactError, match="sampled SHA-256"):
         load_artifact(art)                        # the first block is always sampled
     with pytest.raises(ArtifactError, match="SHA-256"):
-        load_artifact(art, verify="sha256")
+        load_artifact(art, verify="sha256")       # every byte, before the load
+
+
+def test_an_intact_artifact_passes_the_full_hash_in_every_mode(built):
+    for verify in ("quick", "size", "sha256"):
+        a = load_artifact(built[0], verify=verify)
+        a.check_weights()
+        a.check_weights()                          # a finished check answers again at once
+        assert a.weights.report()["bytes"] == (0 if verify == "sha256" else a.total_bytes())
+
+
+@pytest.mark.parametrize("verify", ["", "size"])    # "": the default (quick)
+def test_damaged_weights_answer_nothing(art, small_cohort, monkeypatch, verify):
+    """A byte of the weights flipped where no sampled block reads: the artifact loads (its
+    checks before the load pass), and classify and classify_bytes raise ArtifactError naming
+    the file instead of answering from those weights."""
+    import engine
+    from engine import settings
+
+    monkeypatch.setenv("ENGINE_ARTIFACT_VERIFY", verify)
+    settings.reload()
+    w = art / "weights.safetensors"
+    _flip_byte(w, at=_between_samples(w))
+    assert sample_sha256(w) == json.loads((art / MANIFEST).read_text())["files"]["weights.safetensors"]["sample_sha256"]
+    paths = sorted(small_cohort.rglob("*.JPEG"))[:4]
+    try:
+        with engine.load(art, decoder="pil") as clf:
+            with pytest.raises(ArtifactError, match="weights.safetensors is corrupt"):
+                clf.classify(paths)
+            with pytest.raises(ArtifactError, match="weights.safetensors is corrupt"):
+                clf.classify_bytes([p.read_bytes() for p in paths])
+    finally:
+        settings.reload()
+
+
+@pytest.mark.abi
+def test_a_run_on_damaged_weights_writes_no_output_in_one_line(art, small_cohort, tmp_path):
+    """scripts/run under the default ENGINE_ARTIFACT_VERIFY, on an artifact whose weights have a byte
+    flipped between the sampled blocks: one `run: error:` line naming the file, exit 2, no OUTPUT."""
+    from conftest import run_abi
+
+    w = art / "weights.safetensors"
+    _flip_byte(w, at=_between_samples(w))
+    out = tmp_path / "p.i32"
+    r = run_abi(small_cohort / "manifest.tsv", small_cohort, out, art, env={"ENGINE_ARTIFACT_VERIFY": ""},
+                timeout=300)
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("run: error:")]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr[-3000:]
+    assert str(w) in lines[0] and "SHA-256 differs from the manifest" in lines[0], lines[0]
+    assert "Traceback" not in r.stderr and not out.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]   # no temp OUTPUT left
 
 
 def test_bad_verify_mode_is_an_error(art, monkeypatch):

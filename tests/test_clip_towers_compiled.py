@@ -8,7 +8,7 @@ import functools
 import numpy as np
 import pytest
 import torch
-from cir_helpers import build_args, clip_dirs, corpus, requests_of, workspace
+from cir_helpers import REPO, build_args, clip_dirs, corpus, requests_of, workspace
 
 from engine import settings
 from engine.classify.artifact import sample_sha256
@@ -272,10 +272,10 @@ def test_a_resume_whose_recorded_towers_cannot_load_rebuilds_their_chunks(tmp_pa
 
 
 @pytest.mark.parametrize("mode", ["quick", "size", "sha256"])
-def test_recorded_tower_files_are_checked_as_an_artifact_is(tmp_path, monkeypatch, mode):
-    """ENGINE_ARTIFACT_VERIFY decides the load's check, as for a classification artifact: a size
-    change fails every mode, a flip in a sampled block fails quick and sha256, a flip between the
-    sampled blocks only sha256; an index recorded before the sampled digests gets the full check."""
+def test_recorded_tower_files_are_fully_hashed_in_every_mode(tmp_path, monkeypatch, mode):
+    """A tower file carries weights: whatever ENGINE_ARTIFACT_VERIFY says, a size change, a flip in
+    a sampled block and a flip between the sampled blocks all fail the load's check; an index
+    recorded before the sampled digests gets the same full check."""
     folder = tmp_path / "image"
     folder.mkdir()
     data = bytes(np.random.default_rng(0).integers(0, 256, 3 << 20, dtype=np.uint8))   # 3 MiB: gaps between samples
@@ -300,8 +300,8 @@ def test_recorded_tower_files_are_checked_as_an_artifact_is(tmp_path, monkeypatc
             finally:
                 (folder / "model.so").write_bytes(data)
 
-        assert flipped(0) == (mode != "size")                             # the first block is always sampled
-        assert flipped(100_000) == (mode == "sha256")                     # between the first two samples
+        assert flipped(0)                                                 # in the first sampled block
+        assert flipped(100_000)                                           # between the first two samples
         (folder / "small.bin").write_bytes(b"x" * 999)
         with pytest.raises(ValueError, match="small.bin has 999 bytes"):
             tune.check_recorded_files(folder, files)
@@ -333,3 +333,67 @@ def test_a_damaged_tower_file_falls_back_to_eager_towers_in_one_line(tmp_path, m
     err = capsys.readouterr().err
     lines = [ln for ln in err.splitlines() if "tower is unusable" in ln]
     assert len(lines) == 1 and "text tower" in lines[0] and "model.so" in lines[0] and "eager towers" in lines[0], err
+
+
+def _sampled_starts(size: int) -> list[int]:
+    """Where engine.classify.artifact.sample_sha256 reads its blocks in a file of `size` bytes."""
+    from engine.classify.artifact import SAMPLE_BLOCKS, SAMPLE_BYTES
+
+    span = max(size - SAMPLE_BYTES, 0)
+    return [span * k // (SAMPLE_BLOCKS - 1) for k in range(SAMPLE_BLOCKS)]
+
+
+def _damage_a_used_embedding_row(so, model, towers, texts) -> int:
+    """Negate, in the compiled text tower's .so, the token-embedding row (fp32 [width], 256 bytes
+    for the tiny CLIP) of the commonest token of `texts` that lies between the sampled blocks.
+    Returns its offset."""
+    from collections import Counter
+
+    from engine.classify.artifact import SAMPLE_BYTES
+
+    data = bytearray(so.read_bytes())
+    starts = _sampled_starts(len(data))
+    tokens = towers.tokenize(texts)[0]
+    tok_ids = towers.tokenizer.sot_token_id, towers.tokenizer.eot_token_id, 0
+    emb = model.token_embedding.weight.detach().float()
+    for tok, _ in Counter(int(t) for t in tokens.flatten() if int(t) not in tok_ids).most_common():
+        row = emb[tok].numpy().tobytes()
+        at = data.find(row)
+        if at >= 0 and not any(s - len(row) < at < s + SAMPLE_BYTES for s in starts):
+            data[at:at + len(row)] = (-emb[tok]).numpy().tobytes()
+            so.write_bytes(bytes(data))
+            return at
+    raise AssertionError("no used embedding row of the text tower lies between the sampled blocks")
+
+
+def test_a_tower_row_damaged_between_the_sampled_blocks_runs_the_eager_towers(tmp_path):
+    """One 256-byte token-embedding row of the compiled text tower replaced where no sampled block
+    reads, under the default ENGINE_ARTIFACT_VERIFY: the query run says so in one line naming the
+    file and answers exactly as with eager towers (CLIP_TOWERS=eager), not from the damaged tower."""
+    import json
+    import shutil
+
+    from cir_helpers import read_rows, script
+
+    idx = _aot_index()
+    copy = tmp_path / "index"
+    shutil.copytree(idx.dir, copy)
+    so = copy / idx.meta["towers"]["dir"] / "text" / "model.so"
+    recorded = idx.meta["towers"]["text"]["choice"]["files"]["model.so"]
+    model, spec = _tiny()
+    queries = corpus() / "requests.jsonl"
+    texts = [r["modification"] for r in requests_of(queries)]
+    _damage_a_used_embedding_row(so, model, ClipTowers(model, spec, "cpu", "fp32"), texts)
+    assert sample_sha256(so) == recorded["sample_sha256"] and sha256_file(so) != recorded["sha256"]
+    runs = {}
+    for name, extra in (("damaged", {}), ("eager", {"CLIP_TOWERS": "eager"})):
+        out = tmp_path / f"{name}.jsonl"
+        r = script("run.sh", "--index-dir", str(copy), "--queries", str(queries), "--output", str(out),
+                   env={"ENGINE_ARTIFACT_VERIFY": "", "PYTHONPATH": str(REPO), **extra})   # "": the default
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs[name] = (read_rows(out), r.stderr)
+    lines = [ln for ln in runs["damaged"][1].splitlines() if "tower is unusable" in ln]
+    assert len(lines) == 1 and "text tower" in lines[0] and str(so) in lines[0] and "eager towers" in lines[0], \
+        runs["damaged"][1][-3000:]
+    assert "SHA-256" in lines[0]
+    assert json.dumps(runs["damaged"][0]) == json.dumps(runs["eager"][0])

@@ -3,7 +3,7 @@
 The manifest carries the spec, backend, precision, device, versions, the SHA-256 of
 every file and of the source checkpoint, the compiled graph's input and output as the
 build ran it (`graph`), and its own digest (`manifest_sha256`, over the rest of it).
-`load_artifact` checks all of it before any image is read:
+`load_artifact` checks all of it before the model loads:
 
     always        the manifest's own digest (an edited manifest is refused), every field's
                   type and range, spec == graph (input [B, S, S, 3] uint8, output [B] int32),
@@ -13,6 +13,18 @@ build ran it (`graph`), and its own digest (`manifest_sha256`, over the rest of 
                   (16 blocks of 64 KiB at fixed offsets: ~1 MiB read per file)
     size          + each file's size only
     sha256        + each file's full SHA-256 (./build.sh and `selfcheck current` run this)
+
+and then, in every mode, every byte: under quick and size the full SHA-256 of every listed
+file starts on a thread of its own (WeightsCheck; hashlib and file reads release the GIL)
+while the model loads, and `Artifact.check_weights()` joins it, raising ArtifactError on a
+difference; Classifier.classify_read (under classify and classify_bytes) and Runtime.run_async
+call it before the first image, so no answer ever comes from bytes that differ from the
+manifest (docs/classification.md, "Artifact checks", has the cost: ~2 s for EVA-02-L's
+1.8 GB, while its graphs load). Every
+listed file is hashed in full: each one is read by the model's load (weights, the compiled
+code, the kernels' binaries, AOTInductor's metadata), so none is a file whose damage cannot
+change an answer; the sampled check is only the early refusal of a replaced or truncated file
+before the model maps it. Under sha256 the full hash runs before the load, nothing after.
 """
 from __future__ import annotations
 
@@ -21,7 +33,9 @@ import json
 import os
 import re
 import stat
-from dataclasses import dataclass
+import threading
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +55,89 @@ class ArtifactError(RuntimeError):
     """The artifact directory is missing, incomplete or corrupt."""
 
 
+class WeightsCheck:
+    """The full SHA-256 of every listed file against the manifest, hashed on a thread started at
+    load (`start`) or already done (`done`). `wait()` joins it: ArtifactError naming the first file
+    that differs or cannot be read. A thread that cannot start (a PID limit) hashes in `wait()`."""
+
+    def __init__(self, files: list[tuple[Path, str, int]]):
+        self.files = files                     # (path, manifest sha256, bytes)
+        self.hash_s = 0.0                      # the hashing's own duration
+        self.waited_s = 0.0                    # how long wait() blocked the caller
+        self._error: str | None = None
+        self._thread: threading.Thread | None = None
+        self._task: int | None = None          # the hashing thread's kernel task id
+        self._ran = not files
+
+    @classmethod
+    def done(cls) -> WeightsCheck:
+        """A check with nothing left to hash (the files were hashed before the load)."""
+        return cls([])
+
+    @classmethod
+    def start(cls, root: Path, files: dict[str, dict[str, Any]]) -> WeightsCheck:
+        check = cls([(root / name, info["sha256"], int(info["bytes"])) for name, info in files.items()])
+        if check.files:
+            try:
+                check._thread = threading.Thread(target=check._hash, name="artifact-sha256", daemon=True)
+                check._thread.start()
+            except RuntimeError:             # no thread to be had: wait() hashes in the caller
+                check._thread = None
+        return check
+
+    @property
+    def bytes(self) -> int:
+        return sum(n for _, _, n in self.files)
+
+    def _hash(self) -> None:
+        t0 = time.perf_counter()
+        self._task = threading.get_native_id()
+        try:
+            for path, want, _ in self.files:
+                try:
+                    got = sha256_file(path)
+                except OSError as e:
+                    self._error = f"artifact file {path} cannot be read for its SHA-256: {e.strerror or e}"
+                    return
+                if got != want:
+                    self._error = (f"artifact file {path} is corrupt: its SHA-256 differs from the manifest "
+                                   "(its bytes are not the ones the build wrote; rebuild it with ./build.sh)")
+                    return
+        except MemoryError:
+            self._error = "out of memory while hashing the artifact's files"
+        finally:
+            self.hash_s = time.perf_counter() - t0
+            self._ran = True
+
+    def wait(self) -> None:
+        """Join the hash; ArtifactError when a file's bytes differ from the manifest's SHA-256."""
+        t0 = time.perf_counter()
+        if self._thread is not None:
+            self._thread.join()
+            _wait_task_gone(self._task)
+        elif not self._ran:
+            self._hash()
+        self.waited_s += time.perf_counter() - t0
+        if self._error is not None:
+            raise ArtifactError(self._error)
+
+    def report(self) -> dict[str, Any]:
+        """What the timing report records: bytes hashed after the load began, the hash's own
+        seconds and how long the answers waited for it."""
+        return {"bytes": self.bytes, "hash_s": round(self.hash_s, 4), "waited_s": round(self.waited_s, 4)}
+
+
+def _wait_task_gone(task: int | None, limit_s: float = 0.2) -> None:
+    """Wait (at most `limit_s`) until a joined thread's kernel task has exited: join returns once
+    its Python part ended, a moment before the task is gone, and a run under a PID bound starts its
+    reader threads right after (Linux; elsewhere, no /proc, it returns at once)."""
+    if task is None:
+        return
+    end = time.monotonic() + limit_s
+    while os.path.exists(f"/proc/self/task/{task}") and time.monotonic() < end:
+        time.sleep(0.0005)
+
+
 @dataclass(frozen=True)
 class Artifact:
     root: Path
@@ -51,9 +148,15 @@ class Artifact:
     batch_size: int
     files: dict[str, dict[str, Any]]   # name -> {"sha256", "sample_sha256", "bytes"}
     meta: dict[str, Any]               # the whole manifest
+    weights: WeightsCheck = field(default_factory=WeightsCheck.done, compare=False, repr=False)
 
     def path(self, name: str) -> Path:
         return self.root / name
+
+    def check_weights(self) -> None:
+        """Wait for the full SHA-256 of the files (see the module doc): ArtifactError on a
+        difference. Call it before any answer of the model leaves."""
+        self.weights.wait()
 
     def total_bytes(self) -> int:
         """Bytes of every listed file (what loading the model maps, at least)."""
@@ -242,7 +345,8 @@ def check_files(root: Path, files: dict[str, dict[str, Any]], verify: str) -> No
 
 def load_artifact(root: str | os.PathLike, verify: str | None = None) -> Artifact:
     """Read and check an artifact (see the module doc). verify: quick | size | sha256
-    (default ENGINE_ARTIFACT_VERIFY, else quick)."""
+    (default ENGINE_ARTIFACT_VERIFY, else quick). Under quick and size the full SHA-256 of every
+    file is still running when this returns: `check_weights()` waits for it."""
     root = Path(root)
     try:
         verify = verify or settings.artifact_verify()
@@ -264,8 +368,9 @@ def load_artifact(root: str | os.PathLike, verify: str | None = None) -> Artifac
     check_versions(meta, str(mpath))
     _check_backend_files(meta, str(mpath))
     check_files(root, meta["files"], verify)
+    weights = WeightsCheck.done() if verify == "sha256" else WeightsCheck.start(root, meta["files"])
     return Artifact(root, spec, meta["backend"], meta["device"], meta["precision"],
-                    int(meta["batch_size"]), meta["files"], meta)
+                    int(meta["batch_size"]), meta["files"], meta, weights)
 
 
 def _check_backend_files(meta: dict[str, Any], where: str) -> None:

@@ -16,6 +16,10 @@ Load, in this order (Classifier.__init__):
    the runtime loads, its CUDA graphs not yet captured;
 4. the decoder is waited for, then the graphs are captured: no other thread may touch the
    device during a capture (a DALI GPU pipeline allocates while it builds).
+The full SHA-256 of the artifact's files, started by step 2 on a thread of its own, runs
+meanwhile; each classify call joins it before its first image is read (ArtifactError, from
+engine.classify.artifact, when a file's bytes differ from the manifest: no answer is returned).
+It ends before the reader threads start, so the run's thread peak (threads.Budget.peak) holds.
 Decode and infer: engine.classify.pipeline reads, decodes and infers batches in overlap.
 Answer: one int32 per item, in order. An item that cannot be read or decoded gets the
 prediction of a zero image (the pipeline keeps one in its slot) and is named in `last_failed`;
@@ -193,11 +197,14 @@ class Classifier:
     # ---------------------------------------------------------------- decode, infer, answer
     def classify_read(self, read: Callable[[int], bytes], n: int) -> np.ndarray:
         """Top-1 of items 0..n-1: int32 [n]. `read(i)` (called on reader threads) returns item i's
-        encoded bytes or raises; an item that fails is in `last_failed` {i: why}. Prints nothing."""
+        encoded bytes or raises; an item that fails is in `last_failed` {i: why}. Prints nothing.
+        ArtifactError when the artifact's files differ from its manifest (their full SHA-256,
+        waited for here, before the first image is read)."""
         from engine.classify.pipeline import classify
 
         if self._closed:
             raise RuntimeError("the classifier is closed")
+        self.artifact.check_weights()   # no answer from bytes the build did not write
         begin = time.perf_counter()
         res = classify(read, n, self.decoder, self.runtime, readers=self.readers, depth=self.depth)
         self._last = _Classification(n, res, begin, time.perf_counter())
@@ -244,6 +251,7 @@ class Classifier:
             "batch_size": self.artifact.batch_size,
             "device": str(self.runtime.device),
             "pipeline_depth": self.depth,
+            "artifact_sha256": self.artifact.weights.report(),   # the full hash, overlapped with the load
             "threads": {"budget": b.total, "readers": self.readers, "decoder": b.decoder,
                         "intra_op": b.intra_op, "inter_op": b.inter_op},
             "stages": {

@@ -91,7 +91,10 @@ class Runtime:
         until the caller gathers it. A guarded artifact's answers are final only after
         `finish()` (the guard re-checks low-margin rows in full batches, reading each batch's
         margins one batch late on CUDA: no sync per batch). Rows at and past `valid` are padding.
+        The artifact's full SHA-256 (engine.classify.artifact) is joined first: ArtifactError
+        when its files differ from the manifest (a finished check costs a join, microseconds).
         """
+        self.artifact.check_weights()
         x = torch.as_tensor(batch)
         if x.shape[0] != self.batch_size:
             raise ValueError(f"static batch shape is {self.batch_size}, got {x.shape[0]}: pad the batch")

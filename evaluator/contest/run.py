@@ -9,7 +9,8 @@ CONTEST_REPORT (evaluator.settings, engine.settings). Nothing is printed on stdo
 Order: every check that can fail a run happens before the first image is read (IMAGE_ROOT,
 OUTPUT refused if it is an input or a special file, its folder writable and a temp file
 opened there, a stale OUTPUT removed, the manifest, 4 bytes per row reserved in the temp
-file, TMPDIR, the address-space limit, the artifact with its self-checks). The output is
+file, TMPDIR, the address-space limit, the artifact with its self-checks; the full SHA-256
+of its files, which overlaps the model's load, is waited for before the first image). The output is
 written to that temp file and renamed into place at the end, so a crash never leaves a file
 that looks complete (evaluator.contest.output). Image paths are relative, without `..`, and
 followed where they lead (symlinks included) unless --confine. Diagnostics are best effort:
@@ -157,7 +158,13 @@ def _run(argv, wall0: float, held: Held) -> int:
         path = resolve_relative(root, rows[i].path, "IMAGE_ROOT", confine, real_root)
         return read_regular(path, cap, follow=not confine)
 
-    top1 = clf.classify_read(read, len(rows))
+    from engine.classify.artifact import ArtifactError
+
+    try:   # joins the full SHA-256 of the artifact's files first: damaged weights answer nothing
+        top1 = clf.classify_read(read, len(rows))
+    except ArtifactError as e:
+        clf.close()
+        raise RunError(f"cannot use artifact {a.artifact}: {e}") from None
     t_done = time.perf_counter()
     for i, why in clf.last_failed.items():
         r = rows[i]
