@@ -134,7 +134,7 @@ def _wait_task_gone(task: int | None, limit_s: float = 0.2) -> None:
     if task is None:
         return
     end = time.monotonic() + limit_s
-    while os.path.exists(f"/proc/self/task/{task}") and time.monotonic() < end:
+    while os.path.exists(os.path.join("/proc/self/task", str(task))) and time.monotonic() < end:   # the kernel's thread list
         time.sleep(0.0005)
 
 
