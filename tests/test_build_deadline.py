@@ -46,10 +46,11 @@ class TimedFake(FakeMeasurer):
 
 
 def _build(tmp_path, ckpt, monkeypatch, deadline, compile_s=1.0, verify_s=1.0, verify_ok=lambda name: True,
-           load_s=0.0, calibration_s=0.0, env_fail=False):
+           load_s=0.0, calibration_s=0.0, env_fail=False, count=16, per_image_s=0.0):
     """engine.build's auto build of the tiny model (eager, counted as a compiling backend so the
-    compile rules apply) on a fake clock; returns (manifest, clock, measurer, verified names)."""
-    from engine.build import AutoConfig, GuardConfig, assemble, build
+    compile rules apply) on a fake clock, `count` calibration renders, each image a real graph
+    classifies costing `per_image_s` more; returns (manifest, clock, measurer, verified names)."""
+    from engine.build import AutoConfig, GuardConfig, assemble, build, calibrate
     from engine.build import auto as build_auto
     from engine.build import measure as autotune_measure
     from engine.classify import checkpoint
@@ -73,7 +74,15 @@ def _build(tmp_path, ckpt, monkeypatch, deadline, compile_s=1.0, verify_s=1.0, v
     monkeypatch.setattr(build_auto, "search_config",
                         lambda *a: (lambda cfg, sk: (dataclasses.replace(cfg, compiled=("eager",)), sk))(*config(*a)))
     monkeypatch.setattr(checkpoint, "load_model", slow(checkpoint.load_model, load_s))
-    monkeypatch.setattr(assemble, "calibration_pixels", slow(assemble.calibration_pixels, calibration_s))
+    if calibration_s:
+        monkeypatch.setattr(assemble, "calibration_stream", slow(assemble.calibration_stream, calibration_s))
+    classify = calibrate.classify
+
+    def slow_classify(fn, pixels, *a, **k):
+        clock.t += per_image_s * len(pixels)
+        return classify(fn, pixels, *a, **k)
+
+    monkeypatch.setattr(calibrate, "classify", slow_classify)
     seen = []
 
     def verify(artifact, net, spec, device, pixels, count, alpha, decoder, timeout=1800.0):
@@ -85,9 +94,33 @@ def _build(tmp_path, ckpt, monkeypatch, deadline, compile_s=1.0, verify_s=1.0, v
 
     monkeypatch.setattr(build_auto, "verify_artifact", verify)
     meta = build(tiny_spec("squash", 16), ckpt, tmp_path / "art", backend="eager", device="cpu",
-                 guard=GuardConfig(calibration_source="renders", calibration_count=16),
+                 guard=GuardConfig(calibration_source="renders", calibration_count=count),
                  auto=AutoConfig(precisions=("fp32", "bf16"), deadline_s=deadline), clock=clock)
     return meta, clock, made[0], seen
+
+
+def test_a_calibration_slower_than_planned_takes_only_the_images_that_fit_its_share(
+        tmp_path, tiny_checkpoint, monkeypatch, capsys):
+    """0.1 s an image by the fake clock: the calibration's share (the preset's plan, 20 s, the search
+    leaving nothing spare under a 1,000 s deadline) holds as many whole batches of 16 as fit at that
+    rate, its later passes (the decoder's check) counted; the cut is one line, the manifest counts
+    the images used, and the phase stays inside its share."""
+    from engine.decoders import default_decoder, start_problem
+
+    # the decoder's check reads and classifies each image twice more (PIL, dali-cpu) where dali-cpu starts
+    later = 2 if start_problem(default_decoder("cpu")) is None else 0
+    batch_s = 16 * 0.1 * (1 + later)
+    want = 16 * int(20 // batch_s)                       # whole batches inside the 20 s share
+    assert 16 <= want < 256
+    meta, clock, _, _ = _build(tmp_path, tiny_checkpoint, monkeypatch, deadline=1000, count=256, per_image_s=0.1)
+    search = meta["build"]["search"]
+    assert search["calibration"]["count"] == want and search["calibration"]["asked"] == 256
+    assert search["calibration"]["fit"]["seconds"] == 20
+    line = f"calibration: {want} of 256 images fit the 20 s left for it at "
+    err = capsys.readouterr().err
+    assert err.count(line) == 1 and f"engine.build: deadline: {line}" in err
+    assert any(c.startswith(line) for c in search["clock"]["cut"])
+    assert search["clock"]["actual_s"]["calibration"] <= 20 and clock.t <= 1000
 
 
 def _rows(meta) -> dict:
