@@ -2,10 +2,13 @@
 compile, a slow verification and a slow preamble (checkpoint load, calibration reference) each
 still end inside the deadline, with a verified artifact or the eager FP32 fallback, and the
 manifest says which and why; a backend failing for a reason of the machine is compiled once; a
-disk quota of about three compiles still gives a verified artifact."""
+disk quota of about three compiles still gives a verified artifact; a calibration slower than
+planned takes only the images that fit its share; the end-to-end check's child is stopped at the
+time left."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from conftest import tiny_spec
 from test_autotune import FakeMeasurer
@@ -211,3 +214,44 @@ def test_a_disk_quota_of_about_three_compiles_still_gives_a_verified_artifact(tm
     assert len(m.compiled) == 6 and search["disk"]["skipped_for_space"] == 0
     assert 0 < search["disk"]["peak_bytes"] <= quota
     assert search["chosen"] == "eager/fp32/b32" and search["verify"][-1]["ok"]
+
+
+def _gone(pid: int) -> bool:
+    """Whether process `pid` has ended (a zombie nobody reaped yet counts as ended)."""
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_the_end_to_end_checks_child_is_stopped_at_the_time_left_with_what_it_started(tmp_path, monkeypatch):
+    """The check's scripts/run gets what the deadline left as its timeout; past it, it is stopped with
+    every process it started (a grandchild holding its pipes does not keep the build waiting), and the
+    check fails with one reason instead of raising."""
+    import time
+
+    from engine.build import auto as build_auto
+
+    fake = tmp_path / "repo"
+    (fake / "scripts").mkdir(parents=True)
+    pid_file = tmp_path / "grandchild.pid"
+    run = fake / "scripts" / "run"
+    run.write_text(f"#!/bin/sh\nsleep 30 &\necho $! > {pid_file}\nwait\n")
+    run.chmod(0o755)
+    monkeypatch.setattr(build_auto, "REPO", fake)
+    t = time.monotonic()
+    got, rec = build_auto._run_script(tmp_path, [b"not a jpeg"], "pil", 1.0)
+    assert time.monotonic() - t < 15 and len(got) == 0
+    assert "did not finish in the 1 s the build's deadline left" in rec["why"]
+    pid = int(pid_file.read_text())
+    for _ in range(50):
+        if _gone(pid):
+            break
+        time.sleep(0.1)
+    assert _gone(pid), f"the grandchild {pid} outlived the timeout"
