@@ -14,7 +14,8 @@ none is left, the build is the plain eager FP32 path without CUDA graphs (with t
 decoder), said loudly. The manifest's `build.search` records every candidate measured, the
 verification and the choice; `build.decoder` the decoders measured.
 
-One deadline covers it all (engine.build.clock): the search spends what the calibration reference
+One deadline covers it all (engine.build.clock): the calibration reference takes only the images
+that fit its share at the rate measured here (engine.build.reference), the search spends what it
 has left once the re-check graph and one verification are reserved at their estimates; a ranked
 candidate is assembled and verified only while its estimate fits, and when none was verified in
 time the build is the eager FP32 path (the manifest's `fallback` says why, `clock` what each phase

@@ -11,7 +11,9 @@ Images (engine.build `--calibration-source`, `--calibration-images DIR`):
     DIR      a folder of the user's own images; the caller may pass a check (`refuse`, engine.build
              `--calibration-check`) whose reasons refuse the folder, e.g. that it holds evaluation data.
 
-Both precisions classify every image: the compiled low-precision graph (top-1 and its
+Each source is a `Stream`, read only as far as it is needed: the measured build's FP32 reference
+(engine.build.reference) takes as many images as fit its share of the deadline, at least MIN_IMAGES,
+and the record counts those. Both precisions classify every image taken: the compiled low-precision graph (top-1 and its
 margin) and the FP32 reference (top-1 and its margin). `choose_tau` then picks the
 smallest tau whose estimated disagreement rate stays under a budget; its docstring states
 the estimator. Budgets and estimates are rates in basis points of the images (BASIS_POINTS:
