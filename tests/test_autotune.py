@@ -493,3 +493,23 @@ def test_the_docs_explain_every_column_and_status_of_the_table():
     text = (REPO / "docs" / "classification.md").read_text()
     for name in (*COLUMNS, *STATUSES):
         assert f"`{name}`" in text, f"docs/classification.md does not explain the search table's {name!r}"
+
+
+def test_on_a_machine_slower_than_planned_a_screen_starts_only_when_it_fits():
+    """1 s an image by the fake clock: a screen (3 calls of its batch) of 8 images takes 24 s; one of 16
+    would take 48, more than the 60 s budget leaves after the first, so it is a row that says why; the
+    next precision's batch of 8, at the slowest rate seen, still fits."""
+    class Slow(FakeMeasurer):
+        def screen(self, p, b):
+            self.screened.append((p, b))
+            self.clock.t += 3 * b * 1.0          # one warm-up and two timed calls of the batch
+            return self._screen[(p, b)]
+
+    clock = Clock()
+    m = Slow(clock, AVX2_SCREEN, AVX2_GRAPH)
+    m.screened = []
+    res = search(m, _cfg(budget_s=60), clock=clock)
+    assert m.screened == [("fp32", 8), ("bf16", 8)]
+    rows = {(t.candidate.precision, t.candidate.batch_size): t for t in res.trials if t.status == "not screened"}
+    assert set(rows) == {("fp32", 16), ("bf16", 16)}
+    assert "a screen takes about 48 s" in rows[("fp32", 16)].why and "of the search budget" in rows[("fp32", 16)].why

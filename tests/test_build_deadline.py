@@ -2,10 +2,13 @@
 compile, a slow verification and a slow preamble (checkpoint load, calibration reference) each
 still end inside the deadline, with a verified artifact or the eager FP32 fallback, and the
 manifest says which and why; a backend failing for a reason of the machine is compiled once; a
-disk quota of about three compiles still gives a verified artifact."""
+disk quota of about three compiles still gives a verified artifact; a calibration slower than
+planned takes only the images that fit its share; the end-to-end check's child is stopped at the
+time left."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from conftest import tiny_spec
 from test_autotune import FakeMeasurer
@@ -46,10 +49,11 @@ class TimedFake(FakeMeasurer):
 
 
 def _build(tmp_path, ckpt, monkeypatch, deadline, compile_s=1.0, verify_s=1.0, verify_ok=lambda name: True,
-           load_s=0.0, calibration_s=0.0, env_fail=False):
+           load_s=0.0, calibration_s=0.0, env_fail=False, count=16, per_image_s=0.0):
     """engine.build's auto build of the tiny model (eager, counted as a compiling backend so the
-    compile rules apply) on a fake clock; returns (manifest, clock, measurer, verified names)."""
-    from engine.build import AutoConfig, GuardConfig, assemble, build
+    compile rules apply) on a fake clock, `count` calibration renders, each image a real graph
+    classifies costing `per_image_s` more; returns (manifest, clock, measurer, verified names)."""
+    from engine.build import AutoConfig, GuardConfig, assemble, build, calibrate
     from engine.build import auto as build_auto
     from engine.build import measure as autotune_measure
     from engine.classify import checkpoint
@@ -73,7 +77,15 @@ def _build(tmp_path, ckpt, monkeypatch, deadline, compile_s=1.0, verify_s=1.0, v
     monkeypatch.setattr(build_auto, "search_config",
                         lambda *a: (lambda cfg, sk: (dataclasses.replace(cfg, compiled=("eager",)), sk))(*config(*a)))
     monkeypatch.setattr(checkpoint, "load_model", slow(checkpoint.load_model, load_s))
-    monkeypatch.setattr(assemble, "calibration_pixels", slow(assemble.calibration_pixels, calibration_s))
+    if calibration_s:
+        monkeypatch.setattr(assemble, "calibration_stream", slow(assemble.calibration_stream, calibration_s))
+    classify = calibrate.classify
+
+    def slow_classify(fn, pixels, *a, **k):
+        clock.t += per_image_s * len(pixels)
+        return classify(fn, pixels, *a, **k)
+
+    monkeypatch.setattr(calibrate, "classify", slow_classify)
     seen = []
 
     def verify(artifact, net, spec, device, pixels, count, alpha, decoder, timeout=1800.0):
@@ -85,9 +97,33 @@ def _build(tmp_path, ckpt, monkeypatch, deadline, compile_s=1.0, verify_s=1.0, v
 
     monkeypatch.setattr(build_auto, "verify_artifact", verify)
     meta = build(tiny_spec("squash", 16), ckpt, tmp_path / "art", backend="eager", device="cpu",
-                 guard=GuardConfig(calibration_source="renders", calibration_count=16),
+                 guard=GuardConfig(calibration_source="renders", calibration_count=count),
                  auto=AutoConfig(precisions=("fp32", "bf16"), deadline_s=deadline), clock=clock)
     return meta, clock, made[0], seen
+
+
+def test_a_calibration_slower_than_planned_takes_only_the_images_that_fit_its_share(
+        tmp_path, tiny_checkpoint, monkeypatch, capsys):
+    """0.1 s an image by the fake clock: the calibration's share (the preset's plan, 20 s, the search
+    leaving nothing spare under a 1,000 s deadline) holds as many whole batches of 16 as fit at that
+    rate, its later passes (the decoder's check) counted; the cut is one line, the manifest counts
+    the images used, and the phase stays inside its share."""
+    from engine.decoders import default_decoder, start_problem
+
+    # the decoder's check reads and classifies each image twice more (PIL, dali-cpu) where dali-cpu starts
+    later = 2 if start_problem(default_decoder("cpu")) is None else 0
+    batch_s = 16 * 0.1 * (1 + later)
+    want = 16 * int(20 // batch_s)                       # whole batches inside the 20 s share
+    assert 16 <= want < 256
+    meta, clock, _, _ = _build(tmp_path, tiny_checkpoint, monkeypatch, deadline=1000, count=256, per_image_s=0.1)
+    search = meta["build"]["search"]
+    assert search["calibration"]["count"] == want and search["calibration"]["asked"] == 256
+    assert search["calibration"]["fit"]["seconds"] == 20
+    line = f"calibration: {want} of 256 images fit the 20 s left for it at "
+    err = capsys.readouterr().err
+    assert err.count(line) == 1 and f"engine.build: deadline: {line}" in err
+    assert any(c.startswith(line) for c in search["clock"]["cut"])
+    assert search["clock"]["actual_s"]["calibration"] <= 20 and clock.t <= 1000
 
 
 def _rows(meta) -> dict:
@@ -178,3 +214,44 @@ def test_a_disk_quota_of_about_three_compiles_still_gives_a_verified_artifact(tm
     assert len(m.compiled) == 6 and search["disk"]["skipped_for_space"] == 0
     assert 0 < search["disk"]["peak_bytes"] <= quota
     assert search["chosen"] == "eager/fp32/b32" and search["verify"][-1]["ok"]
+
+
+def _gone(pid: int) -> bool:
+    """Whether process `pid` has ended (a zombie nobody reaped yet counts as ended)."""
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_the_end_to_end_checks_child_is_stopped_at_the_time_left_with_what_it_started(tmp_path, monkeypatch):
+    """The check's scripts/run gets what the deadline left as its timeout; past it, it is stopped with
+    every process it started (a grandchild holding its pipes does not keep the build waiting), and the
+    check fails with one reason instead of raising."""
+    import time
+
+    from engine.build import auto as build_auto
+
+    fake = tmp_path / "repo"
+    (fake / "scripts").mkdir(parents=True)
+    pid_file = tmp_path / "grandchild.pid"
+    run = fake / "scripts" / "run"
+    run.write_text(f"#!/bin/sh\nsleep 30 &\necho $! > {pid_file}\nwait\n")
+    run.chmod(0o755)
+    monkeypatch.setattr(build_auto, "REPO", fake)
+    t = time.monotonic()
+    got, rec = build_auto._run_script(tmp_path, [b"not a jpeg"], "pil", 1.0)
+    assert time.monotonic() - t < 15 and len(got) == 0
+    assert "did not finish in the 1 s the build's deadline left" in rec["why"]
+    pid = int(pid_file.read_text())
+    for _ in range(50):
+        if _gone(pid):
+            break
+        time.sleep(0.1)
+    assert _gone(pid), f"the grandchild {pid} outlived the timeout"

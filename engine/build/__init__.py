@@ -8,6 +8,7 @@
     measure.py, retime.py, table.py     one candidate timed; close ones retimed interleaved; the table
     assemble.py       a chosen spec made into an artifact (graph, guard, re-check graph)
     calibrate.py      the guard's tau from natural photos that are not evaluation data
+    reference.py      the FP32 reference on as many calibration images as fit the deadline's share
     decoder_choice.py the decoder kept only if its flips against PIL fit the budget
     clock.py, disk.py, compile_failures.py   the build's deadline, its disk, a broken toolchain told apart
     renders.py        procedural renders: generated cohorts, a test head's fit, the guard's smoke check

@@ -66,15 +66,23 @@ def assemble(be, backend: str, net, spec: Spec, checkpoint: Path | None, device:
 SMOKE_AGREEMENT = 0.5   # raw low precision agreeing with FP32 on fewer renders than this: a broken build
 
 
-def calibration_pixels(spec: Spec, cfg: GuardConfig) -> tuple:
-    """(pixels [N, S, S, 3] uint8, origin record) of the guard's calibration source."""
+def calibration_stream(spec: Spec, cfg: GuardConfig) -> calibrate.Stream:
+    """The guard's calibration source, read as far as it is needed (engine.build.reference times it)."""
     if cfg.calibration_images is not None:
-        return calibrate.folder_pixels(cfg.calibration_images, spec, cfg.calibration_count, cfg.calibration_check)
+        return calibrate.folder_stream(cfg.calibration_images, spec, cfg.calibration_check)
     if cfg.calibration_source == "renders":
-        return calibrate.generated_pixels(spec, cfg.calibration_count)
+        return calibrate.generated_stream(spec)
     if cfg.calibration_source == "photos":
-        return calibrate.photo_pixels(spec, cfg.calibration_count)
+        return calibrate.photo_stream(spec)
     raise ValueError(f"calibration source must be one of {calibrate.SOURCES}, got {cfg.calibration_source!r}")
+
+
+def calibration_pixels(spec: Spec, cfg: GuardConfig) -> tuple:
+    """(pixels [N, S, S, 3] uint8, origin record) of the guard's calibration source, all `calibration_count`."""
+    s = calibration_stream(spec, cfg)
+    pixels = s.take(cfg.calibration_count)
+    s.at_least(calibrate.MIN_IMAGES)
+    return pixels, s.origin()
 
 
 def build_guard(be, backend: str, net, spec: Spec, device: str, tmp: Path, cfg: GuardConfig,

@@ -14,7 +14,8 @@ none is left, the build is the plain eager FP32 path without CUDA graphs (with t
 decoder), said loudly. The manifest's `build.search` records every candidate measured, the
 verification and the choice; `build.decoder` the decoders measured.
 
-One deadline covers it all (engine.build.clock): the search spends what the calibration reference
+One deadline covers it all (engine.build.clock): the calibration reference takes only the images
+that fit its share at the rate measured here (engine.build.reference), the search spends what it
 has left once the re-check graph and one verification are reserved at their estimates; a ranked
 candidate is assembled and verified only while its estimate fits, and when none was verified in
 time the build is the eager FP32 path (the manifest's `fallback` says why, `clock` what each phase
@@ -82,7 +83,7 @@ def build_measured(net, spec: Spec, checkpoint, backend: str, device: str, guard
                    t0: float, bclock=None):
     """Search, assemble the best candidate in `tmp`, verify it, all inside `bclock`'s deadline (an
     engine.build.clock.BuildClock; None: the device preset's, from now); returns (spec, backend, manifest)."""
-    from engine.build import calibrate
+    from engine.build import reference
     from engine.build.clock import BuildClock
     from engine.classify.model import wrap
 
@@ -91,9 +92,16 @@ def build_measured(net, spec: Spec, checkpoint, backend: str, device: str, guard
                                                          "verify": pre.verify_estimate_s})
     cfg, skipped = search_config(spec, backend, device, auto)
     with bclock.phase("calibration"):
-        pixels, origin = parts.calibration_pixels(spec, guard)
+        # the FP32 reference on as many calibration images as fit the phase's share (engine.build.reference)
+        low = guard.enabled and any(p != "fp32" for p in cfg.precisions)
+        after = (("recheck",) if low else ()) + (("verify",) if auto.verify else ())
+        seconds = bclock.allowance("calibration", after, cfg.budget_s)
         ref = wrap(net, dataclasses.replace(spec, precision="fp32"), device, margin=True)
-        ref_top1, ref_margins = calibrate.classify(ref, pixels, 16, margin=True, device=device)
+        fit = reference.fitted(ref, parts.calibration_stream(spec, guard), guard.calibration_count, seconds,
+                               bclock.clock, device, later=_decoder_passes(device))
+        if fit.cut:
+            bclock.note(fit.cut)
+        pixels, origin, ref_top1, ref_margins = fit.pixels, fit.origin, fit.top1, fit.margins
         guard, extra = _choose_decoder(net, spec, device, pixels, guard, extra)
     work = Path(tempfile.mkdtemp(prefix="search.", dir=tmp.parent))   # the candidates' graphs, in the build's work folder
     try:
@@ -101,6 +109,21 @@ def build_measured(net, spec: Spec, checkpoint, backend: str, device: str, guard
                                     t0, cfg, skipped, pixels, origin, (ref_top1, ref_margins), work, bclock)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _decoder_passes(device: str) -> float:
+    """The decoder check's passes over each calibration image after the reference's (engine.build.decoder_choice):
+    PIL's and the fast decoder's, each read and classified; none when the first decoder that can start is PIL."""
+    from engine import settings
+    from engine.build import decoder_choice as build_decoder
+    from engine.decoders import start_problem
+
+    for name in build_decoder.order(device, settings.decoder()):
+        if name == build_decoder.REFERENCE:
+            return 0.0
+        if start_problem(name) is None:
+            return 2.0
+    return 0.0
 
 
 def _choose_decoder(net, spec: Spec, device: str, pixels, guard, extra: dict) -> tuple:
@@ -148,7 +171,7 @@ def _search_and_assemble(net, spec, checkpoint, backend, device, guard, auto, tm
     # nothing held, built and verified in time: the plain path that is known to work
     _clear(tmp)
     cut = any(v.get("deadline") for v in verify) or any(
-        "deadline" in t.why for t in result.trials if t.status == "not compiled")
+        "deadline" in t.why for t in result.trials if t.status in ("not compiled", "not screened"))
     why = ("the build's deadline left no time to measure and verify a candidate" if cut and not result.ranked
            else "the build's deadline left no time to verify another candidate" if cut
            else "no measured candidate held, built and verified")
@@ -199,7 +222,7 @@ def _verify_in_order(result, net, spec, checkpoint, device, guard, auto, tmp, ex
         try:
             with bclock.phase("verify"):
                 v = (verify_artifact(tmp, net, cspec, device, pixels, pre.verify_images, pre.verify_alpha,
-                                     extra["build"]["decoder"], timeout=max(bclock.left(), 60.0)) if auto.verify
+                                     extra["build"]["decoder"], timeout=max(bclock.left(), 1.0)) if auto.verify
                      else {"ok": True, "skipped": "verification off"})
         except (OSError, ValueError, RuntimeError, subprocess.SubprocessError) as e:
             v = {"ok": False, "why": autotune._why(e)}
@@ -280,10 +303,13 @@ def verify_artifact(artifact: Path, net, spec: Spec, device: str, pixels: np.nda
     with the decoder the build chose (`decoder`: build_decoder.Choice.record()), against FP32 on
     PIL's pixels (the reference). Two counts: the decoder's own flips (FP32 on its pixels against
     FP32 on PIL's) and the total (the artifact against FP32 on PIL's pixels); ok when the total is
-    within calibrate.allowed_disagreements(the budget, n, alpha)."""
+    within calibrate.allowed_disagreements(the budget, n, alpha). `timeout`: the seconds the whole
+    check may take (scripts/run gets what the in-process passes leave of it, at least a second)."""
     from engine.build import calibrate
     from engine.build import decoder_choice as build_decoder
     from engine.classify.model import wrap
+
+    end = time.monotonic() + timeout
 
     name, budget = decoder["name"], decoder["budget_per_10k"]
     blobs = build_decoder.jpeg_blobs(pixels, count)
@@ -302,7 +328,7 @@ def verify_artifact(artifact: Path, net, spec: Spec, device: str, pixels: np.nda
             return {"ok": False, "images": n, "decoder": name, "why": f"decoder {name} cannot start: {why}"}
         own = build_decoder.flips(dec, blobs, classify, want)
         getattr(dec, "close", lambda: None)()
-    got, run = _run_script(artifact, blobs, name, timeout)
+    got, run = _run_script(artifact, blobs, name, max(end - time.monotonic(), 1.0))
     if "why" in run:
         return {"ok": False, "images": n, "decoder": name, **run}
     total = int((got != want).sum()) if len(got) == n else n
@@ -333,10 +359,16 @@ def _run_script(artifact: Path, blobs: list[bytes], decoder: str, timeout: float
         out, report = root / "pred.i32", root / "report.json"      # outside IMAGE_ROOT (root/images)
         env = {**os.environ, "ENGINE_ARTIFACT": str(artifact), "ENGINE_DECODER": decoder}
         t = time.perf_counter()
-        r = children.run([str(REPO / "scripts" / "run"), str(root / "manifest.tsv"), str(root / "images"), str(out),
-                          "--report", str(report)], env=env, capture_output=True, text=True,
-                         timeout=bounded_s(timeout))
+        try:   # stopped with every process it started once the deadline's time is up
+            r = children.run([str(REPO / "scripts" / "run"), str(root / "manifest.tsv"), str(root / "images"),
+                              str(out), "--report", str(report)], env=env, capture_output=True, text=True,
+                             stdin=subprocess.DEVNULL, timeout=bounded_s(timeout), grace_s=2.0)
+        except subprocess.TimeoutExpired:
+            r = None
         wall = time.perf_counter() - t
+        if r is None:
+            return np.zeros(0, np.int32), {"why": f"scripts/run did not finish in the {timeout:.0f} s the build's "
+                                                  "deadline left; it was stopped"}
         if r.returncode != 0:
             last = (r.stderr.strip().splitlines() or ["no output"])[-1][:300]
             return np.zeros(0, np.int32), {"why": f"scripts/run exited {r.returncode}: {last}"}

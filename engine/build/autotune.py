@@ -74,7 +74,7 @@ class Candidate:
 class Trial:
     """What was measured of one candidate, as the manifest records it."""
     candidate: Candidate
-    status: str = "pending"         # chosen | holds | slower | rejected | failed | not compiled
+    status: str = "pending"         # chosen | holds | slower | rejected | failed | not compiled | not screened
     why: str = ""
     screened_images_per_s: float | None = None   # eager policy network (the screen)
     images_per_s: float | None = None            # the compiled graph, steady state
@@ -178,7 +178,7 @@ def search(m: Measurer, cfg: SearchConfig, skipped: dict[str, str] | None = None
     t0 = clock()
     deadline = deadline or SearchDeadline(cfg.budget_s, clock)
     trials: list[Trial] = []
-    screened = _screen(m, cfg, trials, clock)
+    screened = _screen(m, cfg, trials, clock, deadline)
     if not screened:
         return SearchResult(trials, [], dict(skipped or {}), clock() - t0, {})
     cands, compile_anyway = _candidates(cfg, screened)
@@ -194,13 +194,26 @@ def search(m: Measurer, cfg: SearchConfig, skipped: dict[str, str] | None = None
     return SearchResult(trials, ranked, dict(skipped or {}), clock() - t0, run.handles, dict(run.dropped))
 
 
-def _screen(m: Measurer, cfg: SearchConfig, trials: list[Trial], clock) -> dict[tuple[str, int], float]:
-    """Every (precision, batch) once on the eager policy network: {(precision, batch): images/s}."""
+SCREEN_CALLS = 3     # a screen's calls of its batch: one warm-up, two timed (engine.build.measure.Measurer.screen)
+
+
+def _screen(m: Measurer, cfg: SearchConfig, trials: list[Trial], clock, deadline=None) -> dict[tuple[str, int], float]:
+    """Every (precision, batch) once on the eager policy network: {(precision, batch): images/s}. With a
+    `deadline` (an engine.build.clock.SearchDeadline), a screen starts only while its cost, at the seconds
+    per image the screens so far took (that precision's, else the slowest), fits what is left."""
     from engine.backends import REFERENCE
 
     screened: dict[tuple[str, int], float] = {}
+    per_image: dict[str, float] = {}          # precision -> seconds per image its screens took
     for p in cfg.precisions:
         for b in cfg.batch_sizes:
+            if deadline is not None:
+                left = deadline.left()
+                cost = SCREEN_CALLS * b * per_image.get(p, max(per_image.values(), default=0.0))
+                if left <= 0 or cost > left:
+                    trials.append(Trial(Candidate(p, b, REFERENCE), "not screened",
+                                        f"{left:.0f} s {deadline.what_left()} left, a screen takes about {cost:.0f} s"))
+                    continue
             t = clock()
             try:
                 screened[(p, b)] = m.screen(p, b)
@@ -208,6 +221,8 @@ def _screen(m: Measurer, cfg: SearchConfig, trials: list[Trial], clock) -> dict[
                 why = _why(e)
                 _say(f"autotune: {p} batch {b}: screen failed ({why}); not a candidate")
                 trials.append(Trial(Candidate(p, b, REFERENCE), "failed", f"screen: {why}", seconds=clock() - t))
+                continue
+            per_image[p] = max(per_image.get(p, 0.0), (clock() - t) / (SCREEN_CALLS * b))
     return screened
 
 

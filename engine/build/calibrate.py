@@ -11,7 +11,9 @@ Images (engine.build `--calibration-source`, `--calibration-images DIR`):
     DIR      a folder of the user's own images; the caller may pass a check (`refuse`, engine.build
              `--calibration-check`) whose reasons refuse the folder, e.g. that it holds evaluation data.
 
-Both precisions classify every image: the compiled low-precision graph (top-1 and its
+Each source is a `Stream`, read only as far as it is needed: the measured build's FP32 reference
+(engine.build.reference) takes as many images as fit its share of the deadline, at least MIN_IMAGES,
+and the record counts those. Both precisions classify every image taken: the compiled low-precision graph (top-1 and its
 margin) and the FP32 reference (top-1 and its margin). `choose_tau` then picks the
 smallest tau whose estimated disagreement rate stays under a budget; its docstring states
 the estimator. Budgets and estimates are rates in basis points of the images (BASIS_POINTS:
@@ -23,8 +25,9 @@ budget (a binomial quantile): the search's FP32 candidates and the build's end-t
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +46,36 @@ SOURCES = ("photos", "renders")
 
 class CalibrationError(ValueError):
     """The calibration images cannot be used."""
+
+
+MIN_IMAGES = 16    # the guard's minimum: tau is never chosen on fewer calibration images
+
+
+class Stream:
+    """A calibration source read as far as it is needed: `take(n)` the next n images (fewer when the
+    source ends), `origin()` the record of what was taken (its count and the digest of exactly those)."""
+
+    def __init__(self, images: Iterator[tuple[np.ndarray, bytes]], record: dict, digest_key: str,
+                 too_few: Callable[[int], str] | None = None):
+        self.images, self.record, self.digest_key, self.too_few = images, record, digest_key, too_few
+        self.count, self.hash = 0, hashlib.sha256()
+
+    def take(self, n: int) -> np.ndarray:
+        """[k, S, S, 3] uint8, the next k <= n images (k < n only where the source ends)."""
+        out = []
+        for px, digest in itertools.islice(self.images, max(n, 0)):
+            out.append(px)
+            self.hash.update(digest)
+        self.count += len(out)
+        return np.stack(out) if out else np.zeros((0, 0, 0, 3), np.uint8)
+
+    def at_least(self, n: int) -> None:
+        """A CalibrationError when fewer than n images were taken from a source that ended."""
+        if self.count < n and self.too_few is not None:
+            raise CalibrationError(self.too_few(self.count))
+
+    def origin(self) -> dict:
+        return {**self.record, "count": self.count, self.digest_key: self.hash.hexdigest()}
 
 
 def photo_sources(names=PHOTOS) -> dict[str, np.ndarray]:
@@ -86,9 +119,9 @@ def augmented_crop(px: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     return np.clip(img, 0, 255).astype(np.uint8)
 
 
-def photo_pixels(spec: Spec, count: int, seed: int = 1, names=PHOTOS) -> tuple[np.ndarray, dict]:
-    """([count, S, S, 3] uint8 augmented crops of scikit-image's photos through the reference
-    preprocessing (each crop JPEG-encoded at quality 75-95 first, as the inputs are), record)."""
+def photo_stream(spec: Spec, seed: int = 1, names=PHOTOS) -> Stream:
+    """Augmented crops of scikit-image's photos through the reference preprocessing (each crop
+    JPEG-encoded at quality 75-95 first, as the inputs are), one [S, S, 3] uint8 at a time, without end."""
     import io
 
     from PIL import Image
@@ -97,24 +130,31 @@ def photo_pixels(spec: Spec, count: int, seed: int = 1, names=PHOTOS) -> tuple[n
 
     photos = photo_sources(names)
     keys = sorted(photos)
-    rng = np.random.default_rng(seed)
-    out = np.zeros((count, spec.input_size, spec.input_size, 3), np.uint8)
-    h = hashlib.sha256()
-    for i in range(count):
-        crop = augmented_crop(photos[keys[i % len(keys)]], rng)
-        buf = io.BytesIO()
-        Image.fromarray(crop).save(buf, "JPEG", quality=int(rng.integers(75, 96)))
-        out[i] = decode_pil(buf.getvalue(), spec)
-        h.update(out[i].tobytes())
+
+    def images() -> Iterator[tuple[np.ndarray, bytes]]:
+        rng = np.random.default_rng(seed)
+        for i in itertools.count():
+            crop = augmented_crop(photos[keys[i % len(keys)]], rng)
+            buf = io.BytesIO()
+            Image.fromarray(crop).save(buf, "JPEG", quality=int(rng.integers(75, 96)))
+            px = decode_pil(buf.getvalue(), spec)
+            yield px, px.tobytes()
+
     import skimage
 
-    return out, {"origin": f"scikit-image {skimage.__version__} bundled photos, random crops, flips, colour "
-                           f"jitter and JPEG re-encoding, seed {seed}", "photos": keys, "count": count,
-                 "pixels_sha256": h.hexdigest()}
+    return Stream(images(), {"origin": f"scikit-image {skimage.__version__} bundled photos, random crops, flips, "
+                                       f"colour jitter and JPEG re-encoding, seed {seed}", "photos": keys},
+                  "pixels_sha256")
 
 
-def generated_pixels(spec: Spec, count: int, seed: int = 1) -> tuple[np.ndarray, dict]:
-    """([count, S, S, 3] uint8 renders through the reference preprocessing, record)."""
+def photo_pixels(spec: Spec, count: int, seed: int = 1, names=PHOTOS) -> tuple[np.ndarray, dict]:
+    """([count, S, S, 3] uint8 augmented crops of scikit-image's photos (photo_stream), record)."""
+    s = photo_stream(spec, seed, names)
+    return s.take(count), s.origin()
+
+
+def generated_stream(spec: Spec, seed: int = 1) -> Stream:
+    """Renders through the reference preprocessing, one [S, S, 3] uint8 at a time, without end."""
     import io
 
     from PIL import Image
@@ -122,28 +162,33 @@ def generated_pixels(spec: Spec, count: int, seed: int = 1) -> tuple[np.ndarray,
     from engine.build.renders import render, templates
     from engine.decoders.pil import decode_pil
 
-    rng = np.random.default_rng(seed)
-    temps = templates(100, seed + 1000)       # another world of templates than the test cohorts'
-    out = np.zeros((count, spec.input_size, spec.input_size, 3), np.uint8)
-    h = hashlib.sha256()
-    for i in range(count):
-        w, hh = (int(v) for v in rng.integers(150, 600, 2))
-        px = render(temps[int(rng.integers(len(temps)))], w, hh, rng)
-        buf = io.BytesIO()
-        Image.fromarray(px).save(buf, "PNG")
-        out[i] = decode_pil(buf.getvalue(), spec)
-        h.update(out[i].tobytes())
-    return out, {"origin": f"procedural renders (engine.build.renders), seed {seed}", "count": count,
-                 "pixels_sha256": h.hexdigest()}
+    def images() -> Iterator[tuple[np.ndarray, bytes]]:
+        rng = np.random.default_rng(seed)
+        temps = templates(100, seed + 1000)       # another world of templates than the test cohorts'
+        while True:
+            w, hh = (int(v) for v in rng.integers(150, 600, 2))
+            px = render(temps[int(rng.integers(len(temps)))], w, hh, rng)
+            buf = io.BytesIO()
+            Image.fromarray(px).save(buf, "PNG")
+            px = decode_pil(buf.getvalue(), spec)
+            yield px, px.tobytes()
+
+    return Stream(images(), {"origin": f"procedural renders (engine.build.renders), seed {seed}"}, "pixels_sha256")
+
+
+def generated_pixels(spec: Spec, count: int, seed: int = 1) -> tuple[np.ndarray, dict]:
+    """([count, S, S, 3] uint8 renders through the reference preprocessing, record)."""
+    s = generated_stream(spec, seed)
+    return s.take(count), s.origin()
 
 
 # a calibration folder's check: (folder, its files sorted by path) -> the reasons it must not be used
 FolderCheck = Callable[[Path, list[Path]], list[str]]
 
 
-def folder_pixels(folder: Path, spec: Spec, count: int,
-                  refuse: FolderCheck | None = None) -> tuple[np.ndarray, dict]:
-    """([n, S, S, 3] uint8 of the first `count` images of `folder`, sorted by path; record).
+def folder_stream(folder: Path, spec: Spec, refuse: FolderCheck | None = None) -> Stream:
+    """The readable images of `folder`, sorted by path, one [S, S, 3] uint8 at a time (an unreadable or
+    oversized file is skipped and counted in the record's `skipped`).
 
     `refuse(folder, files)`: the caller's reasons to refuse the folder (e.g. it holds evaluation
     data); any reason is a CalibrationError before an image is read.
@@ -158,23 +203,36 @@ def folder_pixels(folder: Path, spec: Spec, count: int,
     if flags:
         raise CalibrationError(f"{folder} must never feed a build: "
                                + "; ".join(flags[:3]) + (f" (+{len(flags) - 3} more)" if len(flags) > 3 else ""))
-    images = [p for p in files if p.suffix.lower() in IMAGE_SUFFIXES][:count]
-    pixels, h, used = [], hashlib.sha256(), []
-    for p in images:
-        if p.stat().st_size > MAX_FILE_BYTES:
-            continue
-        data = p.read_bytes()
-        try:
-            px = decode_pil(data, spec)
-        except Exception:  # noqa: BLE001 - an unreadable file is skipped, and counted
-            continue
-        pixels.append(px)
-        used.append(p)
-        h.update(p.relative_to(folder).as_posix().encode() + b"\0" + hashlib.sha256(data).digest())
-    if len(pixels) < 16:
-        raise CalibrationError(f"{folder}: {len(pixels)} readable images; the guard needs at least 16")
-    return np.stack(pixels), {"origin": f"folder {os.path.abspath(folder)}", "count": len(pixels),
-                              "skipped": len(images) - len(pixels), "files_sha256": h.hexdigest()}
+    images = [p for p in files if p.suffix.lower() in IMAGE_SUFFIXES]
+    record = {"origin": f"folder {os.path.abspath(folder)}", "skipped": 0}
+
+    def read() -> Iterator[tuple[np.ndarray, bytes]]:
+        for p in images:
+            if p.stat().st_size > MAX_FILE_BYTES:
+                record["skipped"] += 1
+                continue
+            data = p.read_bytes()
+            try:
+                px = decode_pil(data, spec)
+            except Exception:  # noqa: BLE001 - an unreadable file is skipped, and counted
+                record["skipped"] += 1
+                continue
+            yield px, p.relative_to(folder).as_posix().encode() + b"\0" + hashlib.sha256(data).digest()
+
+    def too_few(n: int) -> str:
+        return f"{folder}: {n} readable images; the guard needs at least {MIN_IMAGES}"
+
+    return Stream(read(), record, "files_sha256", too_few)
+
+
+def folder_pixels(folder: Path, spec: Spec, count: int,
+                  refuse: FolderCheck | None = None) -> tuple[np.ndarray, dict]:
+    """([n, S, S, 3] uint8 of the first `count` readable images of `folder`, sorted by path; record)
+    (folder_stream; fewer than MIN_IMAGES readable is a CalibrationError)."""
+    s = folder_stream(folder, spec, refuse)
+    pixels = s.take(count)
+    s.at_least(MIN_IMAGES)
+    return pixels, s.origin()
 
 
 def classify(fn, pixels: np.ndarray, batch: int, margin: bool, device=None) -> tuple[np.ndarray, np.ndarray | None]:

@@ -8,6 +8,20 @@ each phase measured (printed last and recorded), and `left()`. The search spends
 once the phases after it are reserved at their estimates, and those estimates learn from what
 was measured (the longest compile so far stands for the re-check graph's compile, the longest
 verification for the next one). Every clock is injectable, so tests run on a fake one.
+
+Each phase is cut to what it has. The calibration reference takes as many calibration images as fit
+its `allowance` at the rate its first batch measured (engine.build.reference); the search screens and
+compiles only what fits what it has left (engine.build.autotune); a candidate is assembled and
+verified only while its estimate fits, and the end-to-end check's child gets what is left as its
+timeout (engine.build.auto). What no clock can cut is a step already started: the checkpoint load,
+the calibration's first batch (the guard's minimum, calibrate.MIN_IMAGES, through the FP32 reference
+and the decoder's check), one screen call, one compile or one verification that outruns its estimate.
+So the build ends within the deadline, counted from this clock's start (after the process's imports),
+plus that slack: one such step, then the eager FP32 fallback's assembly (its weights written:
+seconds) where nothing was verified in time, and the process's exit. On a machine as planned the
+slack is at most the slowest phase's estimate (the preset's `compile_estimate_s`, 120 s on the CPU);
+a tiny model's build beside two busy loops on two cores ends within 20 s of a 15 s deadline
+(tests/test_build_deadline_loaded.py).
 """
 from __future__ import annotations
 
@@ -55,6 +69,16 @@ class BuildClock:
     def left_after(self, *phases: str) -> float:
         """Seconds left once `phases` (still to come) are reserved at their estimates."""
         return self.left() - sum(self.estimate[p] for p in phases)
+
+    def allowance(self, phase: str, after: tuple[str, ...] = (), search_cap: float = 0.0) -> float:
+        """Seconds `phase` may spend from now: its planned share of the deadline (its estimate, scaled
+        down as every fixed phase's when the plan's fixed phases overrun the deadline), or more where the
+        search could not use it anyway (what is left once `after` is reserved at its estimates and the
+        search at its cap `search_cap`); never more than what is left."""
+        fixed = sum(s for p, s in self.plan.items() if p != "search")
+        planned = self.plan[phase] * min(1.0, self.deadline_s / fixed) if fixed > 0 else 0.0
+        spare = self.left_after(*after) - search_cap
+        return max(0.0, min(self.left(), max(planned, spare)))
 
     def fits(self, phase: str) -> bool:
         """Whether one more `phase` fits before the deadline at its estimate."""

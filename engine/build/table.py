@@ -27,6 +27,7 @@ STATUSES = {
     "rejected": "breaks the disagreement budget",
     "failed": "its build or its run failed (the reason follows)",
     "not compiled": "could not win in the time or disk left, or its backend was dropped",
+    "not screened": "its screen did not fit the time left (nor a compile then)",
     "skipped": "a precision not measured (not native here)",
     "dropped": "a backend that cannot build here",
 }
