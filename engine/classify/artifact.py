@@ -129,7 +129,7 @@ class WeightsCheck:
 
 def _wait_task_gone(task: int | None, limit_s: float = 0.2) -> None:
     """Wait (at most `limit_s`) until a joined thread's kernel task has exited: join returns once
-    its Python part ended, a moment before the task is gone, and a run under a PID bound starts its
+    its Python part ended, a moment before the kernel thread is gone, and a run under a PID bound starts its
     reader threads right after (Linux; elsewhere, no /proc, it returns at once)."""
     if task is None:
         return
