@@ -175,6 +175,7 @@ def artifact_folder(out: Path):
         release_lock(lock_fd, lock)
 
 
+ALL_BP = 1e4              # every image, in basis points: the most a disagreement budget can allow
 MAX_BATCH = 4096          # images in one static batch: far past what one GPU holds at 448 px
 
 
@@ -279,7 +280,7 @@ def argument_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
     g.add_argument("--calibration-count", type=whole_number(16, 10**6, "images"),
                    help="calibration images tau is chosen on, at least 16 "
                         f"(default: the device preset's: {per_device('calibration_count')})")
-    g.add_argument("--guard-budget", type=finite_float(0.0, 10000.0, "bp", lo_open=True), metavar="BP",
+    g.add_argument("--guard-budget", type=finite_float(0.0, ALL_BP, "bp", lo_open=True), metavar="BP",
                    help="disagreements with FP32 on PIL's pixels allowed, in basis points of the images (1 = 0.01 %%): "
                         "tau keeps its estimate under it, less the decoder's measured flips under auto "
                         f"(default: the device preset's: {per_device('guard_budget')})")
