@@ -271,7 +271,7 @@ def _cohort_cli(*args: str, env: dict | None = None):
 @pytest.mark.abi
 def test_cli_bad_input_is_one_line_and_exit_2(tmp_path):
     (tmp_path / "file").write_text("x")
-    for args, words in [(["--out", str(tmp_path / "o"), "--count", "0"], "--count must be >= 1"),
+    for args, words in [(["--out", str(tmp_path / "o"), "--count", "0"], "argument --count: must be a whole number in 1.."),
                         (["--out", str(tmp_path / "o"), "--count", "5", "--broken", "5"], "--broken must be in 0..4"),
                         (["--out", str(tmp_path / "file" / "sub"), "--count", "3"], "file")]:
         r = _cohort_cli(*args)

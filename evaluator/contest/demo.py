@@ -136,9 +136,10 @@ def claim_demo_folders(out: Path, artifact: Path, ckpt: Path) -> None:
     from engine.build.command import is_artifact_folder
     from engine.cli import UsageError
     from engine.io import folder_refusal
+    from evaluator.synthetic.cohort import kit_made
 
-    def earlier_demo(d: Path) -> bool:
-        return marked(d, "demo") or (d / "cohort" / "cohort.json").is_file()
+    def earlier_demo(d: Path) -> bool:   # a demo's folder, or one holding the kit's tiny checkpoint to reuse
+        return marked(d, "demo") or (d / "cohort" / "cohort.json").is_file() or kit_made(d)
 
     why = (folder_refusal(out, "the demo folder", earlier_demo)
            or folder_refusal(artifact, "the artifact folder", is_artifact_folder, (ckpt,)))

@@ -34,14 +34,26 @@ def write_generated_marker(out: Path, generator: str, **facts) -> Path:
     return path
 
 
+def kit_made(folder: Path) -> bool:
+    """`folder` holds what this kit generates: its GENERATED_MARKER, or the tiny checkpoint's recipe
+    (make_tiny_checkpoint's JSON, which says it was made from generated images)."""
+    if (folder / GENERATED_MARKER).is_file():
+        return True
+    try:
+        recipe = json.loads((folder / "tiny_eva02.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(recipe, dict) and str(recipe.get("made_from", "")).startswith("generated images")
+
+
 def claim_generated_folder(out: Path, what: str) -> None:
     """UsageError (nothing written) unless `out` may receive generated data: absent, empty, or
-    already the kit's generated data (its GENERATED_MARKER); engine.io.folder_refusal's other
-    rules apply too (never `.`, the current directory, the project, a file)."""
+    already the kit's generated data (kit_made); engine.io.folder_refusal's other rules apply too
+    (never `.`, the current directory, the project, a file)."""
     from engine.cli import UsageError
     from engine.io import folder_refusal
 
-    why = folder_refusal(out, what, lambda d: (d / GENERATED_MARKER).is_file())
+    why = folder_refusal(out, what, kit_made)
     if why:
         raise UsageError(why)
 
