@@ -108,13 +108,13 @@ def test_workers_beyond_the_cpus_and_the_chunks_are_capped_in_one_line(tmp_path,
 
 
 def test_the_workers_are_capped_at_the_unfinished_chunks_and_a_cluster_without_room_is_one_line():
-    from engine.retrieval import build_ray
+    from engine.retrieval import ray_session
 
-    assert build_ray.capped_workers(8, 1, 64, "CPU") == (1, "--workers 8: starting 1 actors (64 CPUs usable, "
+    assert ray_session.capped_workers(8, 1, 64, "CPU") == (1, "--workers 8: starting 1 actors (64 CPUs usable, "
                                                              "1 unfinished chunks)")
-    assert build_ray.capped_workers(2, 6, 4, "GPU") == (2, None)
-    with pytest.raises(build_ray.RayBuildError, match="offers no GPU"):
-        build_ray.capped_workers(2, 6, 0, "GPU")
+    assert ray_session.capped_workers(2, 6, 4, "GPU") == (2, None)
+    with pytest.raises(ray_session.RayBuildError, match="offers no GPU"):
+        ray_session.capped_workers(2, 6, 0, "GPU")
 
 
 @needs_ray
@@ -160,13 +160,13 @@ def test_a_worker_dead_otherwise_says_rays_first_line(tmp_path, monkeypatch, cap
 @needs_ray
 def test_a_tmpdir_without_room_for_ray_is_refused_before_anything_loads(tmp_path, monkeypatch, capsys, cli):
     from engine import settings
-    from engine.retrieval import build_ray
+    from engine.retrieval import ray_session
 
     monkeypatch.setattr(shutil, "disk_usage", lambda p: Usage(100 * 1024 * MIB, 10 * 1024 * MIB, 100 * MIB))
     _fake_start(monkeypatch, None)
     assert cli([*build_args(tmp_path / "idx"), "--ray"]) == 2
     last = _last(capsys.readouterr().err)
-    need = build_ray.SESSION_MB + build_ray.RETRIEVAL.ray_object_store_mb
+    need = ray_session.SESSION_MB + ray_session.RETRIEVAL.ray_object_store_mb
     assert last.startswith(f"scripts/build.sh: error: TMPDIR {settings.tmpdir()} has 100 MiB free"), last
     assert f"needs {need} MiB" in last and "set TMPDIR" in last
     assert not (tmp_path / "idx").exists()
@@ -197,7 +197,7 @@ def test_a_malformed_ray_address_is_refused_in_one_line(tmp_path, monkeypatch, c
 
 @needs_ray
 def test_a_ray_address_nobody_serves_is_one_line_within_the_stated_timeout(tmp_path, monkeypatch, capsys, cli):
-    from engine.retrieval import build_ray
+    from engine.retrieval import ray_session
 
     with socket.socket() as s:          # a port nothing listens on
         s.bind(("127.0.0.1", 0))
@@ -207,12 +207,12 @@ def test_a_ray_address_nobody_serves_is_one_line_within_the_stated_timeout(tmp_p
     assert cli([*build_args(tmp_path / "idx"), "--ray"]) == 1
     last = _last(capsys.readouterr().err)
     assert last.startswith(f"scripts/build.sh: error: RAY_ADDRESS 127.0.0.1:{port}: no Ray cluster answered "
-                           f"within {build_ray.CONNECT_TIMEOUT_S:g} s"), last
+                           f"within {ray_session.CONNECT_TIMEOUT_S:g} s"), last
 
 
 @needs_ray
 def test_a_tmpdir_too_long_for_rays_sockets_is_refused_before_anything_loads(tmp_path, monkeypatch, capsys, cli):
-    from engine.retrieval import build_ray
+    from engine.retrieval import ray_session
 
     long = tmp_path / ("t" * 80)
     long.mkdir()
@@ -220,7 +220,7 @@ def test_a_tmpdir_too_long_for_rays_sockets_is_refused_before_anything_loads(tmp
     _fake_start(monkeypatch, None)
     assert cli([*build_args(tmp_path / "idx"), "--ray"]) == 2
     last = _last(capsys.readouterr().err)
-    room = build_ray.SOCKET_PATH_MAX - build_ray.SOCKET_SUFFIX
+    room = ray_session.SOCKET_PATH_MAX - ray_session.SOCKET_SUFFIX
     assert last.startswith(f"scripts/build.sh: error: TMPDIR {long} is too long a path for a local Ray "
                            f"({len(str(long))} bytes; at most {room}"), last
     assert not (tmp_path / "idx").exists()

@@ -183,11 +183,11 @@ def _main(argv: list[str] | None, stop_after_chunks: int, p2w_stop_after: int) -
         _error(f"{problem}")
         return 2
     if cfg.ray:
-        from engine.retrieval import build_ray
+        from engine.retrieval import ray_session
 
         try:   # before the CLIP loads: Ray Data importable, RAY_ADDRESS answering, room in TMPDIR
-            build_ray.preflight()
-        except build_ray.RayBuildError as e:
+            ray_session.preflight()
+        except ray_session.RayBuildError as e:
             _error(f"{e}")
             return e.status
     try:
