@@ -237,3 +237,26 @@ def test_a_sigterm_mid_ray_build_leaves_nothing_behind_and_the_single_build_resu
             _same_index(built_index(), idx)
         finally:
             _kill_group(p.pid)
+
+
+@needs_ray
+def test_a_killed_ray_driver_leaves_no_ray_process_or_folder(tmp_path):
+    """kill -9 of a --ray build (no handler of ours runs): its guardian, told by the kernel, stops
+    every process of its local Ray and removes its folder within seconds (Ray alone took 60-90 s
+    and left the folder)."""
+    with _short_tmpdir() as tmp:
+        idx = tmp_path / "idx"
+        p = _ray_build(idx, {"RAY_ADDRESS": None, "TMPDIR": str(tmp)})
+        try:
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline and not list((idx / ".build").glob("chunk-*.json")):
+                time.sleep(0.05)
+            assert [f for f in tmp.iterdir() if f.name.startswith("ray")], "no local Ray folder to clean"
+            p.kill()
+            p.communicate(timeout=60)
+            end = time.monotonic() + 30
+            while time.monotonic() < end and (_group_alive(p.pid) or list(tmp.glob("ray*"))):
+                time.sleep(0.2)
+            _assert_nothing_left(p.pid, tmp)
+        finally:
+            _kill_group(p.pid)

@@ -12,6 +12,7 @@ RayBuildError: one line of ours and its exit status.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -146,6 +147,7 @@ class RaySession:
         self.ray = None
         self.temp_dir: Path | None = None    # the local Ray's folder (None: joined, or not started)
         self.started = False                 # ray.init was called here (shut down on leaving)
+        self.guardian = None                 # the process that cleans up if this one is killed outright
         self._previous: dict = {}
 
     def __enter__(self) -> RaySession:
@@ -217,10 +219,60 @@ class RaySession:
             except Exception as e:        # noqa: BLE001 -- what is left is killed below
                 _log(f"Ray's shutdown failed ({type(e).__name__}); stopping its processes")
         self.started = False
+        guardian = self.guardian.pid if self.guardian is not None else None
         if self.temp_dir is not None:
-            kill_all([*pids, *processes_naming(self.temp_dir)])
+            kill_all([p for p in (*pids, *processes_naming(self.temp_dir)) if p != guardian])
             shutil.rmtree(self.temp_dir, ignore_errors=True)
             self.temp_dir = None
+        if self.guardian is not None:     # its work is done here: nothing of this build is left
+            self.guardian.kill()
+            self.guardian.wait()
+            self.guardian = None
+
+
+# The guardian: started beside a local Ray, it notes every second the processes of that Ray (by pid
+# and start time: the agents leave the raylet's tree once it exits, and a pid may be reused); when
+# the build dies outright (kill -9: no handler of ours runs) the kernel sends it SIGTERM
+# (engine.children, PR_SET_PDEATHSIG), and it kills those still running and removes the folder.
+GUARDIAN = """
+import os, shutil, signal, sys, time
+from pathlib import Path
+from engine.retrieval.ray_session import kill_all, processes_naming, started_at
+folder, me, seen = Path(sys.argv[1]), os.getpid(), {}
+def note():
+    for p in processes_naming(folder):
+        if p != me:
+            seen.setdefault(p, started_at(p))
+def end(*_):
+    note()
+    kill_all([p for p, t in seen.items() if t is not None and started_at(p) == t])
+    shutil.rmtree(folder, ignore_errors=True)
+    os._exit(0)
+signal.signal(signal.SIGTERM, end)
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+while True:
+    note()
+    time.sleep(1.0)
+"""
+
+
+def started_at(pid: int) -> int | None:
+    """`pid`'s start time (clock ticks since boot, /proc/PID/stat), None when it is gone: with the pid,
+    it names one process, never another that reused the number."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def start_guardian(folder: Path):
+    """The guardian process of `folder` (GUARDIAN): a child that dies with this process, cleaning up."""
+    from engine import children
+    from engine.io import project_root
+
+    # run from the folder holding the engine package: `python -c` finds it there, whatever PYTHONPATH says
+    return children.popen([sys.executable, "-c", GUARDIAN, str(Path(folder).resolve())], cwd=project_root(),
+                          stdin=subprocess.DEVNULL)
 
 
 def processes_naming(folder: Path) -> list[int]:
@@ -302,6 +354,7 @@ def start_ray(session: RaySession, local_cpus: int, object_store_mb: int = RETRI
             ray.init(address=addr[0], log_to_driver=False, logging_level=logging.WARNING)
         else:
             session.temp_dir = Path(tempfile.mkdtemp(prefix=TEMP_PREFIX, dir=engine_settings.tmpdir()))
+            session.guardian = start_guardian(session.temp_dir)
             session.started = True
             ray.init(address="local", num_cpus=max(local_cpus, 1), include_dashboard=False, log_to_driver=False,
                      object_store_memory=object_store_mb * 1024 * 1024, logging_level=logging.WARNING,
