@@ -170,6 +170,8 @@ FACTS: dict[str, dict[str, str]] = {
                                  "SCREEN_CALLS": "a screen's calls: one warm-up, two timed (the method)"},
     "engine/build/decoder_choice.py": {"JPEG_QUALITY": "the encoding of the flips' test JPEGs, the contest's kind"},
     "engine/build/clock.py": {"MAX_WAIT_S": "a sanity bound on a wait (30 days), not a budget"},
+    "engine/classify/artifact.py": {"SAMPLE_BLOCKS": "the artifact format's sampled digest (16 blocks)",
+                                    "SAMPLE_BYTES": "the artifact format's sampled digest (64 KiB blocks)"},
     "engine/cli.py": {"EXIT_FAILED": "the exit status convention", "EXIT_USAGE": "the exit status convention",
                       "MAX_DEADLINE_S": "the range of every seconds option (30 days)"},
     "engine/children.py": {"GRACE_S": "a child's clean-up time after SIGTERM (process hygiene)",
@@ -185,6 +187,7 @@ FACTS: dict[str, dict[str, str]] = {
     "engine/decoders/dali.py": {"FAST_BATCH": "a marker value of progress(), not a size"},
     "engine/decoders/isolate.py": {"MAX_RESTARTS": "a crash-loop bound of the isolated decoder",
                                    "NONE": "the wire protocol's 'no blob' length",
+                                   "NORMAL": "the wire protocol's request modes", "REFERENCE": "the same",
                                    "HELLO_S": "a child's start-up bound (imports, pipeline build)"},
     "engine/decoders/pil.py": {"_PIL_FILTERS": "PIL's resampling filter numbers"},
     "engine/decoders/route.py": {"MAX_PIXELS": "PIL's decompression-bomb limit",
@@ -220,7 +223,8 @@ FACTS: dict[str, dict[str, str]] = {
                                "_MAX_COUNT": "an option's range", "_MAX_THREADS": "an option's range"},
     "evaluator/cir/run.py": {"INTERRUPTED": "the exit status of SIGINT (128 + 2)"},
     "evaluator/cir/ablate.py": {"WARMUP": "the ablation's untimed warm-up, a measurement method"},
-    "evaluator/contest/build_step.py": {"SELFCHECK_RESERVE_S": "the task's build step keeps this for its self-check"},
+    "evaluator/contest/build_step.py": {"SELFCHECK_RESERVE_S": "the task's build step keeps this for its self-check",
+                                        "EXIT_FAILED": "the exit status convention", "EXIT_USAGE": "the same"},
     "evaluator/contest/selfcheck.py": {"RUN_TIMEOUT_S": "a bound on one image's run (hygiene)"},
     "evaluator/contest/demo.py": {"DEFAULT_COUNT": "the demo's size", "MAX_COUNT": "an option's range",
                                   "HEARTBEAT_S": "how often a waiting line is printed"},
@@ -229,6 +233,7 @@ FACTS: dict[str, dict[str, str]] = {
     "evaluator/evidence/workloads/cir.py": {"PER_TEMPLATE": "the generated corpus's group size"},
     "evaluator/synthetic/cohort.py": {"TINY_KWARGS": "the tiny test model's shape", "TINY_INPUT": "the same",
                                       "TEMPLATE_SEED": "the canonical seed"},
+    "scripts/device_probes.py": {"SCORED_GPU_MAJOR": "the scored machine's GPU (Hopper: compute capability 9)"},
     "scripts/device_check.py": {"ABI_NEED_S": "a step's estimated cost, for its plan",
                                 "BUILD_NEED_S": "a step's estimated cost, for its plan"},
     "scripts/device_harness.py": {"LOG_TAIL": "how much of a log comes back", "LOG_MAX": "the same"},
@@ -258,8 +263,12 @@ def numeric_constants(root: Path = REPO) -> list[tuple[str, str, int]]:
             for node in ast.parse(path.read_text(), rel).body:
                 targets = node.targets if isinstance(node, ast.Assign) else \
                     [node.target] if isinstance(node, ast.AnnAssign) and node.value is not None else []
-                for t in targets:
-                    if isinstance(t, ast.Name) and t.id.lstrip("_").isupper() and _numeric_value(node.value):
+                pairs = [(t, node.value) for t in targets]
+                for t, v in list(pairs):   # NAME_A, NAME_B = 3, 2.0: each name with its value
+                    if isinstance(t, ast.Tuple) and isinstance(v, ast.Tuple) and len(t.elts) == len(v.elts):
+                        pairs += list(zip(t.elts, v.elts))
+                for t, v in pairs:
+                    if isinstance(t, ast.Name) and t.id.lstrip("_").isupper() and _numeric_value(v):
                         out.append((rel, t.id, node.lineno))
     return out
 
@@ -282,8 +291,9 @@ def test_the_constant_scan_finds_each_form(tmp_path):
         (tmp_path / pkg).mkdir()
     (tmp_path / "scripts" / "s.py").write_text("PRUNE = 0.6\nBATCHES = {'cpu': (4, 8)}\nLIMIT = 64 << 20\n"
                                                "_HIDDEN: float = -1.5\nNAME = 'x'\nFLAG = True\n"
-                                               "TIE = shared('retime_tie')\nlower = 3\ndef f():\n    INNER = 2\n")
-    assert [n for _, n, _ in numeric_constants(tmp_path)] == ["PRUNE", "BATCHES", "LIMIT", "_HIDDEN"]
+                                               "TIE = shared('retime_tie')\nlower = 3\ndef f():\n    INNER = 2\nCALLS, SECONDS = 3, 2.0\n")
+    assert [n for _, n, _ in numeric_constants(tmp_path)] == ["PRUNE", "BATCHES", "LIMIT", "_HIDDEN", "CALLS",
+                                                              "SECONDS"]
 
 
 def test_a_shared_field_is_one_value_on_every_device(monkeypatch):

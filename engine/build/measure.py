@@ -22,8 +22,10 @@ from engine.build.autotune import Agreement, Candidate
 from engine.classify.artifact import Artifact
 from engine.core.model import wrap
 from engine.core.spec import Spec
+from engine.presets import shared
 
-MIN_CALLS, MIN_SECONDS, WARMUP = 3, 2.0, 2
+MIN_CALLS, MIN_SECONDS, WARMUP = shared("timing_calls"), shared("timing_min_s"), shared("timing_warmup")
+MAX_CALLS = shared("timing_max_calls")
 
 
 def importable_backends(device: str) -> tuple[list[str], dict[str, str]]:
@@ -77,7 +79,7 @@ def rate(fn, x: torch.Tensor, device: str, clock=time.perf_counter, warmup: int 
             fn(x)
             _sync(device)
             times.append(clock() - t)
-            if len(times) >= 50:
+            if len(times) >= MAX_CALLS:
                 break
     return x.shape[0] / statistics.median(times)
 

@@ -77,6 +77,11 @@ class Preset:
                               default=2)
     compile_fit: float = _field("a compile starts when this many times its estimate is left: the compile, its "
                                 "timings and agreement", default=1.5)
+    timing_warmup: int = _field("untimed calls before a graph's rate is timed (lazy inits, autotuned kernels)",
+                                default=2)
+    timing_calls: int = _field("timed calls of a graph's rate, at least (their median is the rate)", default=3)
+    timing_min_s: float = _field("seconds a graph's rate is timed for, at least", default=2.0)
+    timing_max_calls: int = _field("timed calls of a graph's rate, at most (however short each)", default=50)
     retime_tie: float = _field("medians within this fraction (plus the timings' spread) are a tie: the simpler "
                                "candidate wins", default=0.05)
     retime_window: float = _field("candidates within this fraction of the leader are timed again, interleaved "
