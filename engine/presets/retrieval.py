@@ -11,7 +11,7 @@ without importing the classification build's. `python -m engine.presets` prints 
 this one as docs/retrieval.md shows it (a test keeps the two equal).
 
 Not here, by design: switches whose default is "off" or "derived" (`--dba 0`, `--text-bank -1`,
-`--p2w-steps 0`, `--p2w-warmup -1`, the stop hooks), limits the callers set (the task's results
+`--p2w-steps 0`, `--p2w-warmup -1`, the stop hooks), limits the callers set (the caller's results
 per request and re-inspection cap: evaluator.cir's; `top_k` is only the API's default), checks'
 thresholds (engine.clip.tune's COS_MIN) and facts of a model (engine.clip.spec's CLIP geometry).
 """
