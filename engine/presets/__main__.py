@@ -5,6 +5,7 @@ from engine.presets import tables
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Print both tables (Markdown, as the docs show them); only --help is accepted."""
     from engine.cli import ArgumentParser
 
     ArgumentParser(prog="python -m engine.presets", description="Print the defaults as Markdown tables: the "
