@@ -14,7 +14,7 @@
 | REHEARSE_RUN_CMD | scripts/run | the command scripts/rehearse runs as the entry point |
 | ENGINE_CHECKPOINT | /checkpoint/model.safetensors | ./build.sh: the checkpoint file |
 | ENGINE_MODEL | the checkpoint's record, else evaluator/contest/task.py's | ./build.sh: timm name, decides the spec |
-| ENGINE_PRECISION | the device's preset (engine/presets.py) | ./build.sh: auto, fp32, bf16, fp16 or fp8 (auto: the fastest native precision here that holds the guard's budget, measured) |
+| ENGINE_PRECISION | the device's preset (engine/presets/classification.py) | ./build.sh: auto, fp32, bf16, fp16 or fp8 (auto: the fastest native precision here that holds the guard's budget, measured) |
 | ENGINE_BATCH_SIZE | the device's preset | ./build.sh: auto or a static batch (auto: the fastest of the preset's candidates) |
 | ENGINE_BACKEND | the device's preset | ./build.sh: auto or a backend of engine/backends (auto: the fastest that builds here) |
 | ENGINE_DEVICE | auto | ./build.sh: auto, cuda or cpu (auto: cuda when torch sees a GPU) |
@@ -22,7 +22,7 @@
 | ENGINE_CROP_MODE | the checkpoint's record, else the model's | ./build.sh spec override: center or squash |
 | ENGINE_CROP_PCT | the checkpoint's record, else the model's | ./build.sh spec override: crop fraction |
 | ENGINE_MODEL_KWARGS | the checkpoint's record, else none | ./build.sh spec override: timm kwargs as JSON |
-| ENGINE_BUILD_DEADLINE_S | the device's preset (engine/presets.py `build_deadline_s`) | ./build.sh: seconds, in (0, 86400], for the whole step (the build's phases, then the one-image check); past it the build keeps its best verified candidate, else eager FP32 |
+| ENGINE_BUILD_DEADLINE_S | the device's preset (engine/presets/classification.py `build_deadline_s`) | ./build.sh: seconds, in (0, 86400], for the whole step (the build's phases, then the one-image check); past it the build keeps its best verified candidate, else eager FP32 |
 | FORCE | 0 | ./build.sh: 1 rebuilds even when the artifact is current |
 | PYTHON | python3 | ./build.sh: the interpreter (read by the shell script) |
 """

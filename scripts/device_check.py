@@ -85,6 +85,7 @@ PLAN = (
 def parser() -> argparse.ArgumentParser:
     steps = "\n".join(f"  {n:<23} {share:>4.0%}  {what}" for n, share, what in PLAN)
     from engine.cli import MAX_DEADLINE_S, ArgumentParser, HelpFormatter, finite_float, whole_number
+    from engine.presets import shared
 
     seconds = finite_float(0.0, MAX_DEADLINE_S, "s", lo_open=True)
     p = ArgumentParser(prog="scripts/device_check.py", description=__doc__.split("\n\n")[0],
@@ -99,15 +100,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ref-count", type=whole_number(1, 10**6), default=500,
                    help="rows the naive FP32 path answers, the agreement's rows (default: %(default)s)")
     p.add_argument("--batch-size", type=whole_number(1, 4096), default=None,
-                   help="the builds' static batch (default: the device preset's, engine/presets.py)")
+                   help="the builds' static batch (default: the device preset's, engine/presets/classification.py)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="where everything runs")
     p.add_argument("--tiny", action="store_true",
                    help="the tiny test model instead of EVA-02-L/448: a rehearsal of every step (default: off)")
     p.add_argument("--gpu-tests-s", type=seconds, default=90.0,
                    help="limit of pytest -m gpu, SIGINT at it (default: %(default)s)")
-    p.add_argument("--calibration-count", type=whole_number(16, 10**6), default=64,
+    p.add_argument("--calibration-count", type=whole_number(16, 10**6), default=shared("check_calibration_count"),
                    help="images each guarded build chooses tau on (default: %(default)s)")
-    p.add_argument("--search-budget-s", type=seconds, default=90.0,
+    p.add_argument("--search-budget-s", type=seconds, default=shared("check_search_budget_s"),
                    help="engine.build's --search-budget-s in the measured search step (default: %(default)s)")
     p.add_argument("--system-cuda", type=Path, default=Path("/usr/local/cuda"),
                    help="CUDA toolkit the AOT build falls back to when the CUDA wheels' headers do not compile "

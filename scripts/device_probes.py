@@ -185,7 +185,7 @@ def _ms(fn, reps: int = 20) -> float:
 
 
 def fp8(device: str, rows: int) -> dict:
-    """The engine's FP8 linear (engine.classify.precision.Fp8Linear, rowwise-scaled torch._scaled_mm) at
+    """The engine's FP8 linear (engine.core.precision.Fp8Linear, rowwise-scaled torch._scaled_mm) at
     EVA-02-L's shapes: error against its FP32 twin on the same quantized values, against the
     unquantized FP32 product, bf16's error against the same; whether _scaled_mm takes the
     unpadded shape; on CUDA, median ms and TFLOP/s of fp8 (layer and bare GEMM) and bf16."""
@@ -204,7 +204,7 @@ def _fp8_layer(k: int, n: int, rows: int, device: str, g) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from engine.classify.precision import FP8, FP8_MAX, Fp8Linear, fp8_reference
+    from engine.core.precision import FP8, FP8_MAX, Fp8Linear, fp8_reference
 
     w = (torch.randn(n, k, generator=g) * k ** -0.5).to(device)         # [N, K]
     b = (torch.randn(n, generator=g) * 0.02).to(device)
@@ -326,7 +326,7 @@ def decoder_race(device: str, batch: int, rounds: int, size: int) -> dict:
     out: dict = {"batch": batch, "rounds": rounds, "size": size, "decoders": {}}
     if cuda:
         try:
-            from engine.classify.spec import Spec
+            from engine.core.spec import Spec
             from engine.decoders.nvjpeg import NvjpegDecoder
 
             dec = NvjpegDecoder(Spec(model="probe", input_size=size, crop_mode="squash", batch_size=batch), batch)
@@ -418,7 +418,7 @@ def attention(device: str, batch: int, tokens: int, heads: int = 16, dim: int = 
 def batch_sweep(model: str, kwargs: dict, size: int, ckpt: Path, device: str, batches: list[int]) -> dict:
     """Policy-bf16 eager inference alone per batch size (engine.build's measurement)."""
     from engine.build import measure_batch_size
-    from engine.classify.spec import resolve_spec
+    from engine.core.spec import resolve_spec
 
     spec = resolve_spec(model, input_size=size, crop_mode="squash", crop_pct=1.0, precision="bf16",
                         model_kwargs=kwargs)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.classify.spec import Spec
 from engine.clip.spec import ClipSpec
+from engine.core.spec import Spec
 
 
 class FakeIndex:

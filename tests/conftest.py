@@ -66,7 +66,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 def tiny_spec(crop_mode: str = "squash", batch_size: int = 16, precision: str = "fp32"):
-    from engine.classify.spec import resolve_spec
+    from engine.core.spec import resolve_spec
 
     return resolve_spec(TINY_MODEL, input_size=TINY_INPUT, crop_pct=1.0, crop_mode=crop_mode,
                         batch_size=batch_size, precision=precision, model_kwargs=TINY_KWARGS)

@@ -32,20 +32,20 @@ def _modules() -> dict[str, Path]:
 
 
 def _imports(path: Path, name: str, known: set[str]) -> set[str]:
-    """Project modules `name` imports anywhere in its file (function-level imports too),
-    except under `if TYPE_CHECKING:`."""
+    """Project modules `name` imports anywhere in its file: at the top, inside functions, under
+    `if TYPE_CHECKING:` (a type-only import is still an arrow between the two), and by
+    importlib.import_module / __import__ given a literal name."""
+    return {m for _, m in _import_lines(path, name, known)}
+
+
+def _import_lines(path: Path, name: str, known: set[str]) -> list[tuple[int, str]]:
+    """(line, project module) of every import in `name`'s file (see _imports)."""
     tree = ast.parse(path.read_text())
-    typing_only = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            typing_only.update(id(n) for n in ast.walk(node))
     is_pkg = path.name == "__init__.py"
-    out = set()
+    out = []
     for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
         if isinstance(node, ast.Import):
-            out.update(a.name for a in node.names if a.name in known)
+            out += [(node.lineno, a.name) for a in node.names if a.name in known]
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
@@ -54,8 +54,9 @@ def _imports(path: Path, name: str, known: set[str]) -> set[str]:
                 base = ".".join(parts + ([node.module] if node.module else []))
             for a in node.names:
                 full = f"{base}.{a.name}"
-                out.add(full if full in known else base)
-    return {m for m in out if m in known and m != name}
+                out.append((node.lineno, full if full in known else base))
+    out += _import_calls(tree)
+    return sorted({(line, m) for line, m in out if m in known and m != name})
 
 
 def test_no_import_cycles():
@@ -83,6 +84,78 @@ def test_no_import_cycles():
                    for m, deps in graph.items()), "engine/ must never import evaluator/"
 
 
+def engine_layers() -> dict[str, int]:
+    """Folder -> layer, read from engine/__init__.py's table (`(root)` stands for the root modules)."""
+    doc = ast.get_docstring(ast.parse((REPO / "engine" / "__init__.py").read_text())) or ""
+    layers = {}
+    for rank, folders in re.findall(r"^ {4}(\d)\s{2,}((?:\(root\)|\w+/)(?:, (?:\(root\)|\w+/))*)", doc, re.M):
+        for folder in folders.split(", "):
+            layers[folder.rstrip("/")] = int(rank)
+    return layers
+
+
+# the layer rule's exceptions: the API facade imports classify/ and retrieval/ on first use; engine.settings
+# checks ENGINE_DECODER and CLIP_TOWERS against the registries' name tables, which import nothing of the engine
+FACADE = "engine"
+NAME_TABLES = {"engine.decoders.registry", "engine.backends"}
+
+
+def _folder(module: str, layers: dict[str, int]) -> str:
+    """engine.core.spec -> core; engine.backends -> backends; engine.settings -> (root)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in layers else "(root)"
+
+
+def layer_violations(mods: dict[str, Path]) -> list[str]:
+    """Every import in engine/ that points up a layer or sideways to a sibling folder on its own layer."""
+    layers = engine_layers()
+    known = set(mods)
+    out = []
+    for name, path in sorted(mods.items()):
+        if not name.startswith("engine") or name == FACADE:
+            continue
+        here = _folder(name, layers)
+        for line, target in _import_lines(path, name, known):
+            if not target.startswith("engine"):
+                continue
+            there = _folder(target, layers) if target != FACADE else "(facade)"
+            if there == here or (name == "engine.settings" and target in NAME_TABLES):
+                continue
+            if layers.get(there, 99) >= layers[here]:
+                out.append(f"{path.relative_to(REPO) if path.is_relative_to(REPO) else path}:{line} imports {target} "
+                           f"({there}, layer "
+                           f"{layers.get(there, '?')}) from layer {layers[here]} ({here})")
+    return out
+
+
+def test_engine_imports_point_down_the_layers():
+    """engine/__init__.py's table of layers holds every folder of engine/, and every import in engine/
+    (top-level, function-local, type-only, importlib with a literal name) names a module of its own
+    folder or of a lower layer."""
+    layers = engine_layers()
+    assert set(layers) == ENGINE_PACKAGES | {"(root)"}, f"engine/__init__.py's layers name {sorted(layers)}"
+    mods = _modules()
+    found = layer_violations(mods)
+    assert not found, "imports against the layers (engine/__init__.py):\n" + "\n".join(found)
+    for target in NAME_TABLES:   # what the settings read may carry no arrow of its own
+        assert not {m for m in _imports(mods[target], target, set(mods)) if m.startswith("engine")}, target
+
+
+def test_the_layer_check_sees_every_kind_of_import(tmp_path):
+    """A planted upward import is found in each form: top-level, inside a function, type-only, importlib."""
+    planted = tmp_path / "planted.py"
+    planted.write_text("from typing import TYPE_CHECKING\nimport engine.io\n"
+                       "from engine.classify.runtime import load_runtime\n"
+                       "if TYPE_CHECKING:\n    from engine.build.table import Rows\n"
+                       "def f():\n    from engine.retrieval import search\n"
+                       "    importlib.import_module('engine.clip.tune')\n")
+    mods = {m: p for m, p in _modules().items() if m.startswith("engine")}
+    mods["engine.decoders.planted"] = planted
+    found = [f.split(" imports ")[1].split()[0] for f in layer_violations(mods) if "planted" in f]
+    assert found == ["engine.classify.runtime", "engine.build.table", "engine.retrieval.search",
+                     "engine.clip.tune"], found
+
+
 def _imported_names(tree: ast.AST) -> list[tuple[int, str]]:
     """(line, module) of every absolute import anywhere in the tree (function-local ones too),
     and of importlib.import_module / __import__ calls given a literal name."""
@@ -92,12 +165,15 @@ def _imported_names(tree: ast.AST) -> list[tuple[int, str]]:
             out += [(node.lineno, a.name) for a in node.names]
         elif isinstance(node, ast.ImportFrom) and not node.level:
             out.append((node.lineno, node.module or ""))
-        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
-                and isinstance(node.args[0].value, str) and ast.unparse(node.func) in ("import_module",
-                                                                                     "importlib.import_module",
-                                                                                     "__import__"):
-            out.append((node.lineno, node.args[0].value))
-    return out
+    return out + _import_calls(tree)
+
+
+def _import_calls(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, module) of every importlib.import_module / __import__ call given a literal name."""
+    return [(node.lineno, node.args[0].value) for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+            and ast.unparse(node.func) in ("import_module", "importlib.import_module", "__import__")]
 
 
 def test_kernels_is_a_leaf():
@@ -163,7 +239,7 @@ def test_adding_a_backend_is_one_file_and_one_entry(tmp_path, monkeypatch):
     from engine.build import build
     from engine.classify.artifact import load_artifact
     from engine.classify.runtime import load_runtime
-    from engine.classify.spec import Spec
+    from engine.core.spec import Spec
 
     mod = tmp_path / "backend_seven.py"
     mod.write_text(
@@ -196,8 +272,8 @@ def test_the_environment_is_read_only_in_the_settings_modules():
 # the contest's cohort sizes (10,000 scored images, 50,000 validation images) and ImageNet's file
 # names, in any spelling: the engine is told them by its caller (evaluator.contest)
 CONTEST_NUMBERS = re.compile(r"(?<![\w.])(?<!\d,)(?:10_?000|10,000|50_?000|50,000)(?!\w|,\d)|ilsvrc", re.IGNORECASE)
-# a number that is not the cohort: the retrieval table's decoded-row cache size (engine/retrieval/presets.py)
-NOT_THE_COHORT = {"engine/retrieval/presets.py": "cached per call\", 50_000,"}
+# a number that is not the cohort: the retrieval table's decoded-row cache size (engine/presets/retrieval.py)
+NOT_THE_COHORT = {"engine/presets/retrieval.py": "cached per call\", 50_000,"}
 
 
 def test_the_engine_knows_no_task():
@@ -288,9 +364,9 @@ def test_ray_is_imported_by_the_ray_build_only():
 
 
 # the engine in folders by job: a few shared modules at its root, each job a package
-ENGINE_ROOT_MODULES = {"__init__", "children", "cli", "io", "memory", "presets", "process_stats", "progress",
-                       "settings", "stdio", "threads"}
-ENGINE_PACKAGES = {"backends", "build", "classify", "clip", "decoders", "retrieval"}
+ENGINE_ROOT_MODULES = {"__init__", "children", "cli", "io", "memory", "process_stats", "progress", "settings",
+                       "stdio", "threads"}
+ENGINE_PACKAGES = {"backends", "build", "classify", "clip", "core", "decoders", "presets", "retrieval"}
 
 
 def test_engine_is_in_folders_by_job():

@@ -29,9 +29,9 @@ from engine.classify.artifact import (
     manifest_digest,
     sample_sha256,
 )
-from engine.classify.checkpoint import create_model, load_model
-from engine.classify.model import wrap
 from engine.classify.runtime import load_runtime
+from engine.core.checkpoint import create_model, load_model
+from engine.core.model import wrap
 
 
 @pytest.fixture(scope="module")

@@ -212,7 +212,7 @@ def test_rank_orders_by_effective_rate():
 
 @pytest.mark.parametrize("cap, isa, bf16", [("AVX2", "", False), ("AVX512", "", True), ("AVX512", "AVX2", False)])
 def test_native_precisions_follow_the_cpu_capability_and_onednn_limit(monkeypatch, cap, isa, bf16):
-    from engine.build.measure import native_precisions
+    from engine.core.precision import native_precisions
 
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: cap)
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True, raising=False)
@@ -305,7 +305,7 @@ def test_when_every_candidate_fails_the_build_is_eager_fp32_without_graphs(tmp_p
 def test_the_re_check_rate_is_the_fp32_network_at_the_re_check_batch_measured_once(tiny_checkpoint, monkeypatch,
                                                                                    tmp_path):
     from engine.build import measure as autotune_measure
-    from engine.classify.checkpoint import load_model
+    from engine.core.checkpoint import load_model
     from engine.presets import preset
 
     spec = tiny_spec("squash", 16, "bf16")

@@ -56,7 +56,7 @@ def _build(tmp_path, ckpt, monkeypatch, deadline, compile_s=1.0, verify_s=1.0, v
     from engine.build import AutoConfig, GuardConfig, assemble, build, calibrate
     from engine.build import auto as build_auto
     from engine.build import measure as autotune_measure
-    from engine.classify import checkpoint
+    from engine.core import checkpoint
 
     clock, made = Clock(), []
     real = autotune_measure.Measurer

@@ -150,7 +150,7 @@ def test_a_decoder_kept_leaves_precision_the_rest_of_the_budget(tiny_checkpoint,
     from engine.build import auto as build_auto
     from engine.build.assemble import GuardConfig
     from engine.build.calibrate import generated_pixels
-    from engine.classify.checkpoint import load_model
+    from engine.core.checkpoint import load_model
 
     monkeypatch.setattr(sys.modules[__name__], "EVERY", 1000)     # the first of 100 images only: 100 basis points
     spec = tiny_spec("squash", 16)

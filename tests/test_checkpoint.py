@@ -1,4 +1,4 @@
-"""engine.classify.checkpoint: local weights only, every format and wrapper, errors that name what differs."""
+"""engine.core.checkpoint: local weights only, every format and wrapper, errors that name what differs."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,7 +11,7 @@ import torch
 from conftest import tiny_spec
 from safetensors.torch import save_file
 
-from engine.classify.checkpoint import (
+from engine.core.checkpoint import (
     CheckpointError,
     create_model,
     filter_state_dict,

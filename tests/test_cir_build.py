@@ -502,7 +502,7 @@ def test_the_build_flags_are_made_from_the_config_fields_and_keep_their_names_ty
     import argparse
     import dataclasses
 
-    from engine.retrieval.presets import RETRIEVAL
+    from engine.presets.retrieval import RETRIEVAL
 
     seen = {}
     parse = argparse.ArgumentParser.parse_args

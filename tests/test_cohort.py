@@ -12,7 +12,7 @@ import torch
 from conftest import tiny_spec
 from PIL import Image, JpegImagePlugin
 
-from engine.classify.checkpoint import create_model, load_model
+from engine.core.checkpoint import create_model, load_model
 from engine.decoders.pil import reference_tensor
 from evaluator.contest.manifest import read_manifest
 from evaluator.synthetic.cohort import class_ids, make_cohort

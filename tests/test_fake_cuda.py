@@ -64,7 +64,7 @@ def fake_cuda(monkeypatch):
 def _artifact(tmp_path, precision: str, guard: bool, batch: int = B) -> Artifact:
     """A cuda eager artifact of a 2-block tiny EVA-02 (random weights: only devices matter here)."""
     from engine.backends import eager
-    from engine.classify.checkpoint import create_model
+    from engine.core.checkpoint import create_model
 
     spec = dataclasses.replace(tiny_spec("squash", batch, precision),
                                model_kwargs={"depth": 2})
@@ -129,7 +129,7 @@ def test_eager_backend_runs_every_policy_on_cuda_and_takes_any_input_device(fake
         assert [(o.device.type, o.dtype, tuple(o.shape)) for o in outs] == \
             [("cuda", torch.int32, (B,))] + ([("cuda", torch.float32, (B,))] if precision != "fp32" else [])
     if precision == "fp8":
-        from engine.classify.precision import Fp8Linear
+        from engine.core.precision import Fp8Linear
 
         layer = next(m for m in fn.fn.modules() if isinstance(m, Fp8Linear))
         assert layer.weight.device.type == "cuda" and layer.weight.dtype == torch.float8_e4m3fn

@@ -1,4 +1,4 @@
-"""engine.classify.geometry.window must reproduce torchvision's Resize + CenterCrop numbers exactly.
+"""engine.core.geometry.window must reproduce torchvision's Resize + CenterCrop numbers exactly.
 
 The reference numbers come from the transforms timm itself builds for the spec
 (`create_transform(..., use_prefetcher=True)`): its Resize's size goes through
@@ -17,8 +17,8 @@ import torchvision.transforms.functional as TF
 from PIL import Image
 from torchvision.transforms.functional import _compute_resized_output_size
 
-from engine.classify.geometry import resize_size, window
-from engine.classify.spec import Spec
+from engine.core.geometry import resize_size, window
+from engine.core.spec import Spec
 
 SIZES = (112, 224, 448)          # network input side S
 CROP_PCTS = (1.0, 0.875, 0.9)

@@ -86,9 +86,9 @@ def test_tensorrt_artifact_builds_loads_and_agrees(tiny_checkpoint, tmp_path):
     pytest.importorskip("torch_tensorrt", reason="torch_tensorrt is not installed: no TensorRT artifact is tested")
     from engine.build import build
     from engine.classify.artifact import load_artifact
-    from engine.classify.checkpoint import load_model
-    from engine.classify.model import wrap
     from engine.classify.runtime import load_runtime
+    from engine.core.checkpoint import load_model
+    from engine.core.model import wrap
 
     spec = tiny_spec("squash", 16, "bf16")
     art = tmp_path / "art"

@@ -325,7 +325,7 @@ def test_the_build_calibrates_against_fp32_without_tf32_and_records_it(tmp_path,
 
 
 def test_the_reference_runs_fp32_without_tf32(tmp_path, tf32_on, monkeypatch):
-    from engine.classify import checkpoint
+    from engine.core import checkpoint
     from evaluator.contest import reference
 
     seen = []

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.classify.precision import Fp8Linear, apply_policy, describe, fp8_reference
 from engine.classify.runtime import UploadRing, _capture
+from engine.core.precision import Fp8Linear, apply_policy, describe, fp8_reference
 
 
 class _LazyCopy:
@@ -119,8 +119,8 @@ def test_fp8_linear_matches_its_twin_and_pads_exactly(k, n):
 def test_fp8_policy_keeps_head_norms_and_patch_embed(tiny_checkpoint):
     from conftest import tiny_spec
 
-    from engine.classify.checkpoint import load_model
-    from engine.classify.precision import Fp32Linear, Fp32Norm
+    from engine.core.checkpoint import load_model
+    from engine.core.precision import Fp32Linear, Fp32Norm
 
     net = load_model(tiny_spec(), tiny_checkpoint)
     low = apply_policy(net, "fp8")
@@ -151,7 +151,7 @@ def test_nvjpeg_routing_sends_subsampled_jpegs_to_the_reference():
 
     from PIL import Image
 
-    from engine.classify.spec import Spec
+    from engine.core.spec import Spec
     from engine.decoders.route import jpeg_header, route
 
     px = (np.random.default_rng(0).random((64, 80, 3)) * 255).astype(np.uint8)

@@ -48,7 +48,7 @@ PARSERS: dict[str, tuple | None] = {
     "engine/build/command.py": ("engine.build.command", "parse_args",
                                 {"": ["--model", "m", "--out", D, "--checkpoint", F]}),
     "engine/clip/bench.py": ("engine.clip.bench", "main", {"": ["--clip", D]}),
-    "engine/presets.py": ("engine.presets", "main", {"": []}),
+    "engine/presets/__main__.py": ("engine.presets.__main__", "main", {"": []}),
     "evaluator/cir/ablate.py": ("evaluator.cir.ablate", "parse_args",
                                 {"": ["--index-dir", D, "--queries", F, "--labels", F]}),
     "evaluator/cir/build.py": ("evaluator.cir.build", "parse_args", {"": ["--corpus", D, "--index-dir", D]}),
@@ -245,7 +245,7 @@ def test_every_option_refuses_hostile_numbers_in_one_line(path, filled, clean_en
                                                                                    cli.HelpFormatter):
                 if action.type.allowed not in " ".join(parser.format_help().split()):
                     problems.append(f"{opt}: --help does not state its range {action.type.allowed}")
-    assert walked or path in ("engine/presets.py", "evaluator/rehearsal/image.py",
+    assert walked or path in ("engine/presets/__main__.py", "evaluator/rehearsal/image.py",
                               "evaluator/rehearsal/image_codegen.py", "scripts/lock.py"), f"{path}: no option walked"
     assert not problems, "\n".join([path, *problems])
 

@@ -14,9 +14,9 @@ from safetensors.torch import save_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.backends import eager
-from engine.classify.checkpoint import MetaLoadError, create_model, load_model, materialize_buffers
-from engine.classify.model import wrap
-from engine.classify.precision import apply_policy
+from engine.core.checkpoint import MetaLoadError, create_model, load_model, materialize_buffers
+from engine.core.model import wrap
+from engine.core.precision import apply_policy
 
 # in-place random fills: what every timm / torch.nn.init initialiser comes down to
 _RANDOM = {"uniform_", "normal_", "bernoulli_", "random_", "exponential_", "cauchy_", "log_normal_", "geometric_"}

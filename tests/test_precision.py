@@ -10,11 +10,11 @@ from conftest import tiny_spec
 from torch import nn
 
 from engine.build.calibrate import choose_tau, folder_pixels, generated_pixels
-from engine.classify.checkpoint import load_model
 from engine.classify.guard import Guard
-from engine.classify.model import Top1Model, wrap
-from engine.classify.precision import Fp32Linear, Fp32Norm, LowPrecisionLinear, _fold_qkv_bias, apply_policy
-from engine.classify.spec import Spec
+from engine.core.checkpoint import load_model
+from engine.core.model import Top1Model, wrap
+from engine.core.precision import Fp32Linear, Fp32Norm, LowPrecisionLinear, _fold_qkv_bias, apply_policy
+from engine.core.spec import Spec
 from engine.presets import preset
 
 
@@ -181,7 +181,7 @@ def test_calibration_images_generated_and_from_a_folder(tmp_path):
 def test_projection_fusion_is_exact_on_an_eva02_large_layout():
     import timm
 
-    from engine.classify.fuse import FusedSwiGLU, fuse_projections
+    from engine.core.fuse import FusedSwiGLU, fuse_projections
 
     torch.manual_seed(0)
     net = timm.create_model("eva02_large_patch14_448", pretrained=False, depth=2, embed_dim=64, num_heads=4,

@@ -1,6 +1,7 @@
-"""Every default of a preset field lives in its table: engine/presets.py (classification, one
-column per device) and engine/retrieval/presets.py (retrieval); no other module holds a literal
-copy that could drift from it."""
+"""Every default of a preset field lives in its table: engine/presets/classification.py (classification, one
+column per device) and engine/presets/retrieval.py (retrieval); no other module holds a literal
+copy that could drift from it, and every other numeric module constant is a fact, listed in FACTS
+with the reason it is not a choice."""
 from __future__ import annotations
 
 import ast
@@ -12,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from engine import presets
-from engine.retrieval import presets as retrieval
+from engine.presets import retrieval
 
 REPO = Path(__file__).resolve().parent.parent
-TABLES = {"engine/presets.py": presets.Preset, "engine/retrieval/presets.py": retrieval.RetrievalPreset}
-SCANNED = ("engine", "evaluator")
+TABLES = {"engine/presets/classification.py": presets.Preset, "engine/presets/retrieval.py": retrieval.RetrievalPreset}
+SCANNED = ("engine", "evaluator", "scripts")
 
 
 def watched_names() -> dict[str, str]:
@@ -105,7 +106,7 @@ def test_no_numeric_default_of_a_preset_field_is_written_outside_its_table():
     """Fails when a numeric literal default for a field of either table appears in engine/ or
     evaluator/ outside the two table modules.
 
-    Fields: every field of engine.presets.Preset and of engine.retrieval.presets.RetrievalPreset,
+    Fields: every field of engine.presets.Preset and of engine.presets.retrieval.RetrievalPreset,
     each under its own name and under every name its `names` metadata lists (a bare name
     anywhere, e.g. SearchConfig's `budget_s` for `search_budget_s`; `Owner.name` only in that
     class or function, e.g. `GuardConfig.budget` for `guard_budget`, `Pic2WordConfig.hidden` for
@@ -153,6 +154,155 @@ def test_the_scan_finds_each_form_it_checks(tmp_path):
         "main.p2w_hidden = 512 (a copy of RetrievalPreset.p2w_hidden)",
         "main.batch_size = (8, 16) (a copy of Preset.batch_size)",
     ], found
+
+
+# Numeric module constants (UPPER_CASE, a number or a tuple / dict / expression of numbers) that are
+# facts, not choices, so no table holds them: file -> {name: why}. A new one is either a table field
+# (its module reads it: `PRUNE = shared("search_prune")`) or a fact added here with its reason.
+FACTS: dict[str, dict[str, str]] = {
+    # units, formats and protocols: what a number means, not how much of something to use
+    "engine/build/calibrate.py": {"BASIS_POINTS": "the unit of budgets: basis points in a rate of 1",
+                                  "MIN_IMAGES": "the guard's statistical floor: tau on fewer images means nothing",
+                                  "MAX_FILE_BYTES": "a limit against a hostile calibration folder"},
+    "engine/build/command.py": {"ALL_BP": "a rate of 1 in basis points (--guard-budget's upper bound)",
+                                "MAX_BATCH": "the range of --batch-size (a limit, not a default)"},
+    "engine/build/autotune.py": {"SIMPLER": "the order of precisions by simplicity, the tie-break rule",
+                                 "SCREEN_CALLS": "a screen's calls: one warm-up, two timed (the method)"},
+    "engine/build/decoder_choice.py": {"JPEG_QUALITY": "the encoding of the flips' test JPEGs, the contest's kind"},
+    "engine/build/clock.py": {"MAX_WAIT_S": "a sanity bound on a wait (30 days), not a budget"},
+    "engine/classify/artifact.py": {"SAMPLE_BLOCKS": "the artifact format's sampled digest (16 blocks)",
+                                    "SAMPLE_BYTES": "the artifact format's sampled digest (64 KiB blocks)"},
+    "engine/cli.py": {"EXIT_FAILED": "the exit status convention", "EXIT_USAGE": "the exit status convention",
+                      "MAX_DEADLINE_S": "the range of every seconds option (30 days)"},
+    "engine/children.py": {"GRACE_S": "a child's clean-up time after SIGTERM (process hygiene)",
+                           "_PR_SET_PDEATHSIG": "linux/prctl.h"},
+    "engine/classify/pipeline.py": {"LEAVE_S": "how long a stopping consumer waits for its worker (hygiene)"},
+    "engine/core/checkpoint.py": {"_SHOW": "how many differing keys an error message lists"},
+    "engine/core/precision.py": {"FP8_MAX": "the largest float8 e4m3 value"},
+    "engine/clip/spec.py": {"OPENAI_MEAN": "CLIP's normalisation (a fact of the model)",
+                            "OPENAI_STD": "CLIP's normalisation (a fact of the model)"},
+    "engine/clip/compiled.py": {"TEXT_LEN": "the compiled text tower's token shape (a graph shape)"},
+    "engine/clip/towers.py": {"MAX_CHARS": "a limit against a hostile request", "MAX_WORD_CHARS": "the same"},
+    "engine/clip/tune.py": {"COS_MIN": "a check's threshold: compiled towers equal to the reference's"},
+    "engine/decoders/dali.py": {"FAST_BATCH": "a marker value of progress(), not a size"},
+    "engine/decoders/isolate.py": {"MAX_RESTARTS": "a crash-loop bound of the isolated decoder",
+                                   "NONE": "the wire protocol's 'no blob' length",
+                                   "NORMAL": "the wire protocol's request modes", "REFERENCE": "the same",
+                                   "HELLO_S": "a child's start-up bound (imports, pipeline build)"},
+    "engine/decoders/pil.py": {"_PIL_FILTERS": "PIL's resampling filter numbers"},
+    "engine/decoders/route.py": {"MAX_PIXELS": "PIL's decompression-bomb limit",
+                                 "MAX_BLOCKS_IN_MCU": "the JPEG standard's limit",
+                                 "MAX_FAST_SCANS": "a limit against a hostile progressive JPEG"},
+    "engine/retrieval/compose.py": {"MAX_CROPS": "the views re-inspection defines (a range, not a default)"},
+    "engine/retrieval/index.py": {"NORM_TOL": "a check's threshold: stored rows are unit vectors",
+                                  "READ_TRIES": "retries of a torn read (hygiene)",
+                                  "MAX_FILE": "a limit against a hostile index"},
+    "engine/retrieval/jsonl.py": {"MAX_BYTES": "a limit against a hostile line", "MAX_DEPTH": "the same"},
+    "engine/retrieval/ray_session.py": {"ACTOR_RESTARTS": "Ray's: none, a failed actor fails the build",
+                                       "CONNECT_TIMEOUT_S": "a connection bound (hygiene)",
+                                       "SESSION_MB": "the local Ray's object store floor",
+                                       "RAY_DISK_LIMIT": "Ray's own disk-full threshold, restated",
+                                       "SOCKET_PATH_MAX": "Linux's sun_path length less one"},
+    "engine/settings.py": {"MAX_THREADS_SETTING": "the range of a setting", "MAX_BYTES_SETTING": "the same",
+                           "MAX_PIXELS_SETTING": "the same", "MAX_EPOCH_S": "the same",
+                           "MAX_THREADS": "the thread budget's cap (the scored sandbox bounds PIDs)"},
+    # the tasks' rules and scores (evaluator/): what the benchmarks state
+    "evaluator/cir/score.py": {"CIRCO_KS": "the metric's cut-offs", "CIRR_KS": "the metric's cut-offs",
+                               "REWARD_B": "the reward's formula", "REWARD_A": "the reward's formula",
+                               "EXAMPLES": "how many bad rows a report quotes"},
+    "evaluator/cir/task.py": {"TOP_K": "the task's results per request", "MAX_REINSPECT": "the task's cap"},
+    "evaluator/contest/agreement.py": {"GATE": "the contest's gate (99 % exact top-1)"},
+    "evaluator/contest/task.py": {"COHORT_IMAGES": "the contest's cohort", "GATE_MARGIN": "the task's stated margin"},
+    "evaluator/contest/eval_data_signs.py": {"VALIDATION_IMAGES": "ImageNet's validation set size",
+                                             "TABLE_LINES": "ImageNet's class count", "TEXT_LIMIT": "a read limit"},
+    "evaluator/contest/manifest.py": {"MAX_BYTES": "a limit against a hostile manifest"},
+    "evaluator/evidence/disclosure.py": {"MIN_RUNS": "the evidence rules' five processes",
+                                         "CV_LIMIT": "the evidence rules' 5 % CV"},
+    # exit statuses, limits and the tools' own sizes (evaluator/ and scripts/: no engine default)
+    "evaluator/cir/build.py": {"STOPPED": "an exit status", "_MAX_BATCH": "an option's range",
+                               "_MAX_COUNT": "an option's range", "_MAX_THREADS": "an option's range"},
+    "evaluator/cir/run.py": {"INTERRUPTED": "the exit status of SIGINT (128 + 2)"},
+    "evaluator/cir/ablate.py": {"WARMUP": "the ablation's untimed warm-up, a measurement method"},
+    "evaluator/contest/build_step.py": {"SELFCHECK_RESERVE_S": "the task's build step keeps this for its self-check",
+                                        "EXIT_FAILED": "the exit status convention", "EXIT_USAGE": "the same"},
+    "evaluator/contest/selfcheck.py": {"RUN_TIMEOUT_S": "a bound on one image's run (hygiene)"},
+    "evaluator/contest/demo.py": {"DEFAULT_COUNT": "the demo's size", "MAX_COUNT": "an option's range",
+                                  "HEARTBEAT_S": "how often a waiting line is printed"},
+    "evaluator/evidence/conditions.py": {"QUIET_LOAD_PER_CORE": "what the report calls a quiet machine"},
+    "evaluator/evidence/runs.py": {"MIN_COUNT": "the min profile's generated images"},
+    "evaluator/evidence/workloads/cir.py": {"PER_TEMPLATE": "the generated corpus's group size"},
+    "evaluator/synthetic/cohort.py": {"TINY_KWARGS": "the tiny test model's shape", "TINY_INPUT": "the same",
+                                      "TEMPLATE_SEED": "the canonical seed"},
+    "scripts/device_probes.py": {"SCORED_GPU_MAJOR": "the scored machine's GPU (Hopper: compute capability 9)"},
+    "scripts/device_check.py": {"ABI_NEED_S": "a step's estimated cost, for its plan",
+                                "BUILD_NEED_S": "a step's estimated cost, for its plan"},
+    "scripts/device_harness.py": {"LOG_TAIL": "how much of a log comes back", "LOG_MAX": "the same"},
+    "scripts/lock_metadata.py": {"PYTHON": "the scored image's Python", "GLIBC": "the scored image's glibc",
+                                 "CHUNK": "a read size"},
+}
+
+
+def _numeric_value(node: ast.AST) -> bool:
+    """A number, a tuple / list / dict of numbers, or an expression of numbers (`64 << 20`)."""
+    if isinstance(node, ast.BinOp):
+        return _numeric_value(node.left) and _numeric_value(node.right)
+    if isinstance(node, ast.Dict):
+        return bool(node.values) and all(_numeric_value(v) for v in node.values)
+    return _numeric(node)
+
+
+def numeric_constants(root: Path = REPO) -> list[tuple[str, str, int]]:
+    """(file, NAME, line) of every module-level UPPER_CASE constant given a numeric literal value,
+    outside the two tables."""
+    out = []
+    for pkg in SCANNED:
+        for path in sorted((root / pkg).rglob("*.py")):
+            rel = path.relative_to(root).as_posix()
+            if rel in TABLES:
+                continue
+            for node in ast.parse(path.read_text(), rel).body:
+                targets = node.targets if isinstance(node, ast.Assign) else \
+                    [node.target] if isinstance(node, ast.AnnAssign) and node.value is not None else []
+                pairs = [(t, node.value) for t in targets]
+                for t, v in list(pairs):   # NAME_A, NAME_B = 3, 2.0: each name with its value
+                    if isinstance(t, ast.Tuple) and isinstance(v, ast.Tuple) and len(t.elts) == len(v.elts):
+                        pairs += list(zip(t.elts, v.elts))
+                for t, v in pairs:
+                    if isinstance(t, ast.Name) and t.id.lstrip("_").isupper() and _numeric_value(v):
+                        out.append((rel, t.id, node.lineno))
+    return out
+
+
+def test_every_numeric_module_constant_is_a_table_field_or_a_listed_fact():
+    """A module constant with a literal number is a choice in hiding unless FACTS says why it is a fact:
+    a choice belongs in a table, its module reading it (`TIE = shared("retime_tie")`)."""
+    found = numeric_constants()
+    new = [f"{rel}:{line}: {name}" for rel, name, line in found if name not in FACTS.get(rel, {})]
+    assert not new, ("numeric module constants neither read from a table nor listed in FACTS (tests/test_presets.py):\n"
+                     + "\n".join(new))
+    gone = {(rel, name) for rel, names in FACTS.items() for name in names} - {(r, n) for r, n, _ in found}
+    assert not gone, f"FACTS lists constants that are no longer numeric literals there: {sorted(gone)}"
+    for rel, names in FACTS.items():
+        assert all(why.strip() for why in names.values()), rel
+
+
+def test_the_constant_scan_finds_each_form(tmp_path):
+    for pkg in SCANNED:
+        (tmp_path / pkg).mkdir()
+    (tmp_path / "scripts" / "s.py").write_text("PRUNE = 0.6\nBATCHES = {'cpu': (4, 8)}\nLIMIT = 64 << 20\n"
+                                               "_HIDDEN: float = -1.5\nNAME = 'x'\nFLAG = True\n"
+                                               "TIE = shared('retime_tie')\nlower = 3\ndef f():\n    INNER = 2\nCALLS, SECONDS = 3, 2.0\n")
+    assert [n for _, n, _ in numeric_constants(tmp_path)] == ["PRUNE", "BATCHES", "LIMIT", "_HIDDEN", "CALLS",
+                                                              "SECONDS"]
+
+
+def test_a_shared_field_is_one_value_on_every_device(monkeypatch):
+    """A module constant reads a field every device's preset holds alike; once a device sets its own, the
+    read fails instead of taking one device's value."""
+    assert presets.shared("search_prune") == presets.preset("cpu").search_prune == presets.preset("cuda").search_prune
+    monkeypatch.setitem(presets.PRESETS, "cuda", dataclasses.replace(presets.preset("cuda"), search_prune=0.5))
+    with pytest.raises(ValueError, match="search_prune"):
+        presets.shared("search_prune")
 
 
 def test_every_field_says_what_it_means():

@@ -68,7 +68,7 @@ def test_the_budget_is_enforced_in_one_place():
 
 def _view(blob: bytes, view: str, size: int = 16) -> np.ndarray:
     """[S, S, 3] uint8: one view as the Reinspector makes it (the pil decoder, mirrored when asked)."""
-    from engine.classify.spec import Spec
+    from engine.core.spec import Spec
     from engine.decoders import make_decoder
 
     spec = view_spec(Spec(model="fake", input_size=size), view)

@@ -1,4 +1,4 @@
-"""engine.classify.spec: the one record that decides preprocessing, resolved offline from timm's pretrained cfg."""
+"""engine.core.spec: the one record that decides preprocessing, resolved offline from timm's pretrained cfg."""
 from __future__ import annotations
 
 import dataclasses
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from engine.classify.spec import Spec, resolve_spec
+from engine.core.spec import Spec, resolve_spec
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)

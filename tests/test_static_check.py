@@ -14,9 +14,9 @@ import engine.no_such_module
 
 
 def uses():
-    import engine.classify.spec
+    import engine.core.spec
 
-    return engine.classify.spec.NO_SUCH_NAME, make_decoder, undefined_name
+    return engine.core.spec.NO_SUCH_NAME, make_decoder, undefined_name
 """
 # what the check leaves alone: a type error (not a name), and a third-party package's names (Any)
 CLEAN = """\

@@ -15,7 +15,7 @@ A backend module declares everything the rest of the kit needs to know about it:
     load(artifact, device) -> fn      run time: fn(uint8 [B, S, S, 3]) -> int32 top-1 [B], or with
                                       margin (artifact.meta["guard"]) (top-1 [B], FP32 margin [B]);
                                       fn takes a batch on any device and runs on `device`
-                                      (engine.classify.model.OnDevice), its outputs on `device`
+                                      (engine.core.model.OnDevice), its outputs on `device`
 
 Adding a backend is one file here and one entry in BACKENDS.
 """

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from engine.classify.model import OnDevice, export_top1
+from engine.core.model import OnDevice, export_top1
 from engine.io import tree_bytes
 
 NAME = "aot"

@@ -1,13 +1,13 @@
 """`eager`: the timm modules themselves; the reference form of every precision.
 
-The artifact keeps the FP32 weights; the precision policy (engine.classify.precision) is applied
+The artifact keeps the FP32 weights; the precision policy (engine.core.precision) is applied
 when the run loads them, so one file serves the low-precision graph and its FP32 twin.
 """
 from __future__ import annotations
 
 import torch
 
-from engine.classify.model import OnDevice, wrap
+from engine.core.model import OnDevice, wrap
 
 NAME = "eager"
 FILES = ("weights.safetensors",)
@@ -29,7 +29,7 @@ def save(net: torch.nn.Module, spec, device: str, out_dir, margin: bool = False)
 def load(artifact, device: torch.device):
     from safetensors.torch import load_file
 
-    from engine.classify.checkpoint import model_with_weights
+    from engine.core.checkpoint import model_with_weights
 
     # built on the meta device, the file's tensors assigned (no random init, no copy); the policy
     # is applied to this model itself: nothing else holds it

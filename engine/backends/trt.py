@@ -1,7 +1,7 @@
 """`trt`: TensorRT engines through torch-tensorrt's dynamo frontend (the `gpu` extra).
 
 Build: torch.export of Top1Model at the static batch shape, under the mixed-precision
-policy (engine.classify.precision), compiled so that TensorRT keeps the dtypes the graph states
+policy (engine.core.precision), compiled so that TensorRT keeps the dtypes the graph states
 (GEMMs and attention low, LayerNorm, softmax inputs and the head FP32: TensorRT's FP16
 LayerNorm overflow cannot happen): torch-tensorrt releases that take
 `use_explicit_typing=True` get it; 2.14 has no such parameter and builds every network
@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from engine.classify.model import OnDevice, export_top1
+from engine.core.model import OnDevice, export_top1
 
 NAME = "trt"
 FILES = ("model.trt.ep",)

@@ -14,9 +14,9 @@ from pathlib import Path
 from engine import backends
 from engine.build import calibrate
 from engine.classify.artifact import Artifact, write_manifest
-from engine.classify.spec import Spec
+from engine.core.spec import Spec
 from engine.io import sha256_file
-from engine.presets import preset
+from engine.presets import PRESETS, preset, shared
 
 RECHECK_DIR = "recheck"   # the guard's FP32 graph, built by the same backend, inside the artifact
 
@@ -24,7 +24,7 @@ RECHECK_DIR = "recheck"   # the guard's FP32 graph, built by the same backend, i
 @dataclasses.dataclass
 class GuardConfig:
     """The margin guard's settings; a None of calibration_count, safety, recheck_batch or budget is
-    the device preset's (engine/presets.py), filled in by `for_device` when the build starts."""
+    the device preset's (engine/presets/classification.py), filled in by `for_device` when the build starts."""
     enabled: bool = True                  # below fp32: re-check near-ties in FP32
     calibration_images: Path | None = None  # a folder of the user's images; None: calibration_source
     calibration_count: int | None = None  # calibration images tau is chosen on
@@ -34,7 +34,7 @@ class GuardConfig:
     budget: float | None = None           # disagreements allowed, in basis points: tau keeps its estimate
                                           # under it (under auto, what the decoder's flips leave of it)
     calibration_source: str = "photos"    # photos (scikit-image's bundled photos) | renders
-    smoke_count: int = 32                 # renders that check the low-precision graph is not broken
+    smoke_count: int = shared("smoke_count")   # renders that check the low-precision graph is not broken
     calibration_check: calibrate.FolderCheck | None = None   # the caller's reasons to refuse calibration_images
     run_images: int | None = None         # images one run classifies: "auto" sizes the re-check calls for them
 
@@ -51,7 +51,7 @@ def assemble(be, backend: str, net, spec: Spec, checkpoint: Path | None, device:
               chosen_guard: tuple | None = None) -> dict:
     """The artifact's files and manifest in `tmp`: the backend's graph (`saved`: its manifest extras,
     when the search already wrote its files there), below fp32 the guard, then manifest.json."""
-    from engine.classify.precision import describe as describe_policy
+    from engine.core.precision import describe as describe_policy
 
     guarded = guard.enabled and spec.precision != "fp32" and be.NEEDS_WEIGHTS
     extra = {**extra, "precision_policy": describe_policy(spec.precision)}
@@ -63,7 +63,7 @@ def assemble(be, backend: str, net, spec: Spec, checkpoint: Path | None, device:
     return write_manifest(tmp, spec, backend, device, checkpoint, ck_sha, extra)
 
 
-SMOKE_AGREEMENT = 0.5   # raw low precision agreeing with FP32 on fewer renders than this: a broken build
+SMOKE_AGREEMENT = shared("smoke_agreement")   # raw low precision agreeing with FP32 on fewer renders than this: a broken build
 
 
 def calibration_stream(spec: Spec, cfg: GuardConfig) -> calibrate.Stream:
@@ -91,7 +91,7 @@ def build_guard(be, backend: str, net, spec: Spec, device: str, tmp: Path, cfg: 
     `chosen_guard`: (choose_tau's record, origin) when the search already chose tau with this graph."""
     import torch
 
-    from engine.classify.model import wrap
+    from engine.core.model import wrap
 
     t0 = time.perf_counter()
     view = Artifact(tmp, spec, backend, device, spec.precision, spec.batch_size, {}, {"guard": True})
@@ -102,7 +102,7 @@ def build_guard(be, backend: str, net, spec: Spec, device: str, tmp: Path, cfg: 
     else:
         pixels, origin = calibration_pixels(spec, cfg)
         low_top1, margins = calibrate.classify(low, pixels, spec.batch_size, margin=True, device=device)
-        ref_top1, ref_margins = calibrate.classify(ref, pixels, 16, margin=True, device=device)
+        ref_top1, ref_margins = calibrate.classify(ref, pixels, calibrate.REFERENCE_BATCH, margin=True, device=device)
         chosen = calibrate.choose_tau(low_top1, margins, ref_top1, ref_margins, cfg.budget, cfg.safety)
     smoke = smoke_check(calibrate, low, ref, spec, device, cfg.smoke_count)
     rbatch = cfg.for_device(device).recheck_batch
@@ -130,7 +130,7 @@ def smoke_check(calibrate, low, ref, spec: Spec, device: str, count: int) -> dic
     """Raw low-precision vs FP32 top-1 on procedural renders: a build that disagrees on most is broken."""
     pixels, origin = calibrate.generated_pixels(spec, count)
     a, _ = calibrate.classify(low, pixels, spec.batch_size, margin=True, device=device)
-    b, _ = calibrate.classify(ref, pixels, 16, margin=True, device=device)
+    b, _ = calibrate.classify(ref, pixels, calibrate.REFERENCE_BATCH, margin=True, device=device)
     rate = float((a == b).mean())
     if rate < SMOKE_AGREEMENT:
         raise RuntimeError(f"the {spec.precision} graph agrees with FP32 on {rate:.0%} of {count} renders "
@@ -138,7 +138,7 @@ def smoke_check(calibrate, low, ref, spec: Spec, device: str, count: int) -> dic
     return {"renders": count, "raw_agreement": round(rate, 4), "origin": origin["origin"]}
 
 
-RECHECK_BATCHES = {"cuda": (8, 16, 32, 64), "cpu": (4, 8, 16)}
+RECHECK_BATCHES = {d: p.recheck_batches for d, p in PRESETS.items()}
 
 
 def measure_recheck_batch(net, spec: Spec, device: str, fraction: float,
@@ -170,8 +170,8 @@ def measure_batch_size(spec: Spec, checkpoint: Path | None, device: str, candida
     `net`: the FP32 network already loaded (else it is loaded from `checkpoint`)."""
     import torch
 
-    from engine.classify.checkpoint import load_model
-    from engine.classify.model import wrap
+    from engine.core.checkpoint import load_model
+    from engine.core.model import wrap
 
     net = net if net is not None else load_model(spec, checkpoint)
     rates = {}

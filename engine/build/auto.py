@@ -39,8 +39,8 @@ import numpy as np
 from engine import backends, children
 from engine.build import assemble as parts
 from engine.build import autotune
-from engine.classify.spec import Spec
-from engine.presets import preset
+from engine.core.spec import Spec
+from engine.presets import preset, shared
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -51,7 +51,8 @@ def _say(msg: str) -> None:
 
 def search_config(spec: Spec, backend: str, device: str, auto) -> tuple[autotune.SearchConfig, dict]:
     """The candidates `auto` measures on this machine, and what it skips (with why)."""
-    from engine.build.measure import importable_backends, native_precisions
+    from engine.build.measure import importable_backends
+    from engine.core.precision import native_precisions
 
     pre = preset(device)
     skipped: dict[str, str] = {}
@@ -85,7 +86,7 @@ def build_measured(net, spec: Spec, checkpoint, backend: str, device: str, guard
     engine.build.clock.BuildClock; None: the device preset's, from now); returns (spec, backend, manifest)."""
     from engine.build import reference
     from engine.build.clock import BuildClock
-    from engine.classify.model import wrap
+    from engine.core.model import wrap
 
     pre = preset(device)
     bclock = bclock or BuildClock(pre.build_deadline_s, {"recheck": pre.compile_estimate_s,
@@ -258,7 +259,7 @@ def _assemble(c, net, cspec, checkpoint, device, tmp, guard, extra, t0, saved, g
 def _rewrite(tmp: Path, meta: dict, result, verify: list, clock: dict) -> dict:
     """manifest.json again, its search record now with the final table, the verification and the clock."""
     from engine.classify.artifact import DIGEST_KEY, write_manifest
-    from engine.classify.spec import Spec as SpecType
+    from engine.core.spec import Spec as SpecType
 
     own = ("format", "spec", "backend", "device", "precision", "batch_size", "checkpoint", "files", "versions",
            "graph", DIGEST_KEY)
@@ -298,7 +299,7 @@ def device_name(device: str) -> str:
 
 
 def verify_artifact(artifact: Path, net, spec: Spec, device: str, pixels: np.ndarray, count: int, alpha: float,
-                    decoder: dict, timeout: float = 1800.0) -> dict:
+                    decoder: dict, timeout: float = shared("verify_timeout_s")) -> dict:
     """The artifact end to end through scripts/run on `count` calibration images written as JPEG files,
     with the decoder the build chose (`decoder`: build_decoder.Choice.record()), against FP32 on
     PIL's pixels (the reference). Two counts: the decoder's own flips (FP32 on its pixels against
@@ -307,7 +308,7 @@ def verify_artifact(artifact: Path, net, spec: Spec, device: str, pixels: np.nda
     check may take (scripts/run gets what the in-process passes leave of it, at least a second)."""
     from engine.build import calibrate
     from engine.build import decoder_choice as build_decoder
-    from engine.classify.model import wrap
+    from engine.core.model import wrap
 
     end = time.monotonic() + timeout
 
@@ -317,13 +318,13 @@ def verify_artifact(artifact: Path, net, spec: Spec, device: str, pixels: np.nda
     fp32 = wrap(net, dataclasses.replace(spec, precision="fp32"), device)
 
     def classify(px: np.ndarray) -> np.ndarray:
-        return calibrate.classify(fp32, px, 16, margin=False, device=device)[0]
+        return calibrate.classify(fp32, px, calibrate.REFERENCE_BATCH, margin=False, device=device)[0]
 
-    pil, _ = build_decoder.start(build_decoder.REFERENCE, spec, 16)
-    want = classify(build_decoder.decoded(pil, blobs, 16)[0])        # [n] the reference's answers
+    pil, _ = build_decoder.start(build_decoder.REFERENCE, spec, calibrate.REFERENCE_BATCH)
+    want = classify(build_decoder.decoded(pil, blobs, calibrate.REFERENCE_BATCH)[0])        # [n] the reference's answers
     own = {"flips": 0, "per_10k": 0.0}
     if name != build_decoder.REFERENCE:
-        dec, why = build_decoder.start(name, spec, 16)
+        dec, why = build_decoder.start(name, spec, calibrate.REFERENCE_BATCH)
         if dec is None:
             return {"ok": False, "images": n, "decoder": name, "why": f"decoder {name} cannot start: {why}"}
         own = build_decoder.flips(dec, blobs, classify, want)

@@ -41,11 +41,12 @@ from engine.build.clock import SearchDeadline
 from engine.build.compile_failures import environmental
 from engine.build.retime import RETIME, ROUNDS, TIE, Timer, faster, margin  # noqa: F401 - TIE: a search rule
 from engine.build.table import LEGEND, format_table  # noqa: F401 - the table the build prints
+from engine.presets import shared
 
-PRUNE = 0.6         # a (precision, batch) screened under 60 % of the best is not compiled (unless it is
-                    # its precision's best)
+PRUNE = shared("search_prune")   # a (precision, batch) screened under 60 % of the best is not compiled (unless
+                                 # it is its precision's best)
 SIMPLER = {"fp32": 0, "bf16": 1, "fp16": 2, "fp8": 3}
-KEEP = 2            # candidates that hold and keep their compiled files for the build's verification
+KEEP = shared("search_keep")     # candidates that hold and keep their compiled files for the build's verification
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +141,7 @@ class Measurer(Protocol):
 class SearchConfig:
     """What the search measures and within what: the preset's fields (batch_sizes, budget_s, options,
     cuda_graphs, compile_estimate_s) have no defaults here; engine.build.auto.search_config fills them
-    from the device's preset (engine/presets.py)."""
+    from the device's preset (engine/presets/classification.py)."""
     precisions: tuple[str, ...]     # to measure (native ones unless asked otherwise)
     batch_sizes: tuple[int, ...]
     backends: tuple[str, ...]       # that import on this machine
@@ -246,7 +247,7 @@ def _candidates(cfg: SearchConfig, screened: dict) -> tuple[list[Candidate], set
     return cands, leaders
 
 
-FIT = 1.5           # a compile starts when 1.5 x its estimate is left: the compile, its timings and agreement
+FIT = shared("compile_fit")      # a compile starts when 1.5 x its estimate is left: the compile, its timings and agreement
 REMOVED = "removed"  # built[key] once a compile's files are gone
 
 

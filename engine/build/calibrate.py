@@ -32,7 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.classify.spec import Spec
+from engine.core.spec import Spec
+from engine.presets import shared
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff"}
 MAX_FILE_BYTES = 64 << 20
@@ -48,6 +49,7 @@ class CalibrationError(ValueError):
     """The calibration images cannot be used."""
 
 
+REFERENCE_BATCH = shared("fp32_reference_batch")   # the FP32 reference graph's batch (and its decodes')
 MIN_IMAGES = 16    # the guard's minimum: tau is never chosen on fewer calibration images
 
 
@@ -261,7 +263,7 @@ def classify(fn, pixels: np.ndarray, batch: int, margin: bool, device=None) -> t
 
 
 BASIS_POINTS = 1e4     # basis points in a rate of 1: budgets and estimates are rates x BASIS_POINTS (1 = 0.01 %)
-TAIL_QUANTILE = 0.9   # margin errors above this quantile are modelled by an exponential tail
+TAIL_QUANTILE = shared("guard_tail_quantile")   # margin errors above this quantile are modelled by an exponential tail
 
 
 def allowed_disagreements(budget: float, n: int, alpha: float) -> int:

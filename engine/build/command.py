@@ -7,9 +7,9 @@
         [--calibration-check MODULE:FUNCTION] [--guard-budget BP] [--guard-safety F]
         [--recheck-batch N|auto] [--run-images N] [--search-budget-s S] [--deadline-s S]
 
-Precision, backend and batch size default to the device's preset (engine/presets.py):
+Precision, backend and batch size default to the device's preset (engine/presets/classification.py):
 `auto` there, measured on this machine (engine.build.auto). Below FP32 the network follows
-the mixed-precision policy (engine.classify.precision) and the build is guarded by default
+the mixed-precision policy (engine.core.precision) and the build is guarded by default
 (engine.classify.guard): the low-precision graph also returns its top-1/top-2 margin, a second FP32
 graph of `--recheck-batch` images re-checks the rows under tau, and tau is chosen here on
 natural photos that are not evaluation data (engine.build.calibrate: scikit-image's bundled
@@ -45,7 +45,7 @@ from pathlib import Path
 
 from engine import backends
 from engine.build.assemble import RECHECK_DIR, GuardConfig, assemble, measure_batch_size  # noqa: F401 - re-exported
-from engine.classify.spec import CROP_MODES, PRECISIONS, Spec, resolve_spec
+from engine.core.spec import CROP_MODES, PRECISIONS, Spec, resolve_spec
 from engine.io import folder_refusal, share_tree_like_root
 from engine.presets import PRESETS, per_device, preset
 
@@ -71,8 +71,8 @@ def build(spec: Spec, checkpoint: Path | None, out: Path, backend: str = backend
     import torch
 
     from engine.build.clock import BuildClock, say
-    from engine.classify.checkpoint import load_model
     from engine.classify.tf32_off import set_fp32_math
+    from engine.core.checkpoint import load_model
 
     guard = (guard or GuardConfig()).for_device(device)   # the device preset's where the caller left None
     why = folder_refusal(out, "the artifact folder", is_artifact_folder, (checkpoint, guard.calibration_images))
@@ -230,11 +230,11 @@ def argument_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
                    help="the artifact folder to write (required): absent, empty, or an artifact of this kit, which is "
                         "replaced as a whole, atomically; anything else is refused and left as it is")
     p.add_argument("--device", choices=tuple(PRESETS), default="cpu",
-                   help="the device the artifact runs on and is measured on; it picks the preset (engine/presets.py)")
+                   help="the device the artifact runs on and is measured on; it picks the preset (engine/presets/classification.py)")
     p.add_argument("--precision", choices=PRECISIONS + ("auto",),
                    help="auto: measured on this machine (engine.build.autotune): the fastest of the device's native "
                         "precisions that holds the guard's disagreement budget (default: the device preset's, "
-                        f"engine/presets.py: {per_device('precision')})")
+                        f"engine/presets/classification.py: {per_device('precision')})")
     p.add_argument("--backend", choices=tuple(backends.BACKENDS) + ("auto",),
                    help="auto: the fastest measured of the backends that import here (default: the device "
                         f"preset's: {per_device('backend')})")

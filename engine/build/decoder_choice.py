@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from engine.build.calibrate import BASIS_POINTS
+from engine.build.calibrate import BASIS_POINTS, REFERENCE_BATCH
 from engine.decoders.registry import FALLBACK
 
 JPEG_QUALITY = 95            # the verification files: a camera's quality, PIL's encoder
@@ -95,7 +95,7 @@ def decoded(dec, blobs: list[bytes], batch: int) -> tuple[np.ndarray, set[int]]:
     return np.concatenate(parts), failed
 
 
-def flips(dec, blobs: list[bytes], classify: Classify, want: np.ndarray, batch: int = 16) -> dict:
+def flips(dec, blobs: list[bytes], classify: Classify, want: np.ndarray, batch: int = REFERENCE_BATCH) -> dict:
     """The decoder's own disagreements: FP32 on its pixels against FP32 on PIL's (`want` [n])."""
     px, failed = decoded(dec, blobs, batch)
     got = classify(px)
@@ -156,7 +156,7 @@ def choose(names: Sequence[str], blobs: list[bytes], classify: Classify, budget:
             continue
         if want is None:
             pil, _ = make(REFERENCE)
-            want = classify(decoded(pil, blobs, 16)[0])     # [n] FP32 on PIL's pixels
+            want = classify(decoded(pil, blobs, REFERENCE_BATCH)[0])     # [n] FP32 on PIL's pixels
         try:
             rec = flips(dec, blobs, classify, want)
         except Exception as e:  # noqa: BLE001 - a decoder that fails on the calibration files is not taken
@@ -184,12 +184,12 @@ def for_build(net, spec, device: str, pixels: np.ndarray, budget: float, count: 
     files, each decoder of `order(device, first)` against PIL under the FP32 graph of `net`.
     `make(name)`: (decoder, None) or (None, why not); default: `start` in this process."""
     from engine.build import calibrate
-    from engine.classify.model import wrap
+    from engine.core.model import wrap
 
     fp32 = wrap(net, dataclasses.replace(spec, precision="fp32"), device)
 
     def classify(px: np.ndarray) -> np.ndarray:
-        return calibrate.classify(fp32, px, 16, margin=False, device=device)[0]
+        return calibrate.classify(fp32, px, REFERENCE_BATCH, margin=False, device=device)[0]
 
     blobs = jpeg_blobs(pixels, count)
-    return choose(order(device, first), blobs, classify, budget, make or (lambda name: start(name, spec, 16)))
+    return choose(order(device, first), blobs, classify, budget, make or (lambda name: start(name, spec, REFERENCE_BATCH)))

@@ -1,4 +1,4 @@
-"""The real measurements behind engine.build.autotune: what this machine runs natively, and each
+"""The real measurements behind engine.build.autotune: each
 candidate's compiled graph timed and checked against FP32 on the calibration images.
 
 Timing follows the usual rules: the graph is warmed up first (lazy inits, autotuned
@@ -20,42 +20,12 @@ from engine import backends
 from engine.build import calibrate
 from engine.build.autotune import Agreement, Candidate
 from engine.classify.artifact import Artifact
-from engine.classify.model import wrap
-from engine.classify.spec import Spec
+from engine.core.model import wrap
+from engine.core.spec import Spec
+from engine.presets import shared
 
-MIN_CALLS, MIN_SECONDS, WARMUP = 3, 2.0, 2
-
-
-def native_precisions(device: str) -> tuple[list[str], dict[str, str]]:
-    """(precisions this device runs natively, {precision: why not} for the others), read from torch:
-    the CPU capability and oneDNN's bf16/fp16 support, or the GPU's compute capability."""
-    out, skipped = ["fp32"], {}
-    if device == "cpu":
-        from engine import settings
-
-        cap = torch.backends.cpu.get_cpu_capability()
-        isa = settings.onednn_max_cpu_isa().upper()
-        limited = bool(isa) and not isa.startswith(("AVX512", "AVX10", "ALL"))
-        wide = cap.startswith("AVX512") or "AMX" in cap
-        for p, supported in (("bf16", torch.ops.mkldnn._is_mkldnn_bf16_supported),
-                             ("fp16", torch.ops.mkldnn._is_mkldnn_fp16_supported)):
-            if wide and not limited and supported():
-                out.append(p)
-            else:
-                skipped[p] = (f"no native {p} on this CPU (capability {cap}"
-                              + (f", ONEDNN_MAX_CPU_ISA={isa}" if isa else "")
-                              + f", oneDNN {p} {'yes' if supported() else 'no'}): emulated, measure it with "
-                              "--search-precisions")
-        skipped["fp8"] = "no fp8 GEMMs on the CPU"
-        return out, skipped
-    major, minor = torch.cuda.get_device_capability()
-    cc = (major, minor)
-    for p, need in (("bf16", (8, 0)), ("fp16", (7, 0)), ("fp8", (8, 9))):
-        if cc >= need:
-            out.append(p)
-        else:
-            skipped[p] = f"compute capability {major}.{minor} < {need[0]}.{need[1]}"
-    return out, skipped
+MIN_CALLS, MIN_SECONDS, WARMUP = shared("timing_calls"), shared("timing_min_s"), shared("timing_warmup")
+MAX_CALLS = shared("timing_max_calls")
 
 
 def importable_backends(device: str) -> tuple[list[str], dict[str, str]]:
@@ -109,7 +79,7 @@ def rate(fn, x: torch.Tensor, device: str, clock=time.perf_counter, warmup: int 
             fn(x)
             _sync(device)
             times.append(clock() - t)
-            if len(times) >= 50:
+            if len(times) >= MAX_CALLS:
                 break
     return x.shape[0] / statistics.median(times)
 

@@ -31,7 +31,7 @@ class Reference:
 
 
 def fitted(ref, stream: calibrate.Stream, count: int, seconds: float, clock: Callable[[], float], device: str,
-           later: float = 0.0, batch: int = 16) -> Reference:
+           later: float = 0.0, batch: int = calibrate.REFERENCE_BATCH) -> Reference:
     """The FP32 reference `ref` (a margin graph) over as many of `count` images of `stream` as fit
     `seconds`, counting `later` more passes of the phase over each image; at least the first batch
     (the guard's minimum), whatever it costs."""

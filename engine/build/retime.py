@@ -16,12 +16,14 @@ import statistics
 import sys
 from collections.abc import Callable
 
-TIE = 0.05          # medians within 5 % (plus the timings' spread) are a tie: the simpler candidate wins
-RETIME = 0.15       # candidates within 15 % of the leader are timed again, interleaved with it
-ROUNDS = 3          # interleaved rounds (A B) of such a retiming, at least
-MAX_ROUNDS = 8      # ... and more, up to this many, while a trial's timings spread over more than STEADY
-STEADY = 0.02       # relative median absolute deviation of a trial's timings that counts as steady
-SETTLED = 3         # timings of the leader before a candidate is pruned against it
+from engine.presets import shared
+
+TIE = shared("retime_tie")                # medians within 5 % (plus the timings' spread) are a tie: the simpler candidate wins
+RETIME = shared("retime_window")          # candidates within 15 % of the leader are timed again, interleaved with it
+ROUNDS = shared("retime_rounds")          # interleaved rounds (A B) of such a retiming, at least
+MAX_ROUNDS = shared("retime_max_rounds")  # ... and more, up to this many, while a trial's timings spread over more than STEADY
+STEADY = shared("retime_steady")          # relative median absolute deviation of a trial's timings that counts as steady
+SETTLED = shared("retime_settled")        # timings of the leader before a candidate is pruned against it
 
 
 def spread(timings: list[float]) -> float:

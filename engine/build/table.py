@@ -3,12 +3,18 @@ line per candidate with every timing of its compiled graph, the choice marked, t
 precisions and dropped backends last."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 from engine.build.retime import RETIME, TIE
 
-if TYPE_CHECKING:
-    from engine.build.autotune import SearchResult
+
+class Rows(Protocol):
+    """What the table reads of a search's result (engine.build.autotune.SearchResult, which imports
+    this module: the table names the shape it needs instead of importing it back)."""
+    trials: Sequence[Any]           # autotune.Trial: candidate, status, why, timings, the rates, agreement, tau
+    skipped: dict[str, str]
+    dropped: dict[str, str]
 
 # what each column and status means, printed once above the rows (docs/classification.md says the same)
 COLUMNS = {
@@ -38,7 +44,7 @@ LEGEND = "\n".join([
     "candidate is retimed interleaved with it; timings: every images/s timing of the graph"])
 
 
-def format_table(result: SearchResult, chosen: str | None) -> str:
+def format_table(result: Rows, chosen: str | None) -> str:
     """The short table the build prints: a legend, one line per candidate (every timing), the choice marked."""
     lines = [LEGEND, f"{'candidate':34} {'screen':>8} {'graph':>8} {'eff.':>8} {'agree':>7} {'tau':>7}  status"]
     for t in result.trials:

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from engine import settings
-from engine.classify.spec import Spec
+from engine.core.spec import Spec
 from engine.io import package_versions, sha256_file
 
 FORMAT = "eva-engine-artifact/2"

@@ -98,7 +98,7 @@ def start_isolated_decoder(artifact: Path, name: str | None, isolate: bool, thre
     """The decoder started from the artifact's manifest before torch is imported, when it runs in
     a child process (engine.decoders.runs_isolated); None otherwise or if the manifest is unusable
     (load_artifact then says why). The Classifier keeps it only if the checked artifact agrees."""
-    from engine.classify.spec import Spec
+    from engine.core.spec import Spec
     from engine.decoders import artifact_decoder, make_decoder, runs_isolated
 
     try:

@@ -18,6 +18,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from engine.presets import shared
+
+READERS = shared("pipeline_readers")   # reader threads and batches in flight when a caller gives none
+DEPTH = shared("pipeline_depth")
+
 
 @dataclass
 class Result:
@@ -117,7 +122,7 @@ def _decode_into(decoder, chunk: list[tuple], parts: list, failed: dict, clock, 
     failed.update({first + j: err for j, (_, err) in enumerate(chunk) if err is not None})
 
 
-def decoded_batches(read, n, bsz, decoder, readers: int = 8, ahead_batches: int = 2,
+def decoded_batches(read, n, bsz, decoder, readers: int = READERS, ahead_batches: int = DEPTH,
                     clock: Callable[[], float] = time.perf_counter, busy: dict | None = None,
                     timeline: list | None = None, max_bytes: int | None = None) -> Iterator[tuple]:
     """Yields (batch index, lo, hi, uint8 [hi-lo, S, S, 3], {row in batch: reason}, ready) for items 0..n-1.
@@ -129,7 +134,7 @@ def decoded_batches(read, n, bsz, decoder, readers: int = 8, ahead_batches: int 
     stage) and `timeline` (decode intervals) are filled when given.
 
     A GPU decoder (one with a `stream`) does all its work for a batch on that stream, the
-    chunks' concatenation included; `ready` is the event after it (engine.classify.gpu_streams), to be
+    chunks' concatenation included; `ready` is the event after it (engine.core.gpu_streams), to be
     taken over by the consumer with `take_batch`. A host decoder's `ready` is None.
     """
     if max_bytes is None:
@@ -185,17 +190,17 @@ def _on_stream(stream):
 def _hand_over(stream):
     if stream is None:
         return None
-    from engine.classify.gpu_streams import hand_over
+    from engine.core.gpu_streams import hand_over
 
     return hand_over(stream)
 
 
 def take_batch(arr, ready):
     """The consumer's side of a decoded batch: on the device, wait for its producer's event and keep
-    it alive for this thread's stream (engine.classify.gpu_streams.take_over); a host batch as it is."""
+    it alive for this thread's stream (engine.core.gpu_streams.take_over); a host batch as it is."""
     if ready is None:
         return arr
-    from engine.classify.gpu_streams import take_over
+    from engine.core.gpu_streams import take_over
 
     return take_over(arr, ready)
 
@@ -242,7 +247,7 @@ def in_thread(gen: Iterator, depth: int) -> Iterator:
         worker.join(LEAVE_S)
 
 
-def classify(read: Callable[[int], bytes], n: int, decoder, runtime, readers: int = 8, depth: int = 2,
+def classify(read: Callable[[int], bytes], n: int, decoder, runtime, readers: int = READERS, depth: int = DEPTH,
              clock: Callable[[], float] = time.perf_counter, progress: Callable[[int], None] | None = None
              ) -> Result:
     """Top-1 for items 0..n-1. `read(i)` returns the encoded bytes or raises (the item then fails)."""

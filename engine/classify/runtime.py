@@ -15,7 +15,7 @@ import torch
 from engine import backends, settings
 from engine.classify.artifact import Artifact
 from engine.classify.guard import Guard
-from engine.classify.spec import Spec
+from engine.core.spec import Spec
 
 
 class UploadRing:

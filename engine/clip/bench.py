@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from engine.retrieval.presets import RETRIEVAL
+from engine.presets.retrieval import RETRIEVAL
 
 PROMPTS = ("a photo of a red car", "make it blue and add stripes", "a dog on a beach at sunset",
            "the same shirt but green", "remove the background people", "a small wooden house in the snow")

@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 
 from engine import settings
-from engine.classify.checkpoint import CheckpointError, check_state_dict, filter_state_dict, read_state_dict
 from engine.clip.spec import ClipSpec, image_spec_from_hf, image_spec_from_open_clip
-from engine.retrieval.presets import RETRIEVAL
+from engine.core.checkpoint import CheckpointError, check_state_dict, filter_state_dict, read_state_dict
+from engine.presets.retrieval import RETRIEVAL
 
 OPEN_CLIP_WEIGHTS = ("open_clip_model.safetensors", "open_clip_pytorch_model.safetensors",
                      "open_clip_pytorch_model.bin", "open_clip_pytorch_model.pth")

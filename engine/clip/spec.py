@@ -2,7 +2,7 @@
 
 CLIP's eval preprocessing (open_clip `image_transform`, resize_mode `shortest`) is
 Resize(short side -> S, bicubic) + CenterCrop(S) + Normalize(OpenAI mean/std): in
-`engine.classify.spec.Spec` terms crop_mode `center`, crop_pct 1.0. So the same PIL / DALI
+`engine.core.spec.Spec` terms crop_mode `center`, crop_pct 1.0. So the same PIL / DALI
 decoders that serve the classifier serve the image tower, with no CLIP-specific code.
 """
 from __future__ import annotations
@@ -11,8 +11,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from engine.classify.spec import Spec
-from engine.retrieval.presets import RETRIEVAL
+from engine.core.spec import Spec
+from engine.presets.retrieval import RETRIEVAL
 
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)

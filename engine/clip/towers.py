@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from engine import settings
 from engine.clip.spec import ClipSpec
-from engine.retrieval.presets import RETRIEVAL
+from engine.presets.retrieval import RETRIEVAL
 
 PRECISIONS = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 MAX_CHARS = 20_000      # longer texts are cut before cleaning (ftfy and the word split are linear in it)

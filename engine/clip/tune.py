@@ -36,10 +36,10 @@ from pathlib import Path
 import torch
 
 from engine.clip import compiled as C
-from engine.retrieval.presets import RETRIEVAL
+from engine.presets.retrieval import RETRIEVAL
 
 COS_MIN = 0.999
-TOP = 50
+TOP = RETRIEVAL.top_k   # the depth of the top-k lists the check compares
 PROMPTS = ("a photo of a red car", "make it blue and add stripes", "a dog on a beach at sunset",
            "the same shirt but green", "remove the people in the background", "a small wooden house in snow",
            "add a hat", "make the sky darker", "a bowl of fruit on a table", "the same scene at night",
@@ -50,7 +50,7 @@ RECORD = "towers.json"   # INDEX_DIR/.build/towers.json: a resumed build's choic
 
 @dataclass(frozen=True)
 class Preset:
-    """One device's tower search; its values are the retrieval table's `tower_*` (engine/retrieval/presets.py)."""
+    """One device's tower search; its values are the retrieval table's `tower_*` (engine/presets/retrieval.py)."""
     backends: tuple[str, ...] = C.BACKENDS
     batches: tuple[int, ...] = field(kw_only=True)   # static batches measured
     precisions: tuple[str, ...] | None = None   # None: those the device runs natively
@@ -86,7 +86,7 @@ class Candidate:
 
 def candidates(tower: str, device: str, preset: Preset) -> list[Candidate]:
     """Every candidate of `tower` on `device` under `preset`."""
-    from engine.build.measure import native_precisions
+    from engine.core.precision import native_precisions
 
     precs = preset.precisions or tuple(native_precisions(device)[0])
     precs = tuple(p for p in precs if p in ("fp32", "bf16", "fp16"))

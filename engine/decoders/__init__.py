@@ -11,7 +11,7 @@ import importlib
 import sys
 import threading
 
-from engine.classify.spec import Spec
+from engine.core.spec import Spec
 from engine.decoders.registry import DECODERS, FALLBACK, NEEDS
 
 __all__ = ["DECODERS", "FALLBACK", "NEEDS", "artifact_decoder", "default_decoder", "make_decoder", "planned_decoder",

@@ -1,6 +1,6 @@
 """DALI decode + resize + crop, on the CPU (`dali-cpu`) or with nvJPEG (`dali-gpu`).
 
-Sizes and crop offsets come from engine.classify.geometry (torchvision's arithmetic), fed per
+Sizes and crop offsets come from engine.core.geometry (torchvision's arithmetic), fed per
 sample, so only the resampling kernel differs from the reference: decoding is
 bit-exact with PIL's libjpeg-turbo on the CPU. Images DALI cannot match (non-JPEG
 formats, JPEGs whose marker structure engine.decoders.route does not accept) or that
@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 
-from engine.classify.spec import Spec
+from engine.core.spec import Spec
 from engine.decoders.pil import PilDecoder
 from engine.decoders.route import route
 
@@ -45,13 +45,13 @@ class DaliDecoder:
             from engine.decoders.isolate import reference_decoder
 
             self._reference = reference_decoder(spec, batch_size, self.threads, settings.decoder_isolate())
-        # gpu: all its device work on a stream of its own, handed over with an event (engine.classify.gpu_streams);
+        # gpu: all its device work on a stream of its own, handed over with an event (engine.core.gpu_streams);
         # _copied: the event after the last copy out of DALI's output, which DALI reuses at its next run
         self.stream = None
         self._copied = None
         self._pipe = self._build()     # first: without a GPU this is what fails, saying why
         if device == "gpu":
-            from engine.classify.gpu_streams import producer_stream
+            from engine.core.gpu_streams import producer_stream
 
             self.stream = producer_stream()
 
@@ -125,7 +125,7 @@ class DaliDecoder:
                 px, f = self._reference.decode(sub, lambda k: progress(slow[k]))
             failed.update({slow[k]: why for k, why in f.items()})
             if self.device == "gpu":
-                from engine.classify.gpu_streams import upload
+                from engine.core.gpu_streams import upload
 
                 out.index_copy_(0, upload(slow, out.device), upload(px, out.device))   # pinned: no sync
             else:
@@ -176,7 +176,7 @@ class DaliDecoder:
         import torch
         from nvidia.dali.plugin.pytorch import feed_ndarray
 
-        from engine.classify.gpu_streams import upload
+        from engine.core.gpu_streams import upload
 
         stream = torch.cuda.current_stream()
         whole = list(idx) == list(range(out.shape[0]))

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.classify.spec import Spec
+from engine.core.spec import Spec
 
 MAX_RESTARTS = 5
 NONE = 0xFFFFFFFF                    # length of a blob that was not read

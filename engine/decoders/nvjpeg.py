@@ -1,7 +1,7 @@
 """GPU decode through torchvision's nvJPEG binding, for machines without DALI (`nvjpeg`).
 
 Decode on the GPU (`torchvision.io.decode_jpeg(device="cuda")`), then an antialiased
-bicubic resize and the crop on the GPU, with sizes and offsets from engine.classify.geometry.
+bicubic resize and the crop on the GPU, with sizes and offsets from engine.core.geometry.
 Images the GPU decoder does not take (other formats, CMYK, truncated) or rejects go to
 the PIL reference on the CPU and are uploaded; nothing stalls on them.
 """
@@ -11,9 +11,9 @@ import sys
 
 import torch
 
-from engine.classify.geometry import window
-from engine.classify.gpu_streams import upload
-from engine.classify.spec import Spec
+from engine.core.geometry import window
+from engine.core.gpu_streams import upload
+from engine.core.spec import Spec
 from engine.decoders.route import route
 
 _MODES = {"bicubic": "bicubic", "bilinear": "bilinear", "nearest": "nearest"}
@@ -45,7 +45,7 @@ class NvjpegDecoder:
         from torchvision.io import ImageReadMode, decode_jpeg
 
         from engine import settings
-        from engine.classify.gpu_streams import producer_stream
+        from engine.core.gpu_streams import producer_stream
         from engine.decoders.isolate import reference_decoder
         from engine.threads import budget
 
@@ -54,7 +54,7 @@ class NvjpegDecoder:
         # the decoder's own stream (the pipeline makes it current and hands each batch over with an
         # event), and a landing stream that only ever holds torchvision's outputs: torchvision
         # allocates them on the caller's stream but writes them from its own stream without waiting
-        # for the caller, so a block freed there must carry no queued reader (engine.classify.gpu_streams)
+        # for the caller, so a block freed there must carry no queued reader (engine.core.gpu_streams)
         self.stream = producer_stream()
         self._landing = producer_stream()
         # every chroma-subsampled JPEG (most photos) takes this path: the whole CPU budget decodes,

@@ -7,7 +7,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from engine.classify.spec import Spec
+from engine.core.spec import Spec
 
 
 @lru_cache(maxsize=8)
@@ -43,11 +43,11 @@ class TooLarge(ValueError):
 
 
 def checked_window(w: int, h: int, spec: Spec):
-    """engine.classify.geometry.window for a w x h image; TooLarge before any pixel is allocated when the
+    """engine.core.geometry.window for a w x h image; TooLarge before any pixel is allocated when the
     image, or its resized copy before the crop, has more pixels than ENGINE_MAX_PIXELS (a 3000x1
     JPEG of 1 KB resizes to 1008000x336 under a short-side-336 center crop: 1 GB per plane)."""
     from engine import settings
-    from engine.classify.geometry import window
+    from engine.core.geometry import window
 
     cap = settings.max_pixels()
     if w * h > cap:
@@ -63,7 +63,7 @@ def decode_pil(blob: bytes, spec: Spec) -> np.ndarray:
     """[S, S, 3] uint8: the reference pixels before normalisation.
 
     The same operations timm's eval transform performs on a PIL image (torchvision's
-    Resize -> PIL `resize`, then CenterCrop), with sizes from engine.classify.geometry, so the
+    Resize -> PIL `resize`, then CenterCrop), with sizes from engine.core.geometry, so the
     fast paths' fallback does not import timm; tests check it byte for byte against
     `timm_pixels`. The header's size is checked against the pixel budget before the
     pixels are decoded (checked_window).

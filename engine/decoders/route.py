@@ -15,7 +15,7 @@ import io
 import re
 from dataclasses import dataclass
 
-from engine.classify.spec import Spec
+from engine.core.spec import Spec
 from engine.decoders.pil import checked_window, failure
 
 # modes the fast decoders take (DALI's decode is bit-exact with PIL for them). Not CMYK/YCCK: PIL reads

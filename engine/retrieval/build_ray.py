@@ -27,8 +27,8 @@ import time
 import warnings
 from pathlib import Path
 
+from engine.presets.retrieval import RETRIEVAL
 from engine.retrieval import gallery
-from engine.retrieval.presets import RETRIEVAL
 from engine.retrieval.ray_session import (
     RayBuildError,
     RaySession,

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.retrieval.presets import RETRIEVAL
+from engine.presets.retrieval import RETRIEVAL
 
 METHODS = ("slerp", "sum", "text-only", "pic2word")          # the composition (base) names
 # where each name comes from: published (with its source) or this kit's own variant (shown by --help)
@@ -108,7 +108,7 @@ def method_help() -> str:
     return "; ".join(f"{k}: {v}" for k, v in {**METHOD_SOURCES, **OPTION_SOURCES}.items())
 
 
-_R = RETRIEVAL   # every default below is the retrieval table's (engine/retrieval/presets.py)
+_R = RETRIEVAL   # every default below is the retrieval table's (engine/presets/retrieval.py)
 
 
 @dataclass(frozen=True)

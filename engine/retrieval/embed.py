@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine.retrieval.presets import RETRIEVAL
+from engine.presets.retrieval import RETRIEVAL
 
 
 @dataclass
@@ -56,8 +56,8 @@ def embed_images(read: Callable[[int], bytes], items: Sequence[int], decoder, en
                  depth: int = RETRIEVAL.decode_ahead) -> Iterator[EmbeddedBatch]:
     """Yield EmbeddedBatch for `items` in order. `read(item)` returns encoded bytes or raises;
     `encode(uint8 [m, S, S, 3]) -> [m, D]` unit rows (torch, any device)."""
-    from engine.classify.gpu_streams import upload
     from engine.classify.pipeline import decoded_batches, in_thread, take_batch
+    from engine.core.gpu_streams import upload
 
     items = list(items)
     log = DecoderLog(decoder)

@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from engine.retrieval.presets import RETRIEVAL
+from engine.presets.retrieval import RETRIEVAL
 
 
 def _log(msg: str) -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.retrieval.presets import RETRIEVAL
+from engine.presets.retrieval import RETRIEVAL
 
 _SUBJECTS = ("a dog", "a cat", "two people", "a man", "a woman", "a child", "a car", "a bus", "a bird",
              "a horse", "a plate of food", "a bedroom", "a kitchen", "a street", "a beach", "a laptop")

@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.io import LockHeld, take_lock, write_atomic
-from engine.retrieval.presets import RETRIEVAL
+from engine.presets.retrieval import RETRIEVAL
 
 FORMAT = "cir-index/1"
 BUILD_DIR = ".build"

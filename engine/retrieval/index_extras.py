@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.presets.retrieval import RETRIEVAL
 from engine.retrieval.pic2word import Pic2WordConfig
-from engine.retrieval.presets import RETRIEVAL
 
 MAPPINGS = ("none", "pic2word")
 TEXT_BANK_DEFAULT = RETRIEVAL.text_bank_size   # gallery-derived texts when a mapping is trained (one text pass)

@@ -43,12 +43,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.clip.inject import check_injectable, encode_with_slot, placeholder_id, slots_of
-from engine.retrieval.presets import RETRIEVAL
+from engine.presets.retrieval import RETRIEVAL
 
 TRAIN_PROMPT = "a photo of *"
 
 
-_R = RETRIEVAL   # the defaults: the retrieval table's p2w_* fields (engine/retrieval/presets.py)
+_R = RETRIEVAL   # the defaults: the retrieval table's p2w_* fields (engine/presets/retrieval.py)
 
 
 @dataclass(frozen=True)

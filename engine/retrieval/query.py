@@ -26,10 +26,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engine.presets.retrieval import RETRIEVAL
 from engine.retrieval.index import npy_from_bytes
-from engine.retrieval.presets import RETRIEVAL
 
-GAP_MIN_TEXTS = 8          # fewer request texts than this make no text mean (said on stderr)
+GAP_MIN_TEXTS = RETRIEVAL.gap_min_texts   # fewer request texts than this make no text mean (said on stderr)
 
 
 class PipelineError(RuntimeError):

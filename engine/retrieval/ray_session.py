@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from engine.retrieval.presets import RETRIEVAL
+from engine.presets.retrieval import RETRIEVAL
 
 ACTOR_RESTARTS = 0       # a dead actor ends the build (its finished chunks kept): Ray Data's default is forever
 CONNECT_TIMEOUT_S = 10   # RAY_ADDRESS must accept a connection within this many seconds

@@ -36,11 +36,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.classify.spec import Spec
-from engine.retrieval.presets import RETRIEVAL
+from engine.core.spec import Spec
+from engine.presets.retrieval import RETRIEVAL
 
 VIEWS = ("mirror", "squash", "zoom80", "squash-mirror", "zoom80-mirror")
-ZOOM = 0.8   # zoom80: the share of the short side kept
+ZOOM = RETRIEVAL.reinspect_zoom   # zoom80: the share of the short side kept
 
 
 class ReinspectLimitError(RuntimeError):

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.retrieval.presets import RETRIEVAL
+from engine.presets.retrieval import RETRIEVAL
 
 SCORERS = ("", "isoftmax", "qbnorm", "dual-softmax", "csls")
 

@@ -21,9 +21,9 @@ import json
 import os
 from pathlib import Path
 
-from engine.retrieval.presets import RETRIEVAL
+from engine.presets.retrieval import RETRIEVAL
 
-DEFAULT_K = 50   # results per request unless asked
+DEFAULT_K = RETRIEVAL.top_k   # results per request unless asked
 
 
 class Searcher:

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.retrieval.presets import RETRIEVAL
+from engine.presets.retrieval import RETRIEVAL
 from evaluator.cir.score import CIRCO_KS, CIRR_KS
 
 PROG = "python -m evaluator.ablate"

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from engine.cli import MAX_DEADLINE_S, device_name
 from engine.decoders.registry import DECODERS
-from engine.retrieval.presets import RETRIEVAL
+from engine.presets.retrieval import RETRIEVAL
 from evaluator import settings as evaluator_settings
 from evaluator.cir import task
 from evaluator.cir.flags import add_flags, flag
@@ -44,7 +44,7 @@ def _error(msg: str) -> int:
     return error(PROG, msg)
 
 
-_R = RETRIEVAL   # the defaults: the retrieval table (engine/retrieval/presets.py)
+_R = RETRIEVAL   # the defaults: the retrieval table (engine/presets/retrieval.py)
 _MAX_BATCH = 4096          # images or requests in one batch
 _MAX_COUNT = 10**9         # images, steps, texts: far past a gallery of a few hundred thousand
 _MAX_THREADS = 1024        # reader threads

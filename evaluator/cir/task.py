@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.retrieval.presets import RETRIEVAL
+from engine.presets.retrieval import RETRIEVAL
 
 TOP_K = 50                  # at most 50 distinct gallery images per request
 MAX_REINSPECT = 100         # candidate images per request that may be re-inspected visually

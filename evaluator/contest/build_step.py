@@ -7,7 +7,7 @@ Every knob is checked before anything runs, a refusal one `build.sh: error: KNOB
 engine.build knobs by engine.build's own parser, its flag named as the knob. A checkpoint that
 records its spec in its safetensors metadata (the kit's tiny ones do) gives every spec knob left
 unset; otherwise the model is evaluator.contest.task's. Precision, batch size and backend default
-to the device's preset (engine/presets.py); the device is cuda when torch sees a GPU, and a GPU
+to the device's preset (engine/presets/classification.py); the device is cuda when torch sees a GPU, and a GPU
 nvidia-smi lists but torch cannot use is refused (a CPU artifact on the GPU machine would pass
 every check and then be scored at CPU speed). The contest's disagreement budget (its gate's 100
 of 10,000 images over a margin of 2: `--guard-budget=50` basis points, the decoder's flips and
@@ -73,7 +73,7 @@ def usage() -> str:
                       f"backend {p.backend}" for d, p in PRESETS.items())
     return (f"usage: ./build.sh            (no arguments: every knob is an environment variable)\n\n{DESCRIPTION}\n\n"
             f"{env_epilog(env)}\n\nthe model (evaluator/contest/task.py): {DEFAULT_MODEL}\n"
-            f"the device presets (engine/presets.py):{presets}\n\n"
+            f"the device presets (engine/presets/classification.py):{presets}\n\n"
             "exit status: 0 ready, 1 the build or the check failed, 2 a bad knob or a missing input")
 
 

@@ -29,14 +29,14 @@ PROG = "python -m evaluator.reference"
 
 
 def reference_top1(spec, checkpoint: Path, paths: list[Path | None], device: str = "cpu"):
-    """int32 [N] top-1 of the FP32 eager model (engine.classify.spec.Spec `spec`), one image at a time;
+    """int32 [N] top-1 of the FP32 eager model (engine.core.spec.Spec `spec`), one image at a time;
     -1 where PIL cannot read."""
     import numpy as np
     import torch
 
     from engine import settings
-    from engine.classify.checkpoint import load_model
     from engine.classify.tf32_off import set_fp32_math
+    from engine.core.checkpoint import load_model
     from engine.decoders.pil import reference_tensor
     from engine.io import read_regular
     from engine.progress import Progress
@@ -101,9 +101,9 @@ def run(a) -> int:
 
     t0 = time.perf_counter()
     settings.check(("threads", "readers", "omp_wait_policy", "max_file_bytes", "progress", "tf32"))
-    threaded = thread_settings(a.device)      # before torch loads (engine.classify.checkpoint imports it)
-    from engine.classify.checkpoint import CheckpointError
-    from engine.classify.spec import resolve_spec
+    threaded = thread_settings(a.device)      # before torch loads (engine.core.checkpoint imports it)
+    from engine.core.checkpoint import CheckpointError
+    from engine.core.spec import resolve_spec
     from engine.threads import apply_torch
     from evaluator.contest.manifest import read_manifest, resolve_image
 

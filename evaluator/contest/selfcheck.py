@@ -43,7 +43,7 @@ def stale_reasons(build_argv: list[str]) -> list[str]:
     """Why the artifact named by `--out` in `build_argv` cannot be reused ([] = reusable)."""
     from engine.build import parse_args
     from engine.classify.artifact import ArtifactError, load_artifact
-    from engine.classify.spec import Spec, resolve_spec
+    from engine.core.spec import Spec, resolve_spec
     from engine.io import sha256_file
 
     a = parse_args(build_argv)

@@ -412,19 +412,21 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--dataset-version", help="max/pro (required): the dataset version / release, declared")
     r.add_argument("--power", help="power source and policy, stated by the operator (recorded beside what Linux "
                                    "exposes; the only power record where it exposes nothing; default: none stated)")
-    r.add_argument("--bundle-limit-mb", type=finite_float(0.0, 1e7, "MB"), default=256.0,
+    r.add_argument("--bundle-limit-mb", type=finite_float(0.0, 1e7, "MB"), default=RunArgs.bundle_limit_mb,
                    help="bundle the artifact's (index's) files up to this size; above it, keep their digests "
                         "and the command that rebuilds them")
     r.add_argument("--count", type=whole_number(1, 10**7, "images"), default=None,
                    help=f"min: generated images (cir: gallery, rounded up to groups of {cir.PER_TEMPLATE}); default: "
                         f"eva02 reuses the prepared demo (./demo or SOURCE_DIR/demo, as `python -m evaluator.demo` "
                         f"leaves it) when one of --seed is there, else {MIN_COUNT} generated")
-    r.add_argument("--requests", type=whole_number(1, 10**6), default=60, help="cir min: generated requests")
-    r.add_argument("--seed", type=SEED, default=0, help="min: generator seed (0 is canonical)")
+    r.add_argument("--requests", type=whole_number(1, 10**6), default=RunArgs.requests,
+                   help="cir min: generated requests")
+    r.add_argument("--seed", type=SEED, default=RunArgs.seed, help="min: generator seed (0 is canonical)")
     r.add_argument("--prepared", type=Path, help="eva02 min: reuse a dir written by `python -m evaluator.demo` or "
                                                  "`python -m evaluator.demo prepare` (default: the prepared demo, "
                                                  "else one prepared in a temporary folder)")
-    r.add_argument("--timeout-s", type=finite_float(0.0, MAX_DEADLINE_S, "s", lo_open=True), default=1800.0, help="per-run wall limit")
+    r.add_argument("--timeout-s", type=finite_float(0.0, MAX_DEADLINE_S, "s", lo_open=True), default=RunArgs.timeout_s,
+                   help="per-run wall limit")
     r.add_argument("--runner", help="command replacing the workload's ABI entry point (shell words; not promotable; "
                                     "default: the source tree's scripts/run or scripts/run.sh)")
     r.add_argument("--source-dir", type=Path, default=REPO_ROOT, help="git tree the runs come from")

@@ -61,6 +61,7 @@ import zlib
 from pathlib import Path
 
 from evaluator import settings as evaluator_settings
+from evaluator.contest.agreement import GATE
 from evaluator.rehearsal.sandbox import interpreter_mounts, run_as_user, traversable, user_command  # noqa: F401 - re-exported
 from evaluator.rehearsal.write_scan import diff, snapshot, writable_places, writes_outside  # noqa: F401
 
@@ -470,7 +471,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--uid", type=whole_number(1, 2**31 - 2), default=10001, help="unprivileged uid (and gid) to run as (the image's user)")
     p.add_argument("--memory", default="auto", help="address-space bound: auto (16G on CPU, none on CUDA), none, 8G")
     p.add_argument("--nproc", type=whole_number(1, 2**22, "processes"), default=4096, help="process+thread bound for the user (RLIMIT_NPROC)")
-    p.add_argument("--gate", type=finite_float(0.0, 1.0, lo_open=True), default=0.99, help="agreement with the reference needed to pass")
+    p.add_argument("--gate", type=finite_float(0.0, 1.0, lo_open=True), default=GATE, help="agreement with the reference needed to pass")
     p.add_argument("--timeout", type=finite_float(0.0, MAX_DEADLINE_S, "s", lo_open=True), default=1800.0, help="seconds the run may take")
     p.add_argument("--run-cmd", default=evaluator_settings.rehearse_run_cmd(),
                    help="sh command run instead of scripts/run, with MANIFEST IMAGE_ROOT OUTPUT as $1..$3 "

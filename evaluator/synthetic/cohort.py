@@ -179,8 +179,8 @@ def make_tiny_checkpoint(path: Path, seed: int = 0, classes: int = 100, renders:
     import torch
     from PIL import Image
 
-    from engine.classify.checkpoint import create_model
-    from engine.classify.spec import resolve_spec
+    from engine.core.checkpoint import create_model
+    from engine.core.spec import resolve_spec
     from engine.decoders.pil import _timm_transform
 
     torch.manual_seed(seed)

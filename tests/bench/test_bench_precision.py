@@ -20,7 +20,7 @@ rotating order for BENCH_ROUNDS rounds (BENCH_ALT_PATHS picks them, comma-separa
     kit           scripts/run on `engine.build --precision bf16` (guarded)
     kit_raw       the same bf16 artifact with ENGINE_GUARD=0
 Default: naive, timm_batched, kit_auto, kit_fp32, and kit + kit_raw where the CPU runs bf16
-natively (engine.build.measure.native_precisions; elsewhere bf16 is emulated, minutes a run).
+natively (engine.core.precision.native_precisions; elsewhere bf16 is emulated, minutes a run).
 Reported (JSON on stderr and in the benchmark's extra_info): the CPU capability, wall
 medians, agreement of each with the naive path, the ratios, and for the bf16 artifact the
 guard's tau, re-checked fraction and time. Checked: every kit path's agreement passes the
@@ -71,7 +71,7 @@ def bench_paths() -> tuple[str, ...]:
     """BENCH_ALT_PATHS, else every path (the bf16 ones only where this CPU runs bf16 natively)."""
     if os.environ.get("BENCH_ALT_PATHS"):
         return tuple(p for p in os.environ["BENCH_ALT_PATHS"].split(",") if p)
-    from engine.build.measure import native_precisions
+    from engine.core.precision import native_precisions
 
     native = "bf16" in native_precisions("cpu")[0]
     return tuple(p for p in ALL_PATHS if native or p not in ("kit", "kit_raw"))

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.classify.spec import Spec
+from engine.core.spec import Spec
 from engine.retrieval.reinspect import ReinspectBudget, Reinspector, view_groups
 
 pytest.importorskip("pytest_benchmark")

@@ -37,8 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     from PIL import Image
     from timm.data import create_transform
 
-    from engine.classify.checkpoint import load_model
-    from engine.classify.spec import resolve_spec
+    from engine.core.checkpoint import load_model
+    from engine.core.spec import resolve_spec
 
     spec = resolve_spec(a.model, input_size=a.input_size, crop_mode=a.crop_mode, crop_pct=a.crop_pct,
                         model_kwargs=a.model_kwargs)

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.io import sha256_file
+from evaluator.contest import agreement
 from evaluator.evidence import sha256_manifest
 from evaluator.evidence.runs import (
     MIN_COUNT,
@@ -35,7 +36,7 @@ from evaluator.evidence.runs import (
     timed_run,
 )
 
-AGREEMENT_GATE = 0.99
+AGREEMENT_GATE = agreement.GATE   # the contest's gate, written once (evaluator.contest.agreement)
 
 
 @dataclass

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from engine.classify.spec import Spec
+from engine.core.spec import Spec
 
 _WRAPPER_KEYS = ("state_dict", "model", "module", "model_ema", "state_dict_ema")
 _SHOW = 8  # how many differing keys an error message lists

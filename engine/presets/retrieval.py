@@ -3,7 +3,7 @@ Pic2Word, the Ray build and the CLIP towers (engine.clip). Every module of engin
 engine/clip and evaluator/cir takes its default from `RETRIEVAL` here; none holds a literal
 copy (tests/test_presets.py checks the field names, and the other names each field lists).
 
-Why a table of its own, beside the engine's (engine/presets.py) rather than a section of it:
+Why a table of its own, beside the engine's (engine/presets/classification.py) rather than a section of it:
 the classification table has one column per device because nearly every build default
 depends on it, while a retrieval default hardly ever does (the two that do, `image_batch` and
 `tower_batches`, map a device to their value); and the retrieval engine reads this table
@@ -11,9 +11,9 @@ without importing the classification build's. `python -m engine.presets` prints 
 this one as docs/retrieval.md shows it (a test keeps the two equal).
 
 Not here, by design: switches whose default is "off" or "derived" (`--dba 0`, `--text-bank -1`,
-`--p2w-steps 0`, `--p2w-warmup -1`, the stop hooks), limits the callers set (results per
-request, the re-inspection cap: evaluator.cir's), checks' thresholds (engine.clip.tune's
-COS_MIN) and facts of a model (engine.clip.spec's CLIP geometry).
+`--p2w-steps 0`, `--p2w-warmup -1`, the stop hooks), limits the callers set (the caller's results
+per request and re-inspection cap: evaluator.cir's; `top_k` is only the API's default), checks'
+thresholds (engine.clip.tune's COS_MIN) and facts of a model (engine.clip.spec's CLIP geometry).
 """
 from __future__ import annotations
 
@@ -49,7 +49,13 @@ class RetrievalPreset:
     dba_alpha: float = _field("`dba:alpha=`, build `--dba-alpha`: DBA's exponent on similarities", 3.0)
     reinspect_candidates: int = _field("`reinspect` without `n=`: candidates re-inspected per request", 100)
     crops: int = _field("`reinspect:crops=`: extra views per re-inspected candidate (1..5)", 3)
+    reinspect_zoom: float = _field("a re-inspection view's zoom: the share of the short side its centre crop "
+                                   "keeps", 0.8)
+    gap_min_texts: int = _field("`gap` centred on a call's own request texts: fewer texts than this make no "
+                                "text mean (said on stderr)", 8)
     # the query run (evaluator.cir.run, engine.retrieval.search and .query)
+    top_k: int = _field("results per request when the caller asks for no `k` (the API's default); the CLIP "
+                        "towers' tuning compares top-k lists this deep", 50)
     query_batch: int = _field("requests per batch: run `--batch-size`, ablate `--batch-size`, the API's "
                               "`batch_size`; also the blocks a call's requests are encoded in for its statistics", 256)
     bank_chunk: int = _field("run `--bank-chunk`: bank queries per block of the streamed bank statistics "
@@ -106,7 +112,7 @@ class RetrievalPreset:
     # python -m engine.clip.bench
     bench_image_batch: int = _field("bench `--image-batch`: images per timed call", 32)
     bench_text_batch: int = _field("bench `--text-batch`: texts per timed call", 64)
-    bench_rounds: int = _field("bench `--rounds`: eager / aot timing rounds", 7, names=("rounds",))
+    bench_rounds: int = _field("bench `--rounds`: eager / aot timing rounds", 7, names=("bench.rounds",))
     bench_min_s: float = _field("bench: seconds one timing lasts at least", 0.5, names=("_rate.min_s",))
 
     def image_batch_for(self, device: str | None) -> int:

@@ -2,7 +2,7 @@
 `SUPPORTED_PROFILES`): `python -m engine.build`, `./build.sh` and the device check read them here,
 so changing a default precision, backend, batch size or guard budget is one edit in this file;
 no other module holds a literal default for a field of this table (tests/test_presets.py).
-The retrieval engine's table is engine/retrieval/presets.py. `python -m engine.presets` prints
+The retrieval engine's table is engine/presets/retrieval.py. `python -m engine.presets` prints
 both, as docs/classification.md and docs/retrieval.md show them (a test keeps them equal).
 
 `auto` means measured on the build machine (engine.build.autotune): the precision, the batch size
@@ -58,6 +58,49 @@ class Preset:
                                        "search's first, the guard's re-check graph)", default=120.0)
     verify_estimate_s: float = _field("the deadline's plan: seconds to assemble and verify one candidate end to end",
                                       default=60.0)
+    verify_timeout_s: float = _field("seconds the end-to-end verification of one candidate may take",
+                                     names=("verify_artifact.timeout",), default=1800.0)
+    recheck_batches: tuple[int, ...] = _field("the candidates of `--recheck-batch auto` (the FP32 re-check graph's "
+                                              "static batch)", default=(4, 8, 16))
+    fp32_reference_batch: int = _field("the batch of the FP32 reference graph on the calibration and verification "
+                                       "images (and of their decodes)", names=("fitted.batch", "flips.batch"),
+                                       default=16)
+    smoke_count: int = _field("renders that check the low-precision graph is not broken before its guard is "
+                              "fitted", default=32)
+    smoke_agreement: float = _field("raw low precision agreeing with FP32 on fewer of those renders than this "
+                                    "fraction: a broken build", default=0.5)
+    guard_tail_quantile: float = _field("the guard's error model: margin errors above this quantile are modelled "
+                                        "by an exponential tail", default=0.9)
+    search_prune: float = _field("a (precision, batch) screened under this fraction of the best screen is not "
+                                 "compiled (unless it is its precision's best)", default=0.6)
+    search_keep: int = _field("candidates that hold and keep their compiled files for the build's verification",
+                              default=2)
+    compile_fit: float = _field("a compile starts when this many times its estimate is left: the compile, its "
+                                "timings and agreement", default=1.5)
+    timing_warmup: int = _field("untimed calls before a graph's rate is timed (lazy inits, autotuned kernels)",
+                                default=2)
+    timing_calls: int = _field("timed calls of a graph's rate, at least (their median is the rate)", default=3)
+    timing_min_s: float = _field("seconds a graph's rate is timed for, at least", default=2.0)
+    timing_max_calls: int = _field("timed calls of a graph's rate, at most (however short each)", default=50)
+    retime_tie: float = _field("medians within this fraction (plus the timings' spread) are a tie: the simpler "
+                               "candidate wins", default=0.05)
+    retime_window: float = _field("candidates within this fraction of the leader are timed again, interleaved "
+                                  "with it", default=0.15)
+    retime_rounds: int = _field("interleaved rounds (A B) of such a retiming, at least", default=3)
+    retime_max_rounds: int = _field("... and more, up to this many, while a trial's timings are not steady",
+                                    default=8)
+    retime_steady: float = _field("relative median absolute deviation of a trial's timings that counts as steady",
+                                  default=0.02)
+    retime_settled: int = _field("timings of the leader before a candidate is pruned against it", default=3)
+    pipeline_readers: int = _field("file-reading threads of the classification pipeline when its caller gives "
+                                   "none (the run gives engine.threads' budget)",
+                                   names=("classify.readers", "decoded_batches.readers"), default=8)
+    pipeline_depth: int = _field("decoded batches in flight ahead of inference when the caller gives none",
+                                 names=("classify.depth", "decoded_batches.ahead_batches"), default=2)
+    check_calibration_count: int = _field("calibration images of the device check's builds (scripts/device_check.py "
+                                          "`--calibration-count`): a quick check, not a full build", default=64)
+    check_search_budget_s: float = _field("seconds of the device check's auto search (scripts/device_check.py "
+                                          "`--search-budget-s`)", default=90.0)
 
 
 PRESETS = {
@@ -68,7 +111,8 @@ PRESETS = {
     # ~1 min, ~4 min per AOTInductor compile. The deadline (1,500 s: 25 min, a margin under a
     # 30-minute build step) less the other phases' estimates leaves the search ~1,050 s, under its cap.
     "cuda": Preset("cuda", (32, 64, 100, 128), 64, 1500.0, ("default",), (True, False), checkpoint_estimate_s=60.0,
-                   calibration_estimate_s=30.0, compile_estimate_s=240.0, verify_estimate_s=120.0),
+                   calibration_estimate_s=30.0, compile_estimate_s=240.0, verify_estimate_s=120.0,
+                   recheck_batches=(8, 16, 32, 64)),
 }
 
 
@@ -76,6 +120,16 @@ def preset(device: str) -> Preset:
     if device not in PRESETS:
         raise ValueError(f"no preset for device {device!r}; one of {', '.join(PRESETS)}")
     return PRESETS[device]
+
+
+def shared(field: str):
+    """`field`'s value, which every device's preset holds alike: what a module constant reads at import,
+    before any device is known (ValueError once a preset sets its own, so that no module silently reads
+    one device's value)."""
+    values = {repr(getattr(p, field)): getattr(p, field) for p in PRESETS.values()}
+    if len(values) != 1:
+        raise ValueError(f"preset field {field!r} differs between devices ({', '.join(values)}): read it per device")
+    return next(iter(values.values()))
 
 
 def markdown() -> str:
@@ -95,26 +149,3 @@ def markdown() -> str:
 def per_device(field: str) -> str:
     """`field` of every preset, for a --help: "cpu: auto, cuda: auto"."""
     return ", ".join(f"{d}: {getattr(p, field)}" for d, p in PRESETS.items())
-
-
-def tables() -> str:
-    """Both engines' tables, as the docs show them: this one (docs/classification.md), a blank
-    line, the retrieval engine's (docs/retrieval.md)."""
-    from engine.retrieval import presets as retrieval
-
-    return markdown() + "\n\n" + retrieval.markdown()
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m engine.presets`: both tables on stdout (it takes no arguments but --help)."""
-    from engine.cli import ArgumentParser
-
-    ArgumentParser(prog="python -m engine.presets", description="Print the defaults as Markdown tables: the "
-                   "classification build's, one column per device (docs/classification.md), then the retrieval "
-                   "engine's (docs/retrieval.md).").parse_args(argv)
-    print(tables())
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 CROP_MODES = ("center", "squash")
-PRECISIONS = ("fp32", "fp16", "bf16", "fp8")  # fp8: rowwise-scaled e4m3 GEMMs (engine.classify.precision)
+PRECISIONS = ("fp32", "fp16", "bf16", "fp8")  # fp8: rowwise-scaled e4m3 GEMMs (engine.core.precision)
 INTERPOLATIONS = ("bicubic", "bilinear", "nearest")
 
 
 def _static_batch() -> int:
     """A spec's batch when none is given: a spec names no device, so the CPU preset's static batch
-    (engine/presets.py; the build always gives the batch it builds)."""
+    (engine/presets/classification.py; the build always gives the batch it builds)."""
     from engine.presets import preset
 
     return preset("cpu").static_batch_size

@@ -137,10 +137,10 @@ def share_copy(net: nn.Module) -> nn.Module:
 
 
 def apply_policy(net: nn.Module, precision: str, copy: bool = True) -> nn.Module:
-    """`net` (FP32, eval) with its projections fused (engine.classify.fuse, exact) and the policy for
+    """`net` (FP32, eval) with its projections fused (engine.core.fuse, exact) and the policy for
     `precision` applied; fp32 applies only the fusion. `copy=True`: on a share_copy of `net`
     (the caller's model keeps its layers); `copy=False`: on `net` itself (a fresh load)."""
-    from engine.classify.fuse import fuse_projections
+    from engine.core.fuse import fuse_projections
 
     net = (share_copy(net) if copy else net).float().eval()
     fuse_projections(net)
@@ -176,3 +176,35 @@ def _fold_qkv_bias(net: nn.Module) -> None:
             folded = nn.Linear(qkv.in_features, qkv.out_features, bias=True, device="meta")  # no init
             folded.weight, folded.bias = qkv.weight, nn.Parameter(bias, requires_grad=qkv.weight.requires_grad)
             m.qkv, m.q_bias, m.k_bias, m.v_bias = folded, None, None, None
+
+
+def native_precisions(device: str) -> tuple[list[str], dict[str, str]]:
+    """(precisions this device runs natively, {precision: why not} for the others), read from torch:
+    the CPU capability and oneDNN's bf16/fp16 support, or the GPU's compute capability."""
+    out, skipped = ["fp32"], {}
+    if device == "cpu":
+        from engine import settings
+
+        cap = torch.backends.cpu.get_cpu_capability()
+        isa = settings.onednn_max_cpu_isa().upper()
+        limited = bool(isa) and not isa.startswith(("AVX512", "AVX10", "ALL"))
+        wide = cap.startswith("AVX512") or "AMX" in cap
+        for p, supported in (("bf16", torch.ops.mkldnn._is_mkldnn_bf16_supported),
+                             ("fp16", torch.ops.mkldnn._is_mkldnn_fp16_supported)):
+            if wide and not limited and supported():
+                out.append(p)
+            else:
+                skipped[p] = (f"no native {p} on this CPU (capability {cap}"
+                              + (f", ONEDNN_MAX_CPU_ISA={isa}" if isa else "")
+                              + f", oneDNN {p} {'yes' if supported() else 'no'}): emulated, measure it with "
+                              "--search-precisions")
+        skipped["fp8"] = "no fp8 GEMMs on the CPU"
+        return out, skipped
+    major, minor = torch.cuda.get_device_capability()
+    cc = (major, minor)
+    for p, need in (("bf16", (8, 0)), ("fp16", (7, 0)), ("fp8", (8, 9))):
+        if cc >= need:
+            out.append(p)
+        else:
+            skipped[p] = f"compute capability {major}.{minor} < {need[0]}.{need[1]}"
+    return out, skipped

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.classify.precision import apply_policy
-from engine.classify.spec import Spec
+from engine.core.precision import apply_policy
+from engine.core.spec import Spec
 
 
 class Top1Model(torch.nn.Module):

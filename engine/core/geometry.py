@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.classify.spec import Spec
+from engine.core.spec import Spec
 
 
 @dataclass(frozen=True)
