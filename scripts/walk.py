@@ -34,15 +34,19 @@ REPO = Path(__file__).resolve().parent.parent
 ROOTS = ("engine", "evaluator", "kernels", "scripts")
 DEPTH = 2   # how deep a parameter's containers are searched for the value
 
-# Layers, lowest first: a module's layer is the longest prefix listed here (the walk's climbs).
+# Layers, lowest first (engine/__init__.py's table, then the evaluator and the scripts above it): a
+# module's layer is the longest prefix listed here (the walk's climbs).
 LAYERS = (
     ("kernels",),
-    ("engine.children", "engine.cli", "engine.io", "engine.memory", "engine.presets", "engine.process_stats",
+    ("engine.children", "engine.cli", "engine.io", "engine.memory", "engine.process_stats",
      "engine.progress", "engine.settings", "engine.stdio", "engine.threads"),
+    ("engine.presets",),
+    ("engine.core",),
     ("engine.decoders", "engine.backends"),
-    ("engine.classify", "engine.clip"),
+    ("engine.classify",),
+    ("engine.build", "engine.tuning", "engine.clip"),
     ("engine.retrieval",),
-    ("engine.build", "engine.tuning", "engine"),
+    ("engine",),
     ("evaluator",),
     ("scripts", "__main__"),
 )

@@ -236,6 +236,7 @@ FACTS: dict[str, dict[str, str]] = {
     "scripts/device_probes.py": {"SCORED_GPU_MAJOR": "the scored machine's GPU (Hopper: compute capability 9)"},
     "scripts/device_check.py": {"ABI_NEED_S": "a step's estimated cost, for its plan",
                                 "BUILD_NEED_S": "a step's estimated cost, for its plan"},
+    "scripts/walk.py": {"DEPTH": "the walk's definition: how deep a parameter's containers are searched"},
     "scripts/device_harness.py": {"LOG_TAIL": "how much of a log comes back", "LOG_MAX": "the same"},
     "scripts/lock_metadata.py": {"PYTHON": "the scored image's Python", "GLIBC": "the scored image's glibc",
                                  "CHUNK": "a read size"},
