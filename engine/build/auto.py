@@ -75,7 +75,8 @@ def search_config(spec: Spec, backend: str, device: str, auto) -> tuple[autotune
                                 budget_s=auto.budget_s if auto.budget_s is not None else pre.search_budget_s,
                                 options=pre.options, options_backends=with_options, cuda_graphs=pre.cuda_graphs,
                                 compile_estimate_s=pre.compile_estimate_s,
-                                compiled=tuple(n for n, m in mods.items() if getattr(m, "COMPILES", False)))
+                                compiled=tuple(n for n, m in mods.items() if getattr(m, "COMPILES", False)),
+                                fp16_same_cost=pre.fp16_same_cost, compile_share=pre.compile_share)
     return cfg, skipped
 
 
@@ -168,16 +169,47 @@ def _search_and_assemble(net, spec, checkpoint, backend, device, guard, auto, tm
                             record, verify, bclock, work)
     if done is not None:
         return done
-    # nothing held, built and verified in time: the plain path that is known to work
-    _clear(tmp)
+    return _fallback(result, cfg, net, spec, checkpoint, device, guard, tmp, extra, t0, origin, record, verify,
+                     bclock)
+
+
+def _fallback(result, cfg, net, spec, checkpoint, device, guard, tmp, extra, t0, origin, record, verify, bclock):
+    """Nothing held, built and verified in time: the best measured candidate that needs no compile and
+    held its agreement in the search (autotune.fallback_choice: on a GPU eager bf16 with its guard, ~7-9x
+    eager FP32's rate), its re-check graph eager (nothing compiles after the deadline ran out); else, or
+    when that cannot be assembled, the plain eager FP32 path without CUDA graphs. One stderr line says
+    why and what; the manifest's `fallback` says it too. Returns (spec, backend, manifest)."""
     cut = any(v.get("deadline") for v in verify) or any(
         "deadline" in t.why for t in result.trials if t.status in ("not compiled", "not screened"))
     why = ("the build's deadline left no time to measure and verify a candidate" if cut and not result.ranked
            else "the build's deadline left no time to verify another candidate" if cut
            else "no measured candidate held, built and verified")
     _say("autotune:\n" + autotune.format_table(result, None))
-    _say(f"autotune: WARNING: {why}; building the plain eager FP32 path without CUDA graphs (not verified end "
-         "to end: it is the reference's own network, with the run's decoder)")
+    pick = autotune.fallback_choice(result.trials, cfg.compiled, verify)
+    if pick is not None:
+        c = pick.candidate
+        cspec = dataclasses.replace(spec, precision=c.precision, batch_size=c.batch_size)
+        gargs = (pick.guard, origin) if c.precision != "fp32" else None
+        what = (f"{c.name}, the fastest measured candidate that compiles nothing and held its agreement "
+                f"({pick.effective_images_per_s:.1f} images/s"
+                + (f", guarded: tau {pick.tau:.4g}, its re-check graph eager" if gargs else "") + ")")
+        _say(f"autotune: WARNING: {why}; falling back to {what}; not verified end to end")
+        _clear(tmp)
+        try:
+            with bclock.phase("recheck" if gargs else "verify"):
+                record["clock"] = bclock.record()
+                meta = _assemble(c, net, cspec, checkpoint, device, tmp,
+                                 dataclasses.replace(guard, recheck_backend=backends.REFERENCE), extra, t0, None,
+                                 gargs, result, record, verify, chosen=None,
+                                 fallback=f"{what}: {why}; not verified")
+            return cspec, c.backend, meta
+        except Exception as e:  # noqa: BLE001 - said, and the plain path below is the artifact
+            _say(f"autotune: the fallback {c.name} cannot be assembled ({autotune._why(e)}); building eager FP32")
+            _clear(tmp)
+    else:
+        _say(f"autotune: WARNING: {why}; no candidate that compiles nothing held its agreement: building the plain "
+             "eager FP32 path without CUDA graphs (not verified end to end: it is the reference's own network, "
+             "with the run's decoder)")
     c = autotune.Candidate("fp32", spec.batch_size, backends.REFERENCE)
     fspec = dataclasses.replace(spec, precision="fp32")
     record["clock"] = bclock.record()
@@ -298,13 +330,15 @@ def device_name(device: str) -> str:
 
 
 def verify_artifact(artifact: Path, net, spec: Spec, device: str, pixels: np.ndarray, count: int, alpha: float,
-                    decoder: dict, timeout: float = 1800.0) -> dict:
+                    decoder: dict, timeout: float = 1800.0, in_process: bool | None = None) -> dict:
     """The artifact end to end through scripts/run on `count` calibration images written as JPEG files,
     with the decoder the build chose (`decoder`: build_decoder.Choice.record()), against FP32 on
     PIL's pixels (the reference). Two counts: the decoder's own flips (FP32 on its pixels against
     FP32 on PIL's) and the total (the artifact against FP32 on PIL's pixels); ok when the total is
     within calibrate.allowed_disagreements(the budget, n, alpha). `timeout`: the seconds the whole
-    check may take (scripts/run gets what the in-process passes leave of it, at least a second)."""
+    check may take (scripts/run gets what the in-process passes leave of it, at least a second).
+    `in_process` (None: on CUDA): the artifact runs here, through the API scripts/run calls, not in a
+    child (`_run_here` says why)."""
     from engine.build import calibrate
     from engine.build import decoder_choice as build_decoder
     from engine.classify.model import wrap
@@ -328,7 +362,9 @@ def verify_artifact(artifact: Path, net, spec: Spec, device: str, pixels: np.nda
             return {"ok": False, "images": n, "decoder": name, "why": f"decoder {name} cannot start: {why}"}
         own = build_decoder.flips(dec, blobs, classify, want)
         getattr(dec, "close", lambda: None)()
-    got, run = _run_script(artifact, blobs, name, max(end - time.monotonic(), 1.0))
+    here = device == "cuda" if in_process is None else in_process
+    got, run = (_run_here(artifact, blobs, name) if here
+                else _run_script(artifact, blobs, name, max(end - time.monotonic(), 1.0)))
     if "why" in run:
         return {"ok": False, "images": n, "decoder": name, **run}
     total = int((got != want).sum()) if len(got) == n else n
@@ -341,6 +377,34 @@ def verify_artifact(artifact: Path, net, spec: Spec, device: str, pixels: np.nda
         res["why"] = (f"{total} of {n} images disagree with FP32 on PIL's pixels (the decoder {name} "
                       f"alone: {own['flips']}), over the {gate} a budget of {budget:g} basis points allows")
     return res
+
+
+def _run_here(artifact: Path, blobs: list[bytes], decoder: str) -> tuple[np.ndarray, dict]:
+    """(top-1 [n] int32, {wall_s, images_per_s, cuda_graph, where} or {why}) of the artifact loaded in
+    this process through the engine's API (engine.load, what scripts/run calls), with `decoder` in this
+    process too.
+
+    Why here on CUDA: by the time it verifies, this process has measured the search on the GPU, so it
+    holds a CUDA context, and torch gives a context back only at the process's exit. A child
+    (scripts/run, or a decoder isolated in one) must open a context of its own, which the GPU's
+    EXCLUSIVE_PROCESS compute mode refuses while this one lives: the check would then fail every
+    candidate for a reason of the machine. Here it runs where the context already is, so it cannot
+    depend on anything being released. What it leaves out against scripts/run (the process's start,
+    its imports, the contest's argument handling) is checked by the build's own one-image run of
+    scripts/run after the build (`./build.sh`), and by the tests. No clock cuts it: it is one of the
+    steps already started that the deadline's slack covers."""
+    import engine
+
+    t = time.perf_counter()
+    try:
+        with engine.load(artifact, decoder=decoder, isolate=False) as clf:
+            got = clf.classify_bytes(blobs)
+            rep = clf.report()
+    except Exception as e:  # noqa: BLE001 - a candidate that cannot run: the check fails, saying why
+        return np.zeros(0, np.int32), {"why": f"the artifact cannot run in the build's process: "
+                                              f"{type(e).__name__}: {e}"[:300]}
+    return got, {"wall_s": round(time.perf_counter() - t, 2), "images_per_s": rep.get("images_per_s"),
+                 "cuda_graph": rep.get("runtime", {}).get("cuda_graph"), "where": "in the build's process"}
 
 
 def _run_script(artifact: Path, blobs: list[bytes], decoder: str, timeout: float) -> tuple[np.ndarray, dict]:
