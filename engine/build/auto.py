@@ -9,17 +9,19 @@ re-check graph added below fp32, the decoder recorded) and run through `scripts/
 that decoder on the calibration images written as JPEGs; its answers are counted against
 FP32 on PIL's pixels, beside the decoder's own flips, and the total must be within the gate
 the budget allows on that many images (engine.build.calibrate.allowed_disagreements, the preset's
-verify_alpha). A candidate that fails that is one stderr line, and the next is tried; when
-none is left, the build is the plain eager FP32 path without CUDA graphs (with the chosen
-decoder), said loudly. The manifest's `build.search` records every candidate measured, the
+verify_alpha); on CUDA the artifact runs in this process instead of a scripts/run child
+(`_run_here` says why). A candidate that fails that is one stderr line, and the next is tried;
+when none is left, the build falls back to the fastest measured candidate that compiles nothing
+and held its agreement (eager bf16 with its guard on a GPU; `_fallback`), and only when none did to
+the plain eager FP32 path without CUDA graphs (with the chosen decoder), said loudly. The manifest's `build.search` records every candidate measured, the
 verification and the choice; `build.decoder` the decoders measured.
 
 One deadline covers it all (engine.build.clock): the calibration reference takes only the images
 that fit its share at the rate measured here (engine.build.reference), the search spends what it
 has left once the re-check graph and one verification are reserved at their estimates; a ranked
 candidate is assembled and verified only while its estimate fits, and when none was verified in
-time the build is the eager FP32 path (the manifest's `fallback` says why, `clock` what each phase
-planned and took). The search's work folder holds every candidate's files and Inductor cache, a
+time the build is that fallback (the manifest's `fallback` says why and which, `clock` what each
+phase planned and took). The search's work folder holds every candidate's files and Inductor cache, a
 loser's removed as it loses (engine.build.disk: its size, free space and peak).
 """
 from __future__ import annotations
@@ -390,7 +392,7 @@ def _run_here(artifact: Path, blobs: list[bytes], decoder: str) -> tuple[np.ndar
     EXCLUSIVE_PROCESS compute mode refuses while this one lives: the check would then fail every
     candidate for a reason of the machine. Here it runs where the context already is, so it cannot
     depend on anything being released. What it leaves out against scripts/run (the process's start,
-    its imports, the contest's argument handling) is checked by the build's own one-image run of
+    its imports, the entry point's argument handling) is checked by the build's own one-image run of
     scripts/run after the build (`./build.sh`), and by the tests. No clock cuts it: it is one of the
     steps already started that the deadline's slack covers."""
     import engine

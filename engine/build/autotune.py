@@ -10,9 +10,12 @@ max-autotune, one level up:
    skipped, with why), the preset's batch sizes, the backends that import, CUDA graphs on
    and off, compile options that change kernels (Inductor's max-autotune on the CPU);
 2. screen: every (precision, batch) once through the eager policy network, cheap, to
-   order the compiles (time the graph first, compile only what could win);
+   order the compiles (time the graph first, compile only what could win); the order is breadth
+   first (`_candidates`): one candidate per precision and per backend before a second batch size
+   of any, and fp16 not compiled where bf16 holds at the same screened cost (`Run._same_cost`);
 3. trial: compile a candidate with its backend when its estimate fits the time and the disk
-   left (`Run`), time the compiled graph at steady state (warm-up excluded,
+   left (`Run`; a compile past the preset's `compile_share` of the time left is stopped and its
+   backend dropped: engine.build.watchdog), time the compiled graph at steady state (warm-up excluded,
    synchronised clocks, median of several calls), then classify the calibration images: FP32
    candidates must agree with the FP32 graph, low-precision ones get their guard's tau
    (engine.build.calibrate.choose_tau) and must hold the disagreement budget; a low-precision rate
@@ -24,7 +27,10 @@ max-autotune, one level up:
    precision, no extra compile options, fewer moving parts) only beyond TIE plus the spread.
 
 The measurements go through a `Measurer` (real: `engine.build.measure.Measurer`), so
-the search's logic is tested with fake timings. Everything measured lands in the table
+the search's logic is tested with fake timings. The first candidate of each precision that compiles
+nothing (the eager backend) has its agreement measured even when it is slower: `fallback_choice`
+takes the best of those that held when nothing compiled is verified in time (engine.build.auto).
+Everything measured lands in the table
 the manifest records; a candidate that fails to compile, capture or agree is one line on
 stderr and a row saying why, and a loser's files are removed as it loses.
 """
