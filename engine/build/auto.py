@@ -230,7 +230,10 @@ def _verify_in_order(result, net, spec, checkpoint, device, guard, auto, tmp, ex
     for trial in result.ranked:
         c = trial.candidate
         guarded = guard.enabled and c.precision != "fp32"
-        need = (bclock.estimate["recheck"] if guarded else 0.0) + (bclock.estimate["verify"] if auto.verify else 0.0)
+        # the guard's re-check graph: a compiling backend's compile is reserved at its estimate before it
+        # starts (the longest compile so far); an eager one compiles nothing and is priced in `verify`
+        compiles = guarded and getattr(backends.get(guard.recheck_backend or c.backend), "COMPILES", False)
+        need = (bclock.estimate["recheck"] if compiles else 0.0) + (bclock.estimate["verify"] if auto.verify else 0.0)
         if bclock.left() < need:
             bclock.note(f"{c.name} not assembled or verified: {bclock.left():.0f} s left, it needs about {need:.0f} s")
             verify.append({"candidate": c.name, "ok": False, "deadline": True,
@@ -238,7 +241,6 @@ def _verify_in_order(result, net, spec, checkpoint, device, guard, auto, tmp, ex
             break
         cspec = dataclasses.replace(spec, precision=c.precision, batch_size=c.batch_size)
         # the re-check graph's compile: its Inductor cache in the work folder, removed with it
-        compiles = guarded and getattr(backends.get(guard.recheck_backend or c.backend), "COMPILES", False)
         cache = work / ".inductor" / "recheck" if compiles else None
         _clear(tmp)
         try:
