@@ -199,3 +199,51 @@ def test_the_end_to_end_check_can_run_in_the_builds_process_without_a_child(tmp_
     v = build_auto.verify_artifact(tmp_path / "art", net, spec, "cpu", pixels, 16, 0.05,
                                    {"name": "pil", "budget_per_10k": 10.0}, in_process=True)
     assert v["ok"] and v["images"] == 16 and v["disagreements"] == 0 and v["where"] == "in the build's process"
+
+
+def test_a_first_compile_slower_than_the_time_left_falls_back_to_the_eager_bf16_measured_before_it(
+        tmp_path, tiny_checkpoint, monkeypatch, capsys):
+    """On a fake clock: the first AOTInductor compile takes 1,250 of the 1,500 s, leaving no time to
+    verify it (its re-check compile is reserved at that estimate); the eager bf16 candidate measured
+    before it (compile-free candidates go first) is the artifact, with its guard, not eager FP32."""
+    from engine.build import AutoConfig, GuardConfig, build
+    from engine.build import auto as build_auto
+    from engine.build import measure as autotune_measure
+
+    clock, real = Clock(), autotune_measure.Measurer
+
+    class SlowAot(_BuildFake):
+        def compile(self, c):
+            if c.backend != "aot":
+                return super().compile(c)
+            clock.t += 1250
+            self.compiled.append(c.name)
+            return f"planted {c.name}"               # timed and checked by the fake, never assembled
+
+        def discard(self, h):
+            if not isinstance(h, str):
+                super().discard(h)
+
+    def measurer(*a, **k):
+        fake = SlowAot(real, *a, **k, fraction=0.02, recheck=9.0)
+        fake.clock = clock
+        fake._screen = {(p, b): 60.0 if p == "bf16" else 30.0 for p in ("fp32", "bf16") for b in (8, 16, 32)}
+        fake._graph = {(p, b, be, "default"): {("bf16", "aot"): 300.0, ("fp32", "aot"): 40.0,
+                                               ("bf16", "eager"): 90.0, ("fp32", "eager"): 12.0}[(p, be)] + b
+                       for p in ("fp32", "bf16") for b in (8, 16, 32) for be in ("aot", "eager")}
+        return fake
+
+    monkeypatch.setattr(autotune_measure, "Measurer", measurer)
+    monkeypatch.setattr(autotune_measure, "importable_backends", lambda device: (["aot", "eager"], {}))
+    seen = []
+    monkeypatch.setattr(build_auto, "verify_artifact", lambda *a, **k: seen.append(a) or {"ok": True})
+    meta = build(tiny_spec("squash", 16), tiny_checkpoint, tmp_path / "art", backend="eager", device="cpu",
+                 guard=GuardConfig(calibration_source="renders", calibration_count=16),
+                 auto=AutoConfig(precisions=("fp32", "bf16"), deadline_s=1500), clock=clock)
+    assert clock.t <= 1500 and seen == []                                # no time to verify anything
+    assert (meta["precision"], meta["backend"], meta["batch_size"]) == ("bf16", "eager", 8)
+    assert meta["guard"]["recheck_backend"] == "eager"
+    search_rec = meta["build"]["search"]
+    assert "deadline" in search_rec["fallback"] and search_rec["fallback"].startswith("eager/bf16/b8")
+    err = capsys.readouterr().err
+    assert sum("falling back to eager/bf16/b8" in ln for ln in err.splitlines()) == 1
