@@ -354,7 +354,8 @@ class Run:
             return
         if self._slower(trial):
             if self._fallback_unmeasured(c) and _agreement(self.m, trial, handle) is not None:
-                trial.why += "; agreement measured all the same: the fallback's candidate of its precision"
+                trial.why += ("; agreement measured all the same, as the fallback's candidate of its precision: "
+                              + ("it holds" if trial.held else "it does not hold"))
             return
         _judge(self.m, trial, handle, self.handles)
         if trial.status == "holds":
