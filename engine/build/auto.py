@@ -9,17 +9,19 @@ re-check graph added below fp32, the decoder recorded) and run through `scripts/
 that decoder on the calibration images written as JPEGs; its answers are counted against
 FP32 on PIL's pixels, beside the decoder's own flips, and the total must be within the gate
 the budget allows on that many images (engine.build.calibrate.allowed_disagreements, the preset's
-verify_alpha). A candidate that fails that is one stderr line, and the next is tried; when
-none is left, the build is the plain eager FP32 path without CUDA graphs (with the chosen
-decoder), said loudly. The manifest's `build.search` records every candidate measured, the
+verify_alpha); on CUDA the artifact runs in this process instead of a scripts/run child
+(`_run_here` says why). A candidate that fails that is one stderr line, and the next is tried;
+when none is left, the build falls back to the fastest measured candidate that compiles nothing
+and held its agreement (eager bf16 with its guard on a GPU; `_fallback`), and only when none did to
+the plain eager FP32 path without CUDA graphs (with the chosen decoder), said loudly. The manifest's `build.search` records every candidate measured, the
 verification and the choice; `build.decoder` the decoders measured.
 
 One deadline covers it all (engine.build.clock): the calibration reference takes only the images
 that fit its share at the rate measured here (engine.build.reference), the search spends what it
 has left once the re-check graph and one verification are reserved at their estimates; a ranked
 candidate is assembled and verified only while its estimate fits, and when none was verified in
-time the build is the eager FP32 path (the manifest's `fallback` says why, `clock` what each phase
-planned and took). The search's work folder holds every candidate's files and Inductor cache, a
+time the build is that fallback (the manifest's `fallback` says why and which, `clock` what each
+phase planned and took). The search's work folder holds every candidate's files and Inductor cache, a
 loser's removed as it loses (engine.build.disk: its size, free space and peak).
 """
 from __future__ import annotations
@@ -76,7 +78,8 @@ def search_config(spec: Spec, backend: str, device: str, auto) -> tuple[autotune
                                 budget_s=auto.budget_s if auto.budget_s is not None else pre.search_budget_s,
                                 options=pre.options, options_backends=with_options, cuda_graphs=pre.cuda_graphs,
                                 compile_estimate_s=pre.compile_estimate_s,
-                                compiled=tuple(n for n, m in mods.items() if getattr(m, "COMPILES", False)))
+                                compiled=tuple(n for n, m in mods.items() if getattr(m, "COMPILES", False)),
+                                fp16_same_cost=pre.fp16_same_cost, compile_share=pre.compile_share)
     return cfg, skipped
 
 
@@ -169,16 +172,47 @@ def _search_and_assemble(net, spec, checkpoint, backend, device, guard, auto, tm
                             record, verify, bclock, work)
     if done is not None:
         return done
-    # nothing held, built and verified in time: the plain path that is known to work
-    _clear(tmp)
+    return _fallback(result, cfg, net, spec, checkpoint, device, guard, tmp, extra, t0, origin, record, verify,
+                     bclock)
+
+
+def _fallback(result, cfg, net, spec, checkpoint, device, guard, tmp, extra, t0, origin, record, verify, bclock):
+    """Nothing held, built and verified in time: the best measured candidate that needs no compile and
+    held its agreement in the search (autotune.fallback_choice: on a GPU eager bf16 with its guard, ~7-9x
+    eager FP32's rate), its re-check graph eager (nothing compiles after the deadline ran out); else, or
+    when that cannot be assembled, the plain eager FP32 path without CUDA graphs. One stderr line says
+    why and what; the manifest's `fallback` says it too. Returns (spec, backend, manifest)."""
     cut = any(v.get("deadline") for v in verify) or any(
         "deadline" in t.why for t in result.trials if t.status in ("not compiled", "not screened"))
     why = ("the build's deadline left no time to measure and verify a candidate" if cut and not result.ranked
            else "the build's deadline left no time to verify another candidate" if cut
            else "no measured candidate held, built and verified")
     _say("autotune:\n" + autotune.format_table(result, None))
-    _say(f"autotune: WARNING: {why}; building the plain eager FP32 path without CUDA graphs (not verified end "
-         "to end: it is the reference's own network, with the run's decoder)")
+    pick = autotune.fallback_choice(result.trials, cfg.compiled, verify)
+    if pick is not None:
+        c = pick.candidate
+        cspec = dataclasses.replace(spec, precision=c.precision, batch_size=c.batch_size)
+        gargs = (pick.guard, origin) if c.precision != "fp32" else None
+        what = (f"{c.name}, the fastest measured candidate that compiles nothing and held its agreement "
+                f"({pick.effective_images_per_s:.1f} images/s"
+                + (f", guarded: tau {pick.tau:.4g}, its re-check graph eager" if gargs else "") + ")")
+        _say(f"autotune: WARNING: {why}; falling back to {what}; not verified end to end")
+        _clear(tmp)
+        try:
+            with bclock.phase("recheck" if gargs else "verify"):
+                record["clock"] = bclock.record()
+                meta = _assemble(c, net, cspec, checkpoint, device, tmp,
+                                 dataclasses.replace(guard, recheck_backend=backends.REFERENCE), extra, t0, None,
+                                 gargs, result, record, verify, chosen=None,
+                                 fallback=f"{what}: {why}; not verified")
+            return cspec, c.backend, meta
+        except Exception as e:  # noqa: BLE001 - said, and the plain path below is the artifact
+            _say(f"autotune: the fallback {c.name} cannot be assembled ({autotune._why(e)}); building eager FP32")
+            _clear(tmp)
+    else:
+        _say(f"autotune: WARNING: {why}; no candidate that compiles nothing held its agreement: building the plain "
+             "eager FP32 path without CUDA graphs (not verified end to end: it is the reference's own network, "
+             "with the run's decoder)")
     c = autotune.Candidate("fp32", spec.batch_size, backends.REFERENCE)
     fspec = dataclasses.replace(spec, precision="fp32")
     record["clock"] = bclock.record()
@@ -197,7 +231,10 @@ def _verify_in_order(result, net, spec, checkpoint, device, guard, auto, tmp, ex
     for trial in result.ranked:
         c = trial.candidate
         guarded = guard.enabled and c.precision != "fp32"
-        need = (bclock.estimate["recheck"] if guarded else 0.0) + (bclock.estimate["verify"] if auto.verify else 0.0)
+        # the guard's re-check graph: a compiling backend's compile is reserved at its estimate before it
+        # starts (the longest compile so far); an eager one compiles nothing and is priced in `verify`
+        compiles = guarded and getattr(backends.get(guard.recheck_backend or c.backend), "COMPILES", False)
+        need = (bclock.estimate["recheck"] if compiles else 0.0) + (bclock.estimate["verify"] if auto.verify else 0.0)
         if bclock.left() < need:
             bclock.note(f"{c.name} not assembled or verified: {bclock.left():.0f} s left, it needs about {need:.0f} s")
             verify.append({"candidate": c.name, "ok": False, "deadline": True,
@@ -205,7 +242,6 @@ def _verify_in_order(result, net, spec, checkpoint, device, guard, auto, tmp, ex
             break
         cspec = dataclasses.replace(spec, precision=c.precision, batch_size=c.batch_size)
         # the re-check graph's compile: its Inductor cache in the work folder, removed with it
-        compiles = guarded and getattr(backends.get(guard.recheck_backend or c.backend), "COMPILES", False)
         cache = work / ".inductor" / "recheck" if compiles else None
         _clear(tmp)
         try:
@@ -299,13 +335,15 @@ def device_name(device: str) -> str:
 
 
 def verify_artifact(artifact: Path, net, spec: Spec, device: str, pixels: np.ndarray, count: int, alpha: float,
-                    decoder: dict, timeout: float = shared("verify_timeout_s")) -> dict:
+                    decoder: dict, timeout: float = shared("verify_timeout_s"), in_process: bool | None = None) -> dict:
     """The artifact end to end through scripts/run on `count` calibration images written as JPEG files,
     with the decoder the build chose (`decoder`: build_decoder.Choice.record()), against FP32 on
     PIL's pixels (the reference). Two counts: the decoder's own flips (FP32 on its pixels against
     FP32 on PIL's) and the total (the artifact against FP32 on PIL's pixels); ok when the total is
     within calibrate.allowed_disagreements(the budget, n, alpha). `timeout`: the seconds the whole
-    check may take (scripts/run gets what the in-process passes leave of it, at least a second)."""
+    check may take (scripts/run gets what the in-process passes leave of it, at least a second).
+    `in_process` (None: on CUDA): the artifact runs here, through the API scripts/run calls, not in a
+    child (`_run_here` says why)."""
     from engine.build import calibrate
     from engine.build import decoder_choice as build_decoder
     from engine.core.model import wrap
@@ -329,7 +367,9 @@ def verify_artifact(artifact: Path, net, spec: Spec, device: str, pixels: np.nda
             return {"ok": False, "images": n, "decoder": name, "why": f"decoder {name} cannot start: {why}"}
         own = build_decoder.flips(dec, blobs, classify, want)
         getattr(dec, "close", lambda: None)()
-    got, run = _run_script(artifact, blobs, name, max(end - time.monotonic(), 1.0))
+    here = device == "cuda" if in_process is None else in_process
+    got, run = (_run_here(artifact, blobs, name) if here
+                else _run_script(artifact, blobs, name, max(end - time.monotonic(), 1.0)))
     if "why" in run:
         return {"ok": False, "images": n, "decoder": name, **run}
     total = int((got != want).sum()) if len(got) == n else n
@@ -342,6 +382,34 @@ def verify_artifact(artifact: Path, net, spec: Spec, device: str, pixels: np.nda
         res["why"] = (f"{total} of {n} images disagree with FP32 on PIL's pixels (the decoder {name} "
                       f"alone: {own['flips']}), over the {gate} a budget of {budget:g} basis points allows")
     return res
+
+
+def _run_here(artifact: Path, blobs: list[bytes], decoder: str) -> tuple[np.ndarray, dict]:
+    """(top-1 [n] int32, {wall_s, images_per_s, cuda_graph, where} or {why}) of the artifact loaded in
+    this process through the engine's API (engine.load, what scripts/run calls), with `decoder` in this
+    process too.
+
+    Why here on CUDA: by the time it verifies, this process has measured the search on the GPU, so it
+    holds a CUDA context, and torch gives a context back only at the process's exit. A child
+    (scripts/run, or a decoder isolated in one) must open a context of its own, which the GPU's
+    EXCLUSIVE_PROCESS compute mode refuses while this one lives: the check would then fail every
+    candidate for a reason of the machine. Here it runs where the context already is, so it cannot
+    depend on anything being released. What it leaves out against scripts/run (the process's start,
+    its imports, the entry point's argument handling) is checked by the build's own one-image run of
+    scripts/run after the build (`./build.sh`), and by the tests. No clock cuts it: it is one of the
+    steps already started that the deadline's slack covers."""
+    import engine
+
+    t = time.perf_counter()
+    try:
+        with engine.load(artifact, decoder=decoder, isolate=False) as clf:
+            got = clf.classify_bytes(blobs)
+            rep = clf.report()
+    except Exception as e:  # noqa: BLE001 - a candidate that cannot run: the check fails, saying why
+        return np.zeros(0, np.int32), {"why": f"the artifact cannot run in the build's process: "
+                                              f"{type(e).__name__}: {e}"[:300]}
+    return got, {"wall_s": round(time.perf_counter() - t, 2), "images_per_s": rep.get("images_per_s"),
+                 "cuda_graph": rep.get("runtime", {}).get("cuda_graph"), "where": "in the build's process"}
 
 
 def _run_script(artifact: Path, blobs: list[bytes], decoder: str, timeout: float) -> tuple[np.ndarray, dict]:

@@ -10,9 +10,12 @@ max-autotune, one level up:
    skipped, with why), the preset's batch sizes, the backends that import, CUDA graphs on
    and off, compile options that change kernels (Inductor's max-autotune on the CPU);
 2. screen: every (precision, batch) once through the eager policy network, cheap, to
-   order the compiles (time the graph first, compile only what could win);
+   order the compiles (time the graph first, compile only what could win); the order is breadth
+   first (`_candidates`): one candidate per precision and per backend before a second batch size
+   of any, and fp16 not compiled where bf16 holds at the same screened cost (`Run._same_cost`);
 3. trial: compile a candidate with its backend when its estimate fits the time and the disk
-   left (`Run`), time the compiled graph at steady state (warm-up excluded,
+   left (`Run`; a compile past the preset's `compile_share` of the time left is stopped and its
+   backend dropped: engine.build.watchdog), time the compiled graph at steady state (warm-up excluded,
    synchronised clocks, median of several calls), then classify the calibration images: FP32
    candidates must agree with the FP32 graph, low-precision ones get their guard's tau
    (engine.build.calibrate.choose_tau) and must hold the disagreement budget; a low-precision rate
@@ -24,7 +27,10 @@ max-autotune, one level up:
    precision, no extra compile options, fewer moving parts) only beyond TIE plus the spread.
 
 The measurements go through a `Measurer` (real: `engine.build.measure.Measurer`), so
-the search's logic is tested with fake timings. Everything measured lands in the table
+the search's logic is tested with fake timings. The first candidate of each precision that compiles
+nothing (the eager backend) has its agreement measured even when it is slower: `fallback_choice`
+takes the best of those that held when nothing compiled is verified in time (engine.build.auto).
+Everything measured lands in the table
 the manifest records; a candidate that fails to compile, capture or agree is one line on
 stderr and a row saying why, and a loser's files are removed as it loses.
 """
@@ -42,6 +48,7 @@ from engine.build.compile_failures import environmental
 from engine.build.retime import RETIME, ROUNDS, TIE, Timer, faster, margin  # noqa: F401 - TIE: a search rule
 from engine.build.table import LEGEND, format_table  # noqa: F401 - the table the build prints
 from engine.presets import shared
+from engine.build.watchdog import CompileStopped, stop_after
 
 PRUNE = shared("search_prune")   # a (precision, batch) screened under 60 % of the best is not compiled (unless
                                  # it is its precision's best)
@@ -88,6 +95,8 @@ class Trial:
     guard: dict | None = None                    # choose_tau's record (low precision), for the artifact
     timings: list[float] = dataclasses.field(default_factory=list)   # every images/s timing of the graph
     recheck_images_per_s: float | None = None    # the re-check graph's rate its effective rate was priced at
+    held: bool | None = None                     # its agreement held the budget (None: not measured); also on
+                                                 # a slower candidate measured for the fallback
 
     def row(self) -> dict:
         c = self.candidate
@@ -152,6 +161,10 @@ class SearchConfig:
     compile_estimate_s: float       # one compile's seconds before one is measured (0: the first always starts)
     options_backends: tuple[str, ...] = ()    # the backends that take those options
     compiled: tuple[str, ...] = ()  # backends whose build compiles (budgeted by their compile time)
+    fp16_same_cost: float | None = None   # the preset's: fp16 beside a bf16 that holds only when its screen is
+                                          # faster by more than this share (None: by anything)
+    compile_share: float | None = None   # the preset's: a compile stopped past this share of the time left
+                                         # when it started (None: never stopped)
 
 
 @dataclasses.dataclass
@@ -183,7 +196,7 @@ def search(m: Measurer, cfg: SearchConfig, skipped: dict[str, str] | None = None
     if not screened:
         return SearchResult(trials, [], dict(skipped or {}), clock() - t0, {})
     cands, compile_anyway = _candidates(cfg, screened)
-    run = Run(m, cfg, clock, deadline, disk, trials, cands)
+    run = Run(m, cfg, clock, deadline, disk, trials, cands, screened)
     best_screen = max(screened.values())
     for c in cands:
         rate = screened[(c.precision, c.batch_size)]
@@ -228,23 +241,42 @@ def _screen(m: Measurer, cfg: SearchConfig, trials: list[Trial], clock, deadline
 
 
 def _candidates(cfg: SearchConfig, screened: dict) -> tuple[list[Candidate], set]:
-    """The candidates, most promising first (per backend, (precision, batch) by screened rate), and the
-    (precision, batch) pairs compiled whatever their eager rate: each precision's best-screened batch
-    (a compiled graph can rank precisions differently from eager)."""
+    """The candidates in the order the search meets them, and the (precision, batch) pairs compiled
+    whatever their eager rate: each precision's best-screened batch (a compiled graph can rank
+    precisions differently from eager). First one candidate per precision and per backend: each
+    precision's best-screened batch on every backend (the ones that compile nothing first: cheap, and
+    the fallback's), precisions by their best screen (`precision_order`); only then a second batch
+    size of any, the other (precision, batch) pairs by screened rate, each on every backend. So every
+    precision (fp8 included) and every backend (TensorRT included) is compiled once before the
+    compiles that fit are spent on batch variants of one."""
     order = sorted(screened, key=lambda k: -screened[k])
-    cands: list[Candidate] = []
-    for be in cfg.backends:
-        for p, b in order:
-            for g in (cfg.cuda_graphs if cfg.device == "cuda" else (False,)):
-                cands.append(Candidate(p, b, be, g))
-    best_fp32 = next((k for k in order if k[0] == "fp32"), None)
-    leaders = {next(k for k in order if k[0] == p) for p in {k[0] for k in order}}
+    leaders: dict[str, tuple] = {}                 # precision -> its best-screened (precision, batch)
+    for k in order:
+        leaders.setdefault(k[0], k)
+    first = [leaders[p] for p in precision_order(leaders, screened, cfg.fp16_same_cost or 0.0)]
+    rest = [k for k in order if k not in first]
+    backs = sorted(cfg.backends, key=lambda be: be in cfg.compiled)   # stable: compile-free ones first
+    graphs = cfg.cuda_graphs if cfg.device == "cuda" else (False,)
+    cands = [Candidate(p, b, be, g) for p, b in first + rest for be in backs for g in graphs]
+    best_fp32 = leaders.get("fp32")
     for opt in cfg.options:
         if opt != "default" and best_fp32 is not None:
             for be in cfg.backends:
                 if be in cfg.options_backends:
                     cands.append(Candidate(best_fp32[0], best_fp32[1], be, False, opt))
-    return cands, leaders
+    return cands, set(leaders.values())
+
+
+def precision_order(leaders: dict[str, tuple], screened: dict, same_cost: float) -> list[str]:
+    """The precisions by their best screen, fastest first, except that fp16 comes right after bf16
+    when its screen is not faster by more than `same_cost`: bf16 is measured first, and fp16 is then
+    skipped where bf16 holds (`Run._same_cost`)."""
+    out = sorted(leaders, key=lambda p: -screened[leaders[p]])
+    if "bf16" in out and "fp16" in out and out.index("fp16") < out.index("bf16") \
+            and screened[leaders["fp16"]] <= screened[leaders["bf16"]] * (1 + same_cost):
+        out.remove("fp16")
+        out.insert(out.index("bf16") + 1, "fp16")
+    return out
 
 
 FIT = shared("compile_fit")      # a compile starts when 1.5 x its estimate is left: the compile, its timings and agreement
@@ -264,8 +296,9 @@ class Run:
     is slower, one within RETIME is retimed interleaved with the leader and slower only beyond the
     margin; files go as soon as a candidate loses (slower, rejected, failed, ranked beyond KEEP)."""
 
-    def __init__(self, m, cfg, clock, deadline, disk, trials: list, cands: list):
+    def __init__(self, m, cfg, clock, deadline, disk, trials: list, cands: list, screened: dict | None = None):
         self.m, self.cfg, self.clock, self.deadline, self.disk = m, cfg, clock, deadline, disk
+        self.screened = screened or {}           # (precision, batch) -> eager images/s
         self.trials = trials
         self.handles: dict = {}                  # candidate name -> handle, for the ones that hold and keep files
         self.built: dict = {}                    # compile key -> handle | exception | REMOVED
@@ -301,7 +334,8 @@ class Run:
     def _decide(self, trial: Trial, pruned: str) -> None:
         c = trial.candidate
         why = (pruned or (f"backend {c.backend} dropped: {self.dropped[c.backend]}" if c.backend in self.dropped
-                          else f"{self.deadline.why_spent()} is spent" if self.deadline.left() <= 0 else ""))
+                          else self._same_cost(c)
+                          or (f"{self.deadline.why_spent()} is spent" if self.deadline.left() <= 0 else "")))
         if why:
             trial.status, trial.why = "not compiled", why
             return
@@ -320,10 +354,37 @@ class Run:
             _say(f"autotune: {c.name}: {trial.why}; skipped")
             return
         if self._slower(trial):
+            if self._fallback_unmeasured(c) and _agreement(self.m, trial, handle) is not None:
+                trial.why += ("; agreement measured all the same, as the fallback's candidate of its precision: "
+                              + ("it holds" if trial.held else "it does not hold"))
             return
         _judge(self.m, trial, handle, self.handles)
         if trial.status == "holds":
             self._keep_best()
+
+    def _same_cost(self, c: Candidate) -> str:
+        """Why fp16 is not compiled: bf16 holds on the same backend, and fp16's eager screen at this batch
+        is not faster than bf16's by more than cfg.fp16_same_cost (the same GEMM cost: what bf16 holds,
+        fp16 could only tie). "" when fp16 is worth its compile."""
+        if c.precision != "fp16" or ("bf16", c.batch_size) not in self.screened:
+            return ""
+        if not any(t.held and t.candidate.precision == "bf16" and t.candidate.backend == c.backend
+                   for t in self.trials):
+            return ""
+        fp16, bf16 = self.screened[("fp16", c.batch_size)], self.screened[("bf16", c.batch_size)]
+        same = self.cfg.fp16_same_cost or 0.0
+        if fp16 > bf16 * (1 + same):
+            return ""
+        return (f"bf16 holds on {c.backend} at the same cost: fp16 screened {fp16:.1f} images/s, not more than "
+                f"{same:.0%} over bf16's {bf16:.1f}")
+
+    def _fallback_unmeasured(self, c: Candidate) -> bool:
+        """Whether `c` needs no compile and no such candidate of its precision has held yet: its agreement is
+        then measured even when it is slower, so the build's fallback has a measured candidate to take."""
+        if c.backend in self.cfg.compiled:
+            return False
+        return not any(t.held and t.candidate.precision == c.precision and t.candidate.backend not in
+                       self.cfg.compiled for t in self.trials)
 
     def _compile(self, trial: Trial) -> bool:
         """Compile the trial's candidate when its estimate fits the time and the disk: False (and the
@@ -343,8 +404,20 @@ class Run:
         t = self.clock()
         if self.disk is not None:
             self.disk.before()
+        # the watchdog: a compile past its share of the time left is stopped (engine.build.watchdog)
+        limit = self.cfg.compile_share * left if compiles and self.cfg.compile_share else None
+        stopped = False
         try:
-            self.built[_key(c)] = self.m.compile(c)
+            with stop_after(limit):
+                self.built[_key(c)] = self.m.compile(c)
+        except CompileStopped as e:
+            stopped = True
+            self.built[_key(c)] = RuntimeError(f"compile {e}")
+            self.dropped[c.backend] = (f"a compile ran past its share of the time left ({limit:.0f} s of "
+                                       f"{left:.0f} s) and was stopped")
+            _say(f"autotune: backend {c.backend} dropped: {c.name}'s compile ran past {limit:.0f} s "
+                 f"({self.cfg.compile_share:.0%} of the {left:.0f} s left) and was stopped; its other candidates "
+                 "are not compiled")
         except Exception as e:  # noqa: BLE001 - a candidate that cannot build is skipped with its reason
             self.built[_key(c)] = e
             reason = environmental(e)
@@ -354,7 +427,7 @@ class Run:
         finally:
             if self.disk is not None:
                 self.disk.after()
-        if compiles:
+        if compiles and not stopped:   # a stopped compile is no estimate of the others' (its backend is gone)
             self.compiles.append(self.clock() - t)
             self.deadline.compiled(self.compiles[-1])
         return True
@@ -436,17 +509,27 @@ class Run:
         return ranked[:KEEP]
 
 
-def _judge(m: Measurer, trial: Trial, handle, handles: dict) -> None:
-    """The candidate's agreement with the FP32 graph on the calibration set: holds or rejected."""
+def _agreement(m: Measurer, trial: Trial, handle) -> Agreement | None:
+    """The candidate's agreement with the FP32 graph on the calibration set, recorded in the trial
+    (None, and the trial failed, when it cannot run)."""
     c = trial.candidate
     try:
         a = m.agree(handle, c)
     except Exception as e:  # noqa: BLE001 - a run failure: the next candidate
         trial.status, trial.why = "failed", f"run: {_why(e)}"
         _say(f"autotune: {c.name}: {trial.why}; skipped")
-        return
+        return None
     trial.agreement, trial.tau, trial.rechecked_fraction = a.agreement, a.tau, a.rechecked_fraction
-    trial.estimated_per_10k, trial.guard = a.estimated_per_10k, a.guard
+    trial.estimated_per_10k, trial.guard, trial.held = a.estimated_per_10k, a.guard, a.holds
+    return a
+
+
+def _judge(m: Measurer, trial: Trial, handle, handles: dict) -> None:
+    """The candidate's agreement with the FP32 graph on the calibration set: holds or rejected."""
+    c = trial.candidate
+    a = _agreement(m, trial, handle)
+    if a is None:
+        return
     if not a.holds:
         trial.status, trial.why = "rejected", a.why or "does not hold the disagreement budget"
         _say(f"autotune: {c.name}: {trial.why}; skipped")
@@ -482,7 +565,7 @@ def _effective_rates(trials: list[Trial], recheck_rate: Callable[[], float | Non
     re-check batch, `recheck_rate()`: the Measurer's, asked once per search; on a GPU about a tenth
     of bf16's, so each re-check costs ~10 images): 1 / (1/r + f/r_re). Without that measurement
     (None: it failed), the best FP32 candidate's rate stands in, else the candidate's own."""
-    guarded = [t for t in trials if t.status == "holds" and t.images_per_s and t.candidate.precision != "fp32"
+    guarded = [t for t in trials if t.held and t.images_per_s and t.candidate.precision != "fp32"
                and t.rechecked_fraction]
     r_re = None
     if guarded and recheck_rate is not None:
@@ -492,7 +575,7 @@ def _effective_rates(trials: list[Trial], recheck_rate: Callable[[], float | Non
                 and t.images_per_s]
         r_re = max(fp32) if fp32 else None
     for t in trials:
-        if t.images_per_s is None or t.status != "holds":
+        if t.images_per_s is None or not t.held:
             continue
         f = t.rechecked_fraction or 0.0
         if t.candidate.precision == "fp32" or f == 0.0:
@@ -504,10 +587,10 @@ def _effective_rates(trials: list[Trial], recheck_rate: Callable[[], float | Non
             t.effective_images_per_s = t.images_per_s / (1.0 + f)
 
 
-def rank(trials: list[Trial]) -> list[Trial]:
-    """The trials that hold, best first: the fastest by effective rate, except that a simpler one
-    goes first unless the faster is faster by more than the margin (TIE plus the timings' spread)."""
-    ok = [t for t in trials if t.status == "holds" and t.effective_images_per_s]
+def rank(trials: list[Trial], eligible: Callable[[Trial], bool] = lambda t: t.status == "holds") -> list[Trial]:
+    """The trials that hold (`eligible`), best first: the fastest by effective rate, except that a simpler
+    one goes first unless the faster is faster by more than the margin (TIE plus the timings' spread)."""
+    ok = [t for t in trials if eligible(t) and t.effective_images_per_s]
     ok.sort(key=lambda t: -t.effective_images_per_s)
     out: list[Trial] = []
     while ok:
@@ -517,6 +600,20 @@ def rank(trials: list[Trial]) -> list[Trial]:
         out.append(pick)
         ok.remove(pick)
     return out
+
+
+def fallback_choice(trials: list[Trial], compiled: tuple[str, ...], verify: list[dict]) -> Trial | None:
+    """The build's fallback when nothing compiled, held and was verified in time: the best (as `rank`
+    orders them) of the candidates that need no compile (not in `compiled`: the reference backend) and
+    held their agreement in the search, guarded below fp32, leaving out any that failed its assembly or
+    whose own end-to-end check counted too many disagreements (`verify`: the build's records); a
+    check that could not run (the deadline, a run that failed) says nothing against the candidate.
+    None when there is none: the build is then eager FP32."""
+    refuted = {v["candidate"] for v in verify
+               if not v.get("ok") and ("disagreements" in v or str(v.get("why", "")).startswith("assembly"))}
+    picks = rank(trials, lambda t: bool(t.held) and t.candidate.backend not in compiled
+                 and t.candidate.name not in refuted)
+    return picks[0] if picks else None
 
 
 def _why(e: BaseException) -> str:

@@ -101,6 +101,15 @@ class Preset:
                                           "`--calibration-count`): a quick check, not a full build", default=64)
     check_search_budget_s: float = _field("seconds of the device check's auto search (scripts/device_check.py "
                                           "`--search-budget-s`)", default=90.0)
+    # fp16 costs what bf16 costs on the GEMM units that run both (Ampere, Hopper): where bf16 already holds
+    # the budget, fp16's compile buys nothing unless its eager screen is clearly faster
+    fp16_same_cost: float = _field("the search compiles fp16 beside a bf16 that holds (same backend) only where "
+                                   "fp16's eager screen beats bf16's at the same batch by more than this share "
+                                   "(within it, the same cost)", default=0.05)
+    # a compile that hangs or runs far past its estimate must leave the others (and the fallback) their time
+    compile_share: float = _field("a compile is stopped once it has run this share of the search's time left "
+                                  "when it started, and its backend is dropped for the rest of the search",
+                                  default=0.7)
 
 
 PRESETS = {
