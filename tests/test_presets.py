@@ -169,6 +169,7 @@ FACTS: dict[str, dict[str, str]] = {
     "engine/build/autotune.py": {"SIMPLER": "the order of precisions by simplicity, the tie-break rule",
                                  "SCREEN_CALLS": "a screen's calls: one warm-up, two timed (the method)"},
     "engine/build/decoder_choice.py": {"JPEG_QUALITY": "the encoding of the flips' test JPEGs, the contest's kind"},
+    "engine/build/watchdog.py": {"REPEAT_S": "how often a stopped compile is told again (hygiene, not a budget)"},
     "engine/build/clock.py": {"MAX_WAIT_S": "a sanity bound on a wait (30 days), not a budget"},
     "engine/classify/artifact.py": {"SAMPLE_BLOCKS": "the artifact format's sampled digest (16 blocks)",
                                     "SAMPLE_BYTES": "the artifact format's sampled digest (64 KiB blocks)"},

@@ -47,8 +47,8 @@ from engine.build.clock import SearchDeadline
 from engine.build.compile_failures import environmental
 from engine.build.retime import RETIME, ROUNDS, TIE, Timer, faster, margin  # noqa: F401 - TIE: a search rule
 from engine.build.table import LEGEND, format_table  # noqa: F401 - the table the build prints
-from engine.presets import shared
 from engine.build.watchdog import CompileStopped, stop_after
+from engine.presets import shared
 
 PRUNE = shared("search_prune")   # a (precision, batch) screened under 60 % of the best is not compiled (unless
                                  # it is its precision's best)
