@@ -8,6 +8,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,8 +26,9 @@ from device_probes import not_exercised, scored_setup  # noqa: E402
 pytestmark = pytest.mark.abi   # scripts/device_check.sh / .py as whole processes
 
 ORDER = ["driver", "env", "cuda_home", "cohort", "checkpoint", "aot_bf16", "eager_bf16", "abi_eager_bf16", "reference",
-         "search", "packages", "fp8_gemm", "graph_capture", "decoder_race", "attention", "topk", "abi_aot_bf16",
+         "abi_aot_bf16", "search", "packages", "fp8_gemm", "graph_capture", "decoder_race", "attention", "topk",
          "abi_aot_bf16_no_graphs", "abi_aot_bf16_raw", "gpu_tests", "eager_fp16", "eager_fp8", "batch_sweep"]
+OUTPUTS = ["aot_phases.json", "device_check.json", "device_check.log", "results.jsonl"]
 TINY = ["--tiny", "--device", "cpu", "--count", "24", "--ref-count", "24", "--batch-size", "8",
         "--gpu-tests-s", "60", "--calibration-count", "32", "--search-budget-s", "5"]
 
@@ -56,7 +58,7 @@ def test_without_a_gpu_it_ends_in_seconds_and_says_so(tmp_path):
     assert time.perf_counter() - t < 60
     doc = json.loads((tmp_path / "out" / "device_check.json").read_text())
     assert doc["status"] == "no-gpu" and "no CUDA GPU" in doc["note"] and doc["steps"]["env"]["torch"]
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["device_check.json"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["device_check.json", "results.jsonl"]
 
 
 def test_cpu_rehearsal_runs_every_step_in_order_and_keeps_only_small_files(tmp_path):
@@ -83,15 +85,15 @@ def test_cpu_rehearsal_runs_every_step_in_order_and_keeps_only_small_files(tmp_p
     assert build["calibration_source"] == ("photos" if pk["scikit-image"]["ok"] else "renders")
     assert build["calibration_count"] == 32 and build["waited_s"] >= 0 and build["tau"] >= 0
     assert build["cuda_home"] == layout["cuda_home"] and build["phases"]["cpp_compile"]
-    ph = build["phases_s"]                       # export, Inductor less its C++ compiles, C++ compiles, load
-    assert all(ph[k] > 0 for k in ("export", "inductor", "cpp_compile")) and ph["lowering"] >= 0 <= ph["load"]
+    ph = build["phases_s"]               # export, Inductor less its C++ compiles, C++ compiles, load, first call
+    assert all(ph[k] > 0 for k in ("export", "inductor", "cpp_compile", "first_call")) and ph["lowering"] >= 0 <= ph["load"]
     assert ph["inductor"] == pytest.approx(ph["lowering"] + ph["cpp_compile"], abs=0.01)
     assert not [c for cs in build["phases"].values() for c in cs if "error" in c]
     assert build["estimated_per_10k"] <= build["budget_per_10k"] and steps["reference"]["images"] == 24
     first = steps["abi_eager_bf16"]              # the early ABI figure, its agreement added by the reference
     assert first["images_per_s_steady"] > 0 and first["agreement_rate"] >= 0.95 and first["guard"]["images"] == 24
     search = steps["search"]
-    assert search["budget_s"] == 5 and search["chose"]["backend"] and search["candidates"]
+    assert search["budget_s"] == 5 and search["chose"]["backend"] and search["candidates"] and search["deadline_s"] > 0
     abi = steps["abi_aot_bf16"]
     assert abi["agreement_rate"] >= 0.95 and abi["cuda_graph"] == "off" and abi["guard"]["images"] == 24
     assert abi["decoder"] == ("dali-cpu" if pk["nvidia.dali"]["ok"] else "pil")
@@ -111,9 +113,61 @@ def test_cpu_rehearsal_runs_every_step_in_order_and_keeps_only_small_files(tmp_p
     assert (platform.machine() == "aarch64") != any(g.startswith("architecture aarch64") for g in gaps)
     # only small plain files in the result folder; the work folder (checkpoint, artifacts, cohort) is gone
     files = sorted(p.name for p in out.iterdir())
-    assert files == ["device_check.json", "device_check.log"] and tree_bytes(out) < 1 << 20
+    assert files == OUTPUTS and tree_bytes(out) < 1 << 20
+    landed = [json.loads(line)["step"] for line in (out / "results.jsonl").read_text().splitlines()]
+    assert set(landed) == set(ORDER), landed                 # every step landed its line
     assert "==== aot_bf16 (exit 0" in (out / "device_check.log").read_text()
     assert doc["work_dir_removed"] and not Path(doc["work_dir"]).exists()
+
+
+def test_the_aot_figure_lands_before_the_search_starts_and_survives_a_sigkill(tmp_path):
+    """The device tool kills a command at its limit: whatever the check reached must already be in
+    its folder. Killed (SIGKILL, no teardown) as the search starts, the folder still holds the
+    eager figure with its agreement, every AOT phase and the AOT ABI figure, landed before it."""
+    out = tmp_path / "out"
+    p = subprocess.Popen([sys.executable, str(REPO / "scripts" / "device_check.py"), "--out", str(out), *TINY,
+                          "--limit-s", "1200"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                         process_group=0)
+    work = None
+    deadline = time.monotonic() + 900
+    try:
+        while time.monotonic() < deadline and p.poll() is None:
+            try:
+                doc = json.loads((out / "device_check.json").read_text())
+            except (OSError, ValueError):
+                doc = {}
+            work = doc.get("work_dir", work)
+            if "running" in doc.get("steps", {}).get("search", {}):
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail(f"the search never started: {p.poll()} {p.stderr.read()[-2000:] if p.poll() is not None else ''}")
+        os.killpg(p.pid, signal.SIGKILL)                   # the check and its children, no teardown
+        p.wait(timeout=30)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        if work:                                           # nothing tears down after a SIGKILL: the children
+            for pid in processes_naming(work):             # (each in its own group) and the work folder
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            shutil.rmtree(work, ignore_errors=True)
+    started = float(doc["steps"]["search"]["running"].split()[1])
+    lines = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    steps = [x["step"] for x in lines]
+    assert steps[:5] == ["driver", "env", "cuda_home", "checkpoint", "cohort"] and "search" not in steps, steps
+    assert steps.index("reference") < steps.index("aot_bf16") < steps.index("abi_aot_bf16"), steps
+    by = {x["step"]: x for x in lines if "added" not in x}
+    eager = [x for x in lines if x["step"] == "abi_eager_bf16"]          # the figure, then its agreement
+    assert eager[0]["images_per_s_steady"] > 0 and eager[1]["agreement_rate"] >= 0.95
+    abi = by["abi_aot_bf16"]
+    assert abi["landed_s"] <= started and abi["agreement_rate"] >= 0.95 and abi["images_per_s_steady"] > 0
+    assert abi["cuda_graph"] == "off" and abi["guard"]["images"] == 24
+    ph = json.loads((out / "aot_phases.json").read_text())             # the child's own file, each phase as it ended
+    assert all(ph["seconds"][k] > 0 for k in ("export", "inductor", "cpp_compile", "load", "first_call")), ph
+    assert by["aot_bf16"]["phases_s"] == ph["seconds"] and by["aot_bf16"]["landed_s"] <= abi["started_s"]
 
 
 def test_sigterm_mid_build_leaves_a_small_result_folder_and_a_json_naming_each_step(tmp_path):
@@ -149,8 +203,7 @@ def test_sigterm_mid_build_leaves_a_small_result_folder_and_a_json_naming_each_s
     assert all("seconds" in steps[n] and "error" not in steps[n] for n in ("driver", "env", "cuda_home", "checkpoint"))
     assert "interrupted" in steps["aot_bf16"] and "interrupted" in steps[list(steps)[-1]]
     assert not [n for n, s in steps.items() if "running" in s]
-    assert tree_bytes(out) < 50 << 20 and sorted(x.name for x in out.iterdir()) == ["device_check.json",
-                                                                                    "device_check.log"]
+    assert tree_bytes(out) < 50 << 20 and set(x.name for x in out.iterdir()) <= set(OUTPUTS)
     assert "==== aot_bf16" in (out / "device_check.log").read_text()   # the cut build's output tail
     assert not Path(work).exists() and not processes_naming(work)            # children stopped, work removed
     assert doc["not_exercised"] and doc["not_run"] == ORDER[len(steps):]
@@ -174,7 +227,7 @@ def test_a_short_limit_keeps_the_first_steps_and_names_those_that_did_not_run(tm
             assert s["timeout_s"] <= shares[name] * limit + 0.1 and s["seconds"] <= s["timeout_s"] + 8, (name, s)
     assert any("timed_out" in s for s in steps.values()) or "checkpoint" in doc["not_run"] or \
         "skipped" in steps.get("aot_bf16", {}), steps
-    assert doc["work_dir_removed"] and sorted(x.name for x in out.iterdir()) == ["device_check.json", "device_check.log"]
+    assert doc["work_dir_removed"] and set(x.name for x in out.iterdir()) <= set(OUTPUTS)
 
 
 def test_the_wrapper_prints_its_help_and_every_option_says_its_default():
