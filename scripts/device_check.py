@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         c.step("driver", driver)        # first, before torch: a subprocess query, in the JSON at once
         import torch
 
-        c.step("env", lambda: env_info(a.device))
+        c.lacks = (c.step("env", lambda: env_info(a.device)) or {}).get("torch_lacks") or {}
         if a.device == "cuda" and not torch.cuda.is_available():
             c.doc["status"] = "no-gpu"
             c.doc["note"] = "torch sees no CUDA GPU: nothing measured (run with --tiny --device cpu to rehearse)"
@@ -245,6 +245,10 @@ def _start_aot(c: Check, r) -> subprocess.Popen | None:
                     "calibration_count": r.a.calibration_count, "cuda_home": r.cuda_env.get("CUDA_HOME"),
                     "recheck_backend": r.eager,
                     **({} if r.source == "photos" else {"calibration_note": "scikit-image absent: calibrated on renders"})}
+    if c.lacks.get("aot_bf16"):
+        c.record("aot_bf16", {"skipped": c.lacks_note("aot_bf16")})
+        print(f"device_check: aot_bf16: skipped: {c.lacks_note('aot_bf16')}", file=sys.stderr, flush=True)
+        return None
     if c.left() < BUILD_NEED_S:
         c.record("aot_bf16", {"skipped": f"{c.left():.0f} s left, the build and a run need ~{BUILD_NEED_S} s"})
         return None

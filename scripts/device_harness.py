@@ -53,6 +53,7 @@ class Check:
         self.procs: dict[str, subprocess.Popen] = {}     # children still running, by log name
         self.until = self.t0 + limit_s                   # the deadline of the step under way
         self.landed: list[str] = []                      # DIR/results.jsonl's lines, in landing order
+        self.lacks: dict[str, list[str]] = {}            # step -> what of torch it calls this torch lacks
 
     def left(self) -> float:
         return self.limit_s - (time.perf_counter() - self.t0)
@@ -75,6 +76,10 @@ class Check:
                                       default=str) + "\n")
         write_atomic(self.out / RESULTS, [line.encode() for line in self.landed])
 
+    def lacks_note(self, name: str) -> str:
+        torch = (self.doc["steps"].get("env") or {}).get("torch", "this torch")
+        return f"torch {torch} lacks {', '.join(self.lacks[name])}"
+
     def record(self, name: str, res: dict) -> None:
         """A step's result set without running it (skipped, or filled in later): saved and landed."""
         self.doc["steps"][name] = res
@@ -93,6 +98,10 @@ class Check:
         Its timeout (what `budget()` says inside fn) is its plan share of the limit, at most the time left."""
         if self.left() < need_s:
             self.record(name, {"skipped": f"{self.left():.0f} s left, the step needs ~{need_s:.0f} s"})
+            return None
+        if self.lacks.get(name):
+            self.record(name, {"skipped": self.lacks_note(name)})
+            print(f"device_check: {name}: skipped: {self.lacks_note(name)}", file=sys.stderr, flush=True)
             return None
         share = next(sh for n, sh, _ in self.plan if n == name)
         timeout = min(share * self.limit_s, self.left())

@@ -73,12 +73,46 @@ def _cuda_decode_probe() -> dict:
         return {"ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
 
 
+# what each step calls in torch by name (dotted, from `torch`): a torch that lacks one of them
+# (an older one on a lent machine) gets that step skipped with the name, not a traceback
+TORCH_NEEDS = {
+    "aot_bf16": ("export.export", "_inductor.aoti_compile_and_package", "_C._aoti.AOTIModelContainerRunnerCpu",
+                 "_C._aoti.AOTIModelContainerRunnerCuda"),
+    "search": ("export.export", "_inductor.aoti_compile_and_package"),
+    "fp8_gemm": ("_scaled_mm", "float8_e4m3fn"),
+    "graph_capture": ("cuda.CUDAGraph", "cuda.graph"),
+    "attention": ("nn.attention.sdpa_kernel", "nn.attention.SDPBackend"),
+}
+
+
+def torch_lacks() -> dict[str, list[str]]:
+    """{step: the names of TORCH_NEEDS[step] this torch lacks}, only steps that lack some."""
+    import importlib
+
+    import torch
+
+    def has(dotted: str) -> bool:
+        obj = torch
+        for i, part in enumerate(dotted.split(".")):
+            if not hasattr(obj, part):
+                try:        # a submodule torch does not import by itself (torch.export, torch.nn.attention)
+                    obj = importlib.import_module("torch." + ".".join(dotted.split(".")[:i + 1]))
+                    continue
+                except ImportError:
+                    return False
+            obj = getattr(obj, part)
+        return True
+
+    out = {step: [f"torch.{n}" for n in names if not has(n)] for step, names in TORCH_NEEDS.items()}
+    return {step: missing for step, missing in out.items() if missing}
+
+
 def env_info(device: str) -> dict:
-    """Machine, versions and GPU, as this process sees them."""
+    """Machine, versions and GPU, as this process sees them, and what of TORCH_NEEDS torch lacks."""
     import torch
 
     info = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
-            "machine": platform.machine(), "cpus": os.cpu_count(), "device": device}
+            "machine": platform.machine(), "cpus": os.cpu_count(), "device": device, "torch_lacks": torch_lacks()}
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
         info["gpu"] = {"name": p.name, "capability": f"{p.major}.{p.minor}", "memory_gib": round(p.total_memory / 2**30, 1)}

@@ -20,8 +20,10 @@ import torch
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "scripts"))
-from device_check import PLAN  # noqa: E402 - a script's module, not a package
-from device_probes import not_exercised, scored_setup  # noqa: E402
+from device_aot import merged_home, wheel_homes  # noqa: E402 - a script's module, not a package
+from device_check import PLAN  # noqa: E402
+from device_harness import Check  # noqa: E402
+from device_probes import TORCH_NEEDS, not_exercised, scored_setup, torch_lacks  # noqa: E402
 
 pytestmark = pytest.mark.abi   # scripts/device_check.sh / .py as whole processes
 
@@ -114,60 +116,61 @@ def test_cpu_rehearsal_runs_every_step_in_order_and_keeps_only_small_files(tmp_p
     # only small plain files in the result folder; the work folder (checkpoint, artifacts, cohort) is gone
     files = sorted(p.name for p in out.iterdir())
     assert files == OUTPUTS and tree_bytes(out) < 1 << 20
-    landed = [json.loads(line)["step"] for line in (out / "results.jsonl").read_text().splitlines()]
-    assert set(landed) == set(ORDER), landed                 # every step landed its line
+    lines = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert {x["step"] for x in lines} == set(ORDER), lines   # every step landed its line, as it ended
+    at = {x["step"]: x for x in lines if "added" not in x}
+    # the AOT figure lands before the search starts, after the eager figure and its agreement
+    assert at["abi_eager_bf16"]["landed_s"] <= at["reference"]["landed_s"] <= at["aot_bf16"]["landed_s"] <= \
+        at["abi_aot_bf16"]["started_s"] <= at["abi_aot_bf16"]["landed_s"] <= at["search"]["started_s"]
+    assert [x for x in lines if "added" in x][0]["agreement"] == first["agreement"]
+    assert json.loads((out / "aot_phases.json").read_text())["seconds"] == ph
     assert "==== aot_bf16 (exit 0" in (out / "device_check.log").read_text()
     assert doc["work_dir_removed"] and not Path(doc["work_dir"]).exists()
 
 
-def test_the_aot_figure_lands_before_the_search_starts_and_survives_a_sigkill(tmp_path):
-    """The device tool kills a command at its limit: whatever the check reached must already be in
-    its folder. Killed (SIGKILL, no teardown) as the search starts, the folder still holds the
-    eager figure with its agreement, every AOT phase and the AOT ABI figure, landed before it."""
+@pytest.mark.slow
+def test_a_sigkill_mid_build_leaves_every_result_reached_and_the_aot_phases_so_far(tmp_path):
+    """The device tool kills a command at its limit: whatever the check reached must already be
+    in its folder. Killed with SIGKILL (no teardown) while AOTInductor compiles in the background,
+    the folder holds a whole line per landed result and the build's phases that ended."""
     out = tmp_path / "out"
     p = subprocess.Popen([sys.executable, str(REPO / "scripts" / "device_check.py"), "--out", str(out), *TINY,
                           "--limit-s", "1200"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO,
                          process_group=0)
-    work = None
-    deadline = time.monotonic() + 900
+    work, phases = None, {}
+    deadline = time.monotonic() + 600
     try:
         while time.monotonic() < deadline and p.poll() is None:
             try:
-                doc = json.loads((out / "device_check.json").read_text())
+                work = work or json.loads((out / "device_check.json").read_text()).get("work_dir")
+                phases = json.loads((out / "aot_phases.json").read_text())
             except (OSError, ValueError):
-                doc = {}
-            work = doc.get("work_dir", work)
-            if "running" in doc.get("steps", {}).get("search", {}):
+                pass
+            if "export" in phases.get("phases", {}):
                 break
             time.sleep(0.2)
         else:
-            pytest.fail(f"the search never started: {p.poll()} {p.stderr.read()[-2000:] if p.poll() is not None else ''}")
-        os.killpg(p.pid, signal.SIGKILL)                   # the check and its children, no teardown
+            pytest.fail(f"the build never exported: {p.poll()} {p.stderr.read()[-2000:] if p.poll() is not None else ''}")
+        os.killpg(p.pid, signal.SIGKILL)                   # the check, no teardown
         p.wait(timeout=30)
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
-        if work:                                           # nothing tears down after a SIGKILL: the children
-            for pid in processes_naming(work):             # (each in its own group) and the work folder
+        if work:                                           # its children, each in its own group, and the work folder
+            for pid in processes_naming(work):
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
             shutil.rmtree(work, ignore_errors=True)
-    started = float(doc["steps"]["search"]["running"].split()[1])
-    lines = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    steps = [x["step"] for x in lines]
-    assert steps[:5] == ["driver", "env", "cuda_home", "checkpoint", "cohort"] and "search" not in steps, steps
-    assert steps.index("reference") < steps.index("aot_bf16") < steps.index("abi_aot_bf16"), steps
-    by = {x["step"]: x for x in lines if "added" not in x}
-    eager = [x for x in lines if x["step"] == "abi_eager_bf16"]          # the figure, then its agreement
-    assert eager[0]["images_per_s_steady"] > 0 and eager[1]["agreement_rate"] >= 0.95
-    abi = by["abi_aot_bf16"]
-    assert abi["landed_s"] <= started and abi["agreement_rate"] >= 0.95 and abi["images_per_s_steady"] > 0
-    assert abi["cuda_graph"] == "off" and abi["guard"]["images"] == 24
-    ph = json.loads((out / "aot_phases.json").read_text())             # the child's own file, each phase as it ended
-    assert all(ph["seconds"][k] > 0 for k in ("export", "inductor", "cpp_compile", "load", "first_call")), ph
-    assert by["aot_bf16"]["phases_s"] == ph["seconds"] and by["aot_bf16"]["landed_s"] <= abi["started_s"]
+    lines = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]   # whole lines only
+    assert [x["step"] for x in lines][:4] == ["driver", "env", "cuda_home", "checkpoint"], lines
+    assert all(x["landed_s"] >= (x["started_s"] or 0) for x in lines)
+    assert lines[3]["recipe"]["model"] and "error" not in lines[3]
+    doc = json.loads((out / "device_check.json").read_text())
+    assert "running" in doc["steps"]["aot_bf16"] and doc["status"] == "running"      # the kill left no teardown
+    kept = json.loads((out / "aot_phases.json").read_text())
+    assert kept["seconds"]["export"] > 0 and kept["phases"]["export"][0]["s"] > 0
 
 
 def test_sigterm_mid_build_leaves_a_small_result_folder_and_a_json_naming_each_step(tmp_path):
@@ -269,3 +272,49 @@ def test_not_exercised_compares_the_run_with_the_lock_and_the_dockerfile():
     doc["steps"]["search"] = {"chose": {"backend": "aot"}}
     gaps = not_exercised(doc, scored)
     assert not [g for g in gaps if "CUDA_HOME" in g or "re-check graph" in g or "measured search" in g], gaps
+
+
+def test_cuda_wheel_folders_split_over_sys_path_are_found_and_merged_into_one_home(tmp_path, monkeypatch):
+    """Carried header wheels unpacked into a folder on PYTHONPATH hold nvidia/cu13/include/crt
+    only; the installed CUDA wheels' nvidia/ is a regular package (an __init__.py), which hides
+    any other nvidia/ from the import system. Both folders are found, and their union is the
+    image's CUDA_HOME: every include/ and lib/ entry, the first folder's winning."""
+    carry, site = tmp_path / "carry", tmp_path / "site"
+    (carry / "nvidia" / "cu13" / "include" / "crt").mkdir(parents=True)
+    (carry / "nvidia" / "cu13" / "include" / "crt" / "host_defines.h").write_text("// carried\n")
+    (carry / "nvidia" / "cu13" / "include" / "cuda.h").write_text("// carried copy\n")
+    (site / "nvidia" / "cu13" / "include").mkdir(parents=True)
+    (site / "nvidia" / "cu13" / "lib").mkdir()
+    (site / "nvidia" / "__init__.py").write_text("")
+    (site / "nvidia" / "cu13" / "include" / "cuda.h").write_text("// installed\n")
+    (site / "nvidia" / "cu13" / "include" / "cuda_runtime.h").write_text('#include "crt/host_defines.h"\n')
+    (site / "nvidia" / "cu13" / "lib" / "libcudart.so.13").write_text("")
+    (site / "nvidia" / "cudnn").mkdir()                               # not a cuNN folder
+    monkeypatch.setattr(sys, "path", [str(carry), str(site)])
+    homes = wheel_homes()
+    assert homes == [carry / "nvidia" / "cu13", site / "nvidia" / "cu13"]
+    home = merged_home(homes, tmp_path / "merged" / "cu13")
+    inc = home / "include"
+    assert sorted(p.name for p in inc.iterdir()) == ["crt", "cuda.h", "cuda_runtime.h"]
+    assert (inc / "crt" / "host_defines.h").read_text() == "// carried\n"
+    assert (inc / "cuda.h").read_text() == "// carried copy\n"                 # the first folder's entry wins
+    assert (home / "lib" / "libcudart.so.13").is_file()
+
+
+def test_a_step_calling_what_this_torch_lacks_is_skipped_in_one_line_naming_it(tmp_path, monkeypatch, capsys):
+    """A lent machine's torch may be older than the lock's: a step that calls a torch name it lacks
+    is skipped with that name (in the JSON, its results line and one stderr line), never run."""
+    monkeypatch.setitem(TORCH_NEEDS, "fp8_gemm", ("_scaled_mm", "no_such_fp8_gemm"))
+    monkeypatch.setitem(TORCH_NEEDS, "attention", ("nn.attention.sdpa_kernel",))
+    lacks = torch_lacks()
+    assert lacks["fp8_gemm"] == ["torch.no_such_fp8_gemm"] and "attention" not in lacks
+    c = Check(tmp_path, 60.0, PLAN)
+    c.doc["steps"]["env"] = {"torch": torch.__version__}
+    c.lacks = lacks
+    ran = []
+    assert c.step("fp8_gemm", lambda: ran.append(1) or {}) is None and not ran
+    want = f"torch {torch.__version__} lacks torch.no_such_fp8_gemm"
+    assert c.doc["steps"]["fp8_gemm"] == {"skipped": want}
+    assert json.loads((tmp_path / "results.jsonl").read_text())["skipped"] == want
+    assert capsys.readouterr().err == f"device_check: fp8_gemm: skipped: {want}\n"
+    assert c.step("attention", lambda: {"ok": True})["ok"]
