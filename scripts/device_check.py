@@ -41,7 +41,17 @@ from types import SimpleNamespace
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from device_aot import cuda_home, driver  # noqa: E402 - scripts/ is this file's folder
-from device_harness import Check, Interrupted, agree, build_cmd, judge, on_signal, side_by_side, stop  # noqa: E402
+from device_harness import (  # noqa: E402
+    Check,
+    Interrupted,
+    agree,
+    build_cmd,
+    judge,
+    last_error,
+    on_signal,
+    side_by_side,
+    stop,
+)
 from device_probes import batch_sweep, env_info  # noqa: E402
 
 from engine.presets import preset  # noqa: E402 - after the path setup
@@ -195,6 +205,12 @@ def _steps(a: argparse.Namespace, c: Check) -> int:
     return 1 if c.doc["alarms"] else 0
 
 
+def torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
 def _has(module: str) -> bool:
     import importlib.util
 
@@ -217,7 +233,7 @@ def _wait_cohort(c: Check, p: subprocess.Popen, count: int) -> dict:
         rc = 124
     res = c.finish("cohort", p, rc)
     if rc != 0:
-        raise RuntimeError(f"cohort failed ({rc}): {res.stderr.strip()[-300:]}")
+        raise RuntimeError(f"cohort failed ({rc}): {last_error(res.stderr)}")
     return {"images": count}
 
 
@@ -231,7 +247,7 @@ def _checkpoint(c: Check, r) -> dict:
                                r.model, json.dumps(r.kwargs), r.dev])
     if res.returncode != 0:
         r.ckpt.unlink(missing_ok=True)
-        raise RuntimeError(f"checkpoint failed ({res.returncode}): {res.stderr.strip()[-300:]}")
+        raise RuntimeError(f"checkpoint failed ({res.returncode}): {last_error(res.stderr)}")
     return {"recipe": json.loads(res.stdout.strip().splitlines()[-1])}
 
 
@@ -271,7 +287,7 @@ def _first_abi(c: Check, r) -> None:
         res = c.run("build_eager_bf16", build_cmd(r.model_args, art, r.dev, r.eager, "bf16", r.a.batch_size,
                                                   *r.calib))
         if res.returncode != 0:
-            raise RuntimeError(f"build failed ({res.returncode}): {res.stderr.strip()[-300:]}")
+            raise RuntimeError(f"build failed ({res.returncode}): {last_error(res.stderr)}")
         g = json.loads((art / "manifest.json").read_text()).get("guard") or {}
         return {"backend": r.eager, "tau": g.get("tau"), "recheck_batch": g.get("recheck_batch")}
 
@@ -291,7 +307,7 @@ def _first_abi(c: Check, r) -> None:
         res = c.run("reference", [sys.executable, "-m", "evaluator.reference", str(r.work / "ref_manifest.tsv"),
                                   str(r.cohort), str(r.work / "ref.i32"), *r.model_args, "--device", r.dev])
         if res.returncode != 0:
-            raise RuntimeError(f"reference failed ({res.returncode}): {res.stderr.strip()[-300:]}")
+            raise RuntimeError(f"reference failed ({res.returncode}): {last_error(res.stderr)}")
         wall = time.perf_counter() - t
         r.ref = np.fromfile(r.work / "ref.i32", "<i4")
         if "eager_bf16" in r.preds:                       # the first ABI figure gets its agreement
@@ -317,7 +333,7 @@ def _search(c: Check, r) -> None:
                                "auto", "--search-budget-s", str(min(r.a.search_budget_s, deadline)),
                                "--deadline-s", f"{deadline:.0f}", *r.calib], env=r.cuda_env)
         if res.returncode != 0:
-            raise RuntimeError(f"search failed ({res.returncode}): {res.stderr.strip()[-300:]}")
+            raise RuntimeError(f"search failed ({res.returncode}): {last_error(res.stderr)}")
         m = json.loads((art / "manifest.json").read_text())
         s = (m.get("build") or {}).get("search") or {}
         shutil.rmtree(art, ignore_errors=True)
@@ -369,7 +385,7 @@ def _probes(c: Check, r) -> None:
         small = ["--rows", "64", "--cols", "5000", "--reps", "2"] if r.a.tiny else []
         res = c.run("topk", [sys.executable, "-m", "kernels.topk", "--json", *small], 120)
         if res.returncode not in (0, 1):
-            raise RuntimeError(f"kernels.topk failed ({res.returncode}): {res.stderr.strip()[-300:]}")
+            raise RuntimeError(f"kernels.topk failed ({res.returncode}): {last_error(res.stderr)}")
         out = json.loads(res.stdout.strip().splitlines()[-1])
         out["validated"] = res.returncode == 0
         return out
@@ -396,7 +412,7 @@ def _wait_aot(c: Check, r, build: subprocess.Popen) -> dict:
                            f"{json.dumps(out['phases_s'])}")
     if rc != 0:
         raise RuntimeError(f"build failed ({rc}) with CUDA_HOME={r.cuda_env.get('CUDA_HOME')}, phases "
-                           f"{json.dumps(out['phases_s'])}: {res.stderr.strip()[-300:]}")
+                           f"{json.dumps(out['phases_s'])}: {last_error(res.stderr)}")
     g = json.loads((r.aot_art / "manifest.json").read_text()).get("guard") or {}
     return {**out, "tau": g.get("tau"), "budget_per_10k": g.get("budget_per_10k"),
             "estimated_per_10k": g.get("estimated_per_10k"), "expected_rechecked_fraction": g.get("rechecked_fraction"),
@@ -469,12 +485,20 @@ def _rest(c: Check, r) -> None:
 
     c.step("gpu_tests", gpu_tests, need_s=20)
     for prec in ("fp16", "fp8"):
+        lacking = (c.doc["steps"].get("fp8_gemm") or {}).get("lacks") if prec == "fp8" else None
+        if lacking:                     # the probe found this torch's FP8 GEMM lacking here: the build would fail
+            c.record(f"eager_{prec}", {"skipped": f"torch {torch_version()} lacks {lacking} on {r.dev}",
+                                       "lacks": lacking})
+            print(f"device_check: eager_{prec}: skipped: torch {torch_version()} lacks {lacking} on {r.dev}",
+                  file=sys.stderr, flush=True)
+            continue
+
         def eager_step(prec=prec) -> dict:
             art = r.work / f"art_eager_{prec}"
             res = c.run(f"build_eager_{prec}", build_cmd(r.model_args, art, r.dev, r.eager, prec, r.a.batch_size,
                                                          *r.calib))
             if res.returncode != 0:
-                raise RuntimeError(f"build failed ({res.returncode}): {res.stderr.strip()[-300:]}")
+                raise RuntimeError(f"build failed ({res.returncode}): {last_error(res.stderr)}")
             out, _ = judge(c, f"eager_{prec}", art, r.cohort, r.ref, r.a.count)
             if isinstance(out.get("guard"), dict) and c.budget() > 20:
                 raw, _ = judge(c, f"eager_{prec}_raw", art, r.cohort, r.ref, r.a.count, {"ENGINE_GUARD": "0"})

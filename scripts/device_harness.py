@@ -167,7 +167,7 @@ class Check:
         """One of scripts/device_probes.py's probes in its own process: its JSON line."""
         r = self.run(name, [sys.executable, str(REPO / "scripts" / "device_probes.py"), *args], timeout, env)
         if r.returncode != 0:
-            raise RuntimeError(f"probe failed ({r.returncode}): {r.stderr.strip()[-300:]}")
+            raise RuntimeError(f"probe failed ({r.returncode}): {last_error(r.stderr)}")
         return json.loads(r.stdout.strip().splitlines()[-1])
 
     def append_log(self, name: str, header: str, text: str) -> None:
@@ -202,6 +202,13 @@ class Check:
             shutil.rmtree(self.work, ignore_errors=True)
             self.doc["work_dir_removed"] = not self.work.exists()
             self.save()
+
+
+def last_error(stderr: str, limit: int = 300) -> str:
+    """The line a failed child ended on (a traceback's exception line, a CLI's `prog: error: ...`),
+    not the traceback above it: what a step's one-line error says."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip() and not set(ln.strip()) <= set("^~ ")]
+    return (lines[-1] if lines else "no output on stderr")[:limit]
 
 
 def stop(p: subprocess.Popen, grace_s: float = 5.0) -> None:
@@ -240,7 +247,7 @@ def judge(c: Check, name: str, art: Path, cohort: Path, ref, count: int, env_ext
               env=env)
     wall = time.perf_counter() - t
     if r.returncode != 0:
-        raise RuntimeError(f"scripts/run failed ({r.returncode}): {r.stderr.strip()[-400:]}")
+        raise RuntimeError(f"scripts/run failed ({r.returncode}): {last_error(r.stderr, 400)}")
     timing = json.loads(report.read_text())
     got = np.fromfile(pred, "<i4")
     rt, stages = timing.get("runtime") or {}, timing.get("stages") or {}

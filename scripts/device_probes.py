@@ -225,6 +225,9 @@ def fp8(device: str, rows: int) -> dict:
     unpadded shape; on CUDA, median ms and TFLOP/s of fp8 (layer and bare GEMM) and bf16."""
     import torch
 
+    refused = rowwise_scaled_mm_refused(device)
+    if refused:     # e.g. torch 2.11's CPU _scaled_mm takes per-tensor scales only
+        return {"skipped": f"torch {torch.__version__} lacks {ROWWISE} on {device}: {refused}", "lacks": ROWWISE}
     torch.backends.cuda.matmul.allow_tf32 = False     # the FP32 references are true FP32
     g = torch.Generator(device="cpu").manual_seed(0)
     layers = {name: _fp8_layer(k, n, rows, device, g) for name, k, n in EVA02_L_LINEARS}
@@ -232,6 +235,25 @@ def fp8(device: str, rows: int) -> dict:
     # the twin differs from the GEMM by the bf16 output's rounding only (~2e-3)
     return {"rows": rows, "layers": layers, "fp8_twin_rel_error_max": worst,
             "exact": worst < 1e-2 and not any(v["nan"] for v in layers.values())}
+
+
+ROWWISE = "rowwise-scaled torch._scaled_mm"      # what the engine's FP8 linear calls
+
+
+def rowwise_scaled_mm_refused(device: str) -> str | None:
+    """None when torch._scaled_mm takes rowwise scales ([M, 1] and [1, N], as Fp8Linear passes
+    them) on `device`, else the first line of its refusal."""
+    import torch
+
+    from engine.classify.precision import FP8
+
+    x = torch.ones(16, 16, device=device).to(FP8)
+    sa, sb = torch.ones(16, 1, device=device), torch.ones(1, 16, device=device)
+    try:
+        torch._scaled_mm(x, x.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+        return None
+    except (RuntimeError, ValueError, NotImplementedError) as e:
+        return str(e).strip().splitlines()[0][:200]
 
 
 def _fp8_layer(k: int, n: int, rows: int, device: str, g) -> dict:
