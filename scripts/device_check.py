@@ -19,8 +19,8 @@ of the scored setup, ARM64 + Hopper, the Dockerfile's Python and requirements/lo
 run did not exercise). Work files (checkpoint, artifacts, cohort, predictions) live in a
 private folder under $TMPDIR, removed at the end and on SIGTERM/SIGINT (after the JSON is
 saved). Outputs, small and plain: DIR/device_check.json, DIR/results.jsonl, DIR/aot_phases.json,
-DIR/device_check.log (each child's output, tail-kept), DIR/gpu_tests.txt. Without a GPU (and without --device cpu) it writes a
-JSON that says so and exits 0 in seconds. `--tiny --device cpu` runs every step's code on the
+DIR/device_check.log (each child's output, tail-kept), DIR/gpu_tests.txt. Without a GPU (and
+without --device cpu) it writes a JSON that says so and exits 0 in seconds. `--tiny --device cpu` runs every step's code on the
 tiny test model (a CPU test does this; another stops it early and reads what it kept).
 The harness (result document, deadlines, children, the judged ABI run) is scripts/device_harness.py;
 the driver, CUDA_HOME and timed-AOT-build facts scripts/device_aot.py; the probes scripts/device_probes.py.
