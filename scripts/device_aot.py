@@ -2,7 +2,7 @@
 compile against in the image's layout, and engine.build with its AOTInductor phases timed.
 
     python3 scripts/device_aot.py driver
-    python3 scripts/device_aot.py cuda_home [--system /usr/local/cuda]
+    python3 scripts/device_aot.py cuda_home [--system /usr/local/cuda] [--merge-into DIR]
     python3 scripts/device_aot.py build --phases FILE -- ENGINE_BUILD_ARGS...
 
 The image (Dockerfile) has no CUDA toolkit: CUDA_HOME points at the CUDA wheels' folder
@@ -12,14 +12,14 @@ headers the wrapper includes against it, and names a missing one (e.g. crt/host_
 which cuda_runtime.h includes and a wheel set without the CRT headers lacks); then the
 toolkit at --system is tried, and the CUDA_HOME to build with is chosen.
 `build` runs `python -m engine.build` in this process with timers around its phases
-(torch.export, AOTInductor as a whole, each C++ compiler call inside it, loading the .so)
-and rewrites FILE after each, so a stopped build still says how far it got.
+(torch.export, AOTInductor as a whole, each C++ compiler call inside it, loading the .so
+and the first call of the loaded graph), rewriting FILE (whole, fsynced) after each, so a
+stopped build still says how far it got.
 """
 from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
 import json
 import os
 import re
@@ -31,6 +31,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from engine.io import write_atomic  # noqa: E402 - after the path setup
+
 # what AOTInductor's CUDA runtime headers include (torch/csrc/inductor/aoti_runtime/utils_cuda.h)
 CUDA_HEADERS = ("cuda.h", "cuda_runtime_api.h", "cuda_runtime.h", "cuda_bf16.h", "cuda_fp16.h", "cuda_fp8.h")
 SMI_FIELDS = ("name", "driver_version", "compute_mode", "persistence_mode", "mig.mode.current", "memory.total",
@@ -93,27 +95,55 @@ def header_check(home: Path | None, timeout: float = 30.0) -> dict:
 
 
 def wheel_homes() -> list[Path]:
-    """The CUDA wheels' single-folder layouts (site-packages/nvidia/cuNN with an include/ folder)."""
-    spec = importlib.util.find_spec("nvidia")
-    out = []
-    for loc in (spec.submodule_search_locations or []) if spec else []:
-        for d in sorted(Path(loc).iterdir()) if Path(loc).is_dir() else []:
-            if re.fullmatch(r"cu\d+", d.name) and (d / "include").is_dir():
+    """The CUDA wheels' single-folder layouts (nvidia/cuNN with an include/ folder) in every
+    sys.path entry, in path order: a folder of unpacked wheels put first on PYTHONPATH (the
+    carried header wheels) is seen even where site-packages' nvidia/ is a regular package."""
+    out, seen = [], set()
+    for entry in sys.path:
+        base = Path(entry or ".") / "nvidia"
+        try:
+            subs = sorted(base.iterdir()) if base.is_dir() else []
+        except OSError:
+            continue
+        for d in subs:
+            if re.fullmatch(r"cu\d+", d.name) and (d / "include").is_dir() and d.resolve() not in seen:
+                seen.add(d.resolve())
                 out.append(d)
     return out
 
 
-def cuda_home(system: Path = Path("/usr/local/cuda")) -> dict:
+def merged_home(folders: list[Path], dest: Path) -> Path:
+    """One folder holding the union of `folders` (same cuNN name, several sys.path entries), as
+    symlinks per entry of each subfolder (include/, lib/, ...), the first folder's entry winning:
+    the layout the image has when pip installs every CUDA wheel into one site-packages."""
+    for home in folders:
+        for sub in sorted(p for p in home.iterdir() if p.is_dir()):
+            (dest / sub.name).mkdir(parents=True, exist_ok=True)
+            for entry in sorted(sub.iterdir()):
+                link = dest / sub.name / entry.name
+                if not link.exists() and not link.is_symlink():
+                    link.symlink_to(entry.resolve())
+    return dest
+
+
+def cuda_home(system: Path = Path("/usr/local/cuda"), merge_into: Path | None = None) -> dict:
     """The CUDA_HOME the image's layout gives (the wheels' folder for torch's CUDA major), whether
     its headers compile, and the CUDA_HOME to build with: that folder when they do, else the
-    toolkit at `system` when its headers compile (a finding either way), else none."""
+    toolkit at `system` when its headers compile (a finding either way), else none. When that
+    folder is split over several sys.path entries (carried wheels unpacked beside the installed
+    ones) and `merge_into` is given, their union is made there and checked instead."""
     import torch
 
     major = (torch.version.cuda or "").split(".")[0]
     homes = wheel_homes()
-    wheel = next((h for h in homes if h.name == f"cu{major}"), homes[0] if homes else None)
+    name = f"cu{major}" if any(h.name == f"cu{major}" for h in homes) else homes[0].name if homes else None
+    parts = [h for h in homes if h.name == name]
+    wheel = parts[0] if parts else None
+    if len(parts) > 1 and merge_into is not None:
+        wheel = merged_home(parts, merge_into / name)
     out: dict = {"torch_cuda": torch.version.cuda, "wheel_folders": [str(h) for h in homes],
                  "wheel_home": str(wheel) if wheel else None,
+                 **({"merged_from": [str(h) for h in parts]} if len(parts) > 1 and merge_into is not None else {}),
                  "crt": bool(wheel and (wheel / "include" / "crt").is_dir())}
     out["wheel_headers"] = header_check(wheel) if wheel else {"ok": False, "error": "no nvidia/cuNN folder"}
     if out["wheel_headers"].get("ok"):
@@ -142,10 +172,9 @@ class Phases:
         total = sum(c["s"] for c in ph.get("inductor", []))
         cpp = sum(c["s"] for c in ph.get("cpp_compile", []))
         self.doc["seconds"] = {k: round(sum(c["s"] for c in v), 3) for k, v in ph.items()}
-        self.doc["seconds"]["lowering"] = round(total - cpp, 3)   # AOTInductor less its C++ compiler calls
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.doc) + "\n")
-        os.replace(tmp, self.path)
+        if "inductor" in ph:            # AOTInductor less its C++ compiler calls, once AOTInductor has ended
+            self.doc["seconds"]["lowering"] = round(total - cpp, 3)
+        write_atomic(self.path, (json.dumps(self.doc) + "\n").encode())   # whole, fsynced: a kill keeps it
 
     def timed(self, phase: str, fn):
         @functools.wraps(fn)
@@ -185,9 +214,28 @@ def build(phases_path: Path, args: list[str]) -> int:
     out = Path(args[args.index("--out") + 1]) if "--out" in args else None
     so = out / aot.FILES[0] if out else None
     if rc == 0 and so and so.is_file():
-        dev = json.loads((out / "manifest.json").read_text()).get("device", "cpu")
-        ph.timed("load", aot.load_in_place)(so, torch.device(dev))
+        manifest = json.loads((out / "manifest.json").read_text())
+        dev = torch.device(manifest.get("device", "cpu"))
+        fn = ph.timed("load", aot.load_in_place)(so, dev)
+        shape = (manifest.get("aot") or {}).get("example_shape")
+        if shape:
+            try:    # the first call of the loaded graph on a zero batch: its one-time costs
+                ph.timed("first_call", first_call)(fn, shape, dev)
+            except Exception:  # noqa: BLE001 - recorded in FILE by the timer; the build itself held
+                pass
+        else:
+            ph.doc["first_call"] = "not timed: the manifest names no example shape"
+            ph.save()
     return rc
+
+
+def first_call(fn, shape: list[int], device) -> None:
+    """One call of a loaded AOT graph on a zero uint8 batch of the compiled shape, waited for."""
+    import torch
+
+    fn(torch.zeros(shape, dtype=torch.uint8, device=device))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,13 +245,16 @@ def main(argv: list[str] | None = None) -> int:
     h = sub.add_parser("cuda_home", help="the image's CUDA_HOME layout: do its headers compile")
     h.add_argument("--system", type=Path, default=Path("/usr/local/cuda"),
                    help="the CUDA toolkit to fall back to (default: /usr/local/cuda)")
+    h.add_argument("--merge-into", type=Path, default=None,
+                   help="folder the union of a cuNN folder split over several sys.path entries is made in "
+                        "(default: none, the first one is checked)")
     b = sub.add_parser("build", help="engine.build with its AOT phases timed")
     b.add_argument("--phases", type=Path, required=True, help="JSON file the phases are written to")
     b.add_argument("args", nargs=argparse.REMAINDER, help="engine.build's arguments, after --")
     a = p.parse_args(argv)
     if a.what == "build":
         return build(a.phases, a.args[1:] if a.args[:1] == ["--"] else a.args)
-    print(json.dumps(driver() if a.what == "driver" else cuda_home(a.system)))
+    print(json.dumps(driver() if a.what == "driver" else cuda_home(a.system, a.merge_into)))
     return 0
 
 

@@ -1,19 +1,22 @@
 #!/bin/sh
-# One-shot GPU check, within one ~10 minute window on one H200 with only torch, torchvision,
+# One-shot GPU check, within one 600 s command on one H200 with only torch, torchvision,
 # timm, cupy, numpy and pytest (DALI, TensorRT, open_clip, scikit-image are probed: the steps
 # that need them say what they did without them). The most valuable facts come first: the
-# driver and compute mode, an ABI figure (eager bf16) while AOTInductor compiles in the
-# background with the image's CUDA_HOME layout, the measured search, then the rest.
+# driver and compute mode, the CUDA headers of the image's CUDA_HOME layout, an ABI figure
+# (eager bf16) and its agreement while AOTInductor compiles in the background, the AOT build
+# (phases timed) and its CUDA-graph ABI figure, then the measured search, the probes, the rest.
 #
 #   scripts/device_check.sh [OUTDIR] [OPTIONS]    (OUTDIR default: $OUT, else ./device_check_out)
 #   scripts/device_check.sh --help                this text and the options with their defaults
 #
-# Writes only small plain files: OUTDIR/device_check.json after every step (a stopped run
-# still says what finished, and `not_run` names the steps that never started),
-# OUTDIR/device_check.log (each child's output, tail-kept) and OUTDIR/gpu_tests.txt; work
-# files go to a private folder under $TMPDIR, removed at the end and on SIGTERM/SIGINT.
-# Without a GPU it writes a JSON saying so and exits 0 in seconds. Steps, their order and
-# timeouts: scripts/device_check.py (docs/gpu-check.md). OPTIONS go to it.
+# Writes only small plain files, each result as it lands (whole and fsynced: a kill, even
+# SIGKILL, keeps every figure reached): OUTDIR/device_check.json after every step (`not_run`
+# names the steps that never started), OUTDIR/results.jsonl (a line per result),
+# OUTDIR/aot_phases.json (the AOT build's phases), OUTDIR/device_check.log (each child's
+# output, tail-kept) and OUTDIR/gpu_tests.txt; work files go to a private folder under
+# $TMPDIR, removed at the end and on SIGTERM/SIGINT. Without a GPU it writes a JSON saying so
+# and exits 0 in seconds. Steps, their order and timeouts: scripts/device_check.py
+# (docs/gpu-check.md). OPTIONS go to it.
 set -u
 here=$(CDPATH= cd -- "$(dirname -- "$0")/.." && pwd)
 case "${1:-}" in

@@ -1,7 +1,8 @@
 """The harness of scripts/device_check.py: the result document and its deadlines, the children
 and their logs, and the ABI run judged against the reference.
 
-`Check` holds DIR/device_check.json (rewritten after every step), runs each step against its
+`Check` holds DIR/device_check.json (rewritten after every step) and DIR/results.jsonl (a line
+per result as it lands; both written whole and fsynced), runs each step against its
 own timeout (its share of the limit, at most the time left), starts children in their own
 process groups with output into a private work folder (the tail of each goes into
 DIR/device_check.log) and, at the end or on SIGTERM/SIGINT, stops them, marks what was cut,
@@ -23,8 +24,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from device_probes import not_exercised, scored_setup  # noqa: E402 - scripts/ is this file's folder
 
-from evaluator.contest.task import COHORT_IMAGES  # noqa: E402 - after the path setup
+from engine.io import write_atomic  # noqa: E402 - after the path setup
+from evaluator.contest.task import COHORT_IMAGES  # noqa: E402
 
+RESULTS = "results.jsonl"    # one line per result as it lands (DIR/device_check.json holds them all too)
 LOG_TAIL = 200_000          # bytes of each step's output kept in DIR/device_check.log
 LOG_MAX = 12 << 20          # the combined log stays under the 16 MiB a returned file may have
 
@@ -49,6 +52,8 @@ class Check:
         self.work: Path | None = None
         self.procs: dict[str, subprocess.Popen] = {}     # children still running, by log name
         self.until = self.t0 + limit_s                   # the deadline of the step under way
+        self.landed: list[str] = []                      # DIR/results.jsonl's lines, in landing order
+        self.lacks: dict[str, list[str]] = {}            # step -> what of torch it calls this torch lacks
 
     def left(self) -> float:
         return self.limit_s - (time.perf_counter() - self.t0)
@@ -62,9 +67,24 @@ class Check:
 
     def save(self) -> None:
         self.doc["elapsed_s"] = self.elapsed()
-        tmp = self.out / "device_check.json.tmp"
-        tmp.write_text(json.dumps(self.doc, indent=1) + "\n")
-        os.replace(tmp, self.out / "device_check.json")
+        write_atomic(self.out / "device_check.json", (json.dumps(self.doc, indent=1) + "\n").encode())
+
+    def land(self, name: str, res: dict, started_s: float | None = None) -> None:
+        """One result as it lands: a line of DIR/results.jsonl (the file rewritten whole and
+        fsynced, so a check killed at any point leaves whole lines of every result it reached)."""
+        self.landed.append(json.dumps({"step": name, "started_s": started_s, "landed_s": self.elapsed(), **res},
+                                      default=str) + "\n")
+        write_atomic(self.out / RESULTS, [line.encode() for line in self.landed])
+
+    def lacks_note(self, name: str) -> str:
+        torch = (self.doc["steps"].get("env") or {}).get("torch", "this torch")
+        return f"torch {torch} lacks {', '.join(self.lacks[name])}"
+
+    def record(self, name: str, res: dict) -> None:
+        """A step's result set without running it (skipped, or filled in later): saved and landed."""
+        self.doc["steps"][name] = res
+        self.save()
+        self.land(name, res)
 
     def make_work(self) -> Path:
         self.work = Path(tempfile.mkdtemp(prefix="device_check_"))    # under $TMPDIR, never under DIR
@@ -77,13 +97,17 @@ class Check:
         """Run fn() -> dict as step `name` unless fewer than need_s seconds are left; record it either way.
         Its timeout (what `budget()` says inside fn) is its plan share of the limit, at most the time left."""
         if self.left() < need_s:
-            self.doc["steps"][name] = {"skipped": f"{self.left():.0f} s left, the step needs ~{need_s:.0f} s"}
-            self.save()
+            self.record(name, {"skipped": f"{self.left():.0f} s left, the step needs ~{need_s:.0f} s"})
+            return None
+        if self.lacks.get(name):
+            self.record(name, {"skipped": self.lacks_note(name)})
+            print(f"device_check: {name}: skipped: {self.lacks_note(name)}", file=sys.stderr, flush=True)
             return None
         share = next(sh for n, sh, _ in self.plan if n == name)
         timeout = min(share * self.limit_s, self.left())
         self.until = time.perf_counter() + timeout
-        self.doc["steps"][name] = {"running": f"since {self.elapsed()} s", "timeout_s": round(timeout, 1)}
+        started = self.elapsed()
+        self.doc["steps"][name] = {"running": f"since {started} s", "timeout_s": round(timeout, 1)}
         self.save()
         t = time.perf_counter()
         try:
@@ -95,6 +119,7 @@ class Check:
         res["seconds"], res["timeout_s"] = round(time.perf_counter() - t, 2), round(timeout, 1)
         self.doc["steps"][name] = res
         self.save()
+        self.land(name, res, started)
         print(f"device_check: {name}: {json.dumps(res)[:300]}", file=sys.stderr, flush=True)
         return res
 
@@ -142,7 +167,7 @@ class Check:
         """One of scripts/device_probes.py's probes in its own process: its JSON line."""
         r = self.run(name, [sys.executable, str(REPO / "scripts" / "device_probes.py"), *args], timeout, env)
         if r.returncode != 0:
-            raise RuntimeError(f"probe failed ({r.returncode}): {r.stderr.strip()[-300:]}")
+            raise RuntimeError(f"probe failed ({r.returncode}): {last_error(r.stderr)}")
         return json.loads(r.stdout.strip().splitlines()[-1])
 
     def append_log(self, name: str, header: str, text: str) -> None:
@@ -163,6 +188,7 @@ class Check:
             if "running" in s:
                 why = stopped or "stopped as the check ended"
                 self.doc["steps"][name] = {"interrupted": f"{why} at {self.elapsed()} s", "was": s["running"]}
+                self.land(name, self.doc["steps"][name])
         self.doc["cut_by_deadline"] = [n for n, s in self.doc["steps"].items() if "s left, " in s.get("skipped", "")]
         self.doc["not_run"] = [n for n, _, _ in self.plan if n not in self.doc["steps"]]
         try:
@@ -176,6 +202,13 @@ class Check:
             shutil.rmtree(self.work, ignore_errors=True)
             self.doc["work_dir_removed"] = not self.work.exists()
             self.save()
+
+
+def last_error(stderr: str, limit: int = 300) -> str:
+    """The line a failed child ended on (a traceback's exception line, a CLI's `prog: error: ...`),
+    not the traceback above it: what a step's one-line error says."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip() and not set(ln.strip()) <= set("^~ ")]
+    return (lines[-1] if lines else "no output on stderr")[:limit]
 
 
 def stop(p: subprocess.Popen, grace_s: float = 5.0) -> None:
@@ -214,7 +247,7 @@ def judge(c: Check, name: str, art: Path, cohort: Path, ref, count: int, env_ext
               env=env)
     wall = time.perf_counter() - t
     if r.returncode != 0:
-        raise RuntimeError(f"scripts/run failed ({r.returncode}): {r.stderr.strip()[-400:]}")
+        raise RuntimeError(f"scripts/run failed ({r.returncode}): {last_error(r.stderr, 400)}")
     timing = json.loads(report.read_text())
     got = np.fromfile(pred, "<i4")
     rt, stages = timing.get("runtime") or {}, timing.get("stages") or {}

@@ -73,12 +73,46 @@ def _cuda_decode_probe() -> dict:
         return {"ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
 
 
+# what each step calls in torch by name (dotted, from `torch`): a torch that lacks one of them
+# (an older one on a lent machine) gets that step skipped with the name, not a traceback
+TORCH_NEEDS = {
+    "aot_bf16": ("export.export", "_inductor.aoti_compile_and_package", "_C._aoti.AOTIModelContainerRunnerCpu",
+                 "_C._aoti.AOTIModelContainerRunnerCuda"),
+    "search": ("export.export", "_inductor.aoti_compile_and_package"),
+    "fp8_gemm": ("_scaled_mm", "float8_e4m3fn"),
+    "graph_capture": ("cuda.CUDAGraph", "cuda.graph"),
+    "attention": ("nn.attention.sdpa_kernel", "nn.attention.SDPBackend"),
+}
+
+
+def torch_lacks() -> dict[str, list[str]]:
+    """{step: the names of TORCH_NEEDS[step] this torch lacks}, only steps that lack some."""
+    import importlib
+
+    import torch
+
+    def has(dotted: str) -> bool:
+        obj = torch
+        for i, part in enumerate(dotted.split(".")):
+            if not hasattr(obj, part):
+                try:        # a submodule torch does not import by itself (torch.export, torch.nn.attention)
+                    obj = importlib.import_module("torch." + ".".join(dotted.split(".")[:i + 1]))
+                    continue
+                except ImportError:
+                    return False
+            obj = getattr(obj, part)
+        return True
+
+    out = {step: [f"torch.{n}" for n in names if not has(n)] for step, names in TORCH_NEEDS.items()}
+    return {step: missing for step, missing in out.items() if missing}
+
+
 def env_info(device: str) -> dict:
-    """Machine, versions and GPU, as this process sees them."""
+    """Machine, versions and GPU, as this process sees them, and what of TORCH_NEEDS torch lacks."""
     import torch
 
     info = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
-            "machine": platform.machine(), "cpus": os.cpu_count(), "device": device}
+            "machine": platform.machine(), "cpus": os.cpu_count(), "device": device, "torch_lacks": torch_lacks()}
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
         info["gpu"] = {"name": p.name, "capability": f"{p.major}.{p.minor}", "memory_gib": round(p.total_memory / 2**30, 1)}
@@ -191,6 +225,9 @@ def fp8(device: str, rows: int) -> dict:
     unpadded shape; on CUDA, median ms and TFLOP/s of fp8 (layer and bare GEMM) and bf16."""
     import torch
 
+    refused = rowwise_scaled_mm_refused(device)
+    if refused:     # e.g. torch 2.11's CPU _scaled_mm takes per-tensor scales only
+        return {"skipped": f"torch {torch.__version__} lacks {ROWWISE} on {device}: {refused}", "lacks": ROWWISE}
     torch.backends.cuda.matmul.allow_tf32 = False     # the FP32 references are true FP32
     g = torch.Generator(device="cpu").manual_seed(0)
     layers = {name: _fp8_layer(k, n, rows, device, g) for name, k, n in EVA02_L_LINEARS}
@@ -198,6 +235,25 @@ def fp8(device: str, rows: int) -> dict:
     # the twin differs from the GEMM by the bf16 output's rounding only (~2e-3)
     return {"rows": rows, "layers": layers, "fp8_twin_rel_error_max": worst,
             "exact": worst < 1e-2 and not any(v["nan"] for v in layers.values())}
+
+
+ROWWISE = "rowwise-scaled torch._scaled_mm"      # what the engine's FP8 linear calls
+
+
+def rowwise_scaled_mm_refused(device: str) -> str | None:
+    """None when torch._scaled_mm takes rowwise scales ([M, 1] and [1, N], as Fp8Linear passes
+    them) on `device`, else the first line of its refusal."""
+    import torch
+
+    from engine.classify.precision import FP8
+
+    x = torch.ones(16, 16, device=device).to(FP8)
+    sa, sb = torch.ones(16, 1, device=device), torch.ones(1, 16, device=device)
+    try:
+        torch._scaled_mm(x, x.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+        return None
+    except (RuntimeError, ValueError, NotImplementedError) as e:
+        return str(e).strip().splitlines()[0][:200]
 
 
 def _fp8_layer(k: int, n: int, rows: int, device: str, g) -> dict:

@@ -8,6 +8,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,14 +20,17 @@ import torch
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "scripts"))
-from device_check import PLAN  # noqa: E402 - a script's module, not a package
-from device_probes import not_exercised, scored_setup  # noqa: E402
+from device_aot import merged_home, wheel_homes  # noqa: E402 - a script's module, not a package
+from device_check import PLAN  # noqa: E402
+from device_harness import Check  # noqa: E402
+from device_probes import TORCH_NEEDS, not_exercised, scored_setup, torch_lacks  # noqa: E402
 
 pytestmark = pytest.mark.abi   # scripts/device_check.sh / .py as whole processes
 
 ORDER = ["driver", "env", "cuda_home", "cohort", "checkpoint", "aot_bf16", "eager_bf16", "abi_eager_bf16", "reference",
-         "search", "packages", "fp8_gemm", "graph_capture", "decoder_race", "attention", "topk", "abi_aot_bf16",
+         "abi_aot_bf16", "search", "packages", "fp8_gemm", "graph_capture", "decoder_race", "attention", "topk",
          "abi_aot_bf16_no_graphs", "abi_aot_bf16_raw", "gpu_tests", "eager_fp16", "eager_fp8", "batch_sweep"]
+OUTPUTS = ["aot_phases.json", "device_check.json", "device_check.log", "results.jsonl"]
 TINY = ["--tiny", "--device", "cpu", "--count", "24", "--ref-count", "24", "--batch-size", "8",
         "--gpu-tests-s", "60", "--calibration-count", "32", "--search-budget-s", "5"]
 
@@ -56,7 +60,7 @@ def test_without_a_gpu_it_ends_in_seconds_and_says_so(tmp_path):
     assert time.perf_counter() - t < 60
     doc = json.loads((tmp_path / "out" / "device_check.json").read_text())
     assert doc["status"] == "no-gpu" and "no CUDA GPU" in doc["note"] and doc["steps"]["env"]["torch"]
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["device_check.json"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["device_check.json", "results.jsonl"]
 
 
 def test_cpu_rehearsal_runs_every_step_in_order_and_keeps_only_small_files(tmp_path):
@@ -83,15 +87,15 @@ def test_cpu_rehearsal_runs_every_step_in_order_and_keeps_only_small_files(tmp_p
     assert build["calibration_source"] == ("photos" if pk["scikit-image"]["ok"] else "renders")
     assert build["calibration_count"] == 32 and build["waited_s"] >= 0 and build["tau"] >= 0
     assert build["cuda_home"] == layout["cuda_home"] and build["phases"]["cpp_compile"]
-    ph = build["phases_s"]                       # export, Inductor less its C++ compiles, C++ compiles, load
-    assert all(ph[k] > 0 for k in ("export", "inductor", "cpp_compile")) and ph["lowering"] >= 0 <= ph["load"]
+    ph = build["phases_s"]               # export, Inductor less its C++ compiles, C++ compiles, load, first call
+    assert all(ph[k] > 0 for k in ("export", "inductor", "cpp_compile", "first_call")) and ph["lowering"] >= 0 <= ph["load"]
     assert ph["inductor"] == pytest.approx(ph["lowering"] + ph["cpp_compile"], abs=0.01)
     assert not [c for cs in build["phases"].values() for c in cs if "error" in c]
     assert build["estimated_per_10k"] <= build["budget_per_10k"] and steps["reference"]["images"] == 24
     first = steps["abi_eager_bf16"]              # the early ABI figure, its agreement added by the reference
     assert first["images_per_s_steady"] > 0 and first["agreement_rate"] >= 0.95 and first["guard"]["images"] == 24
     search = steps["search"]
-    assert search["budget_s"] == 5 and search["chose"]["backend"] and search["candidates"]
+    assert search["budget_s"] == 5 and search["chose"]["backend"] and search["candidates"] and search["deadline_s"] > 0
     abi = steps["abi_aot_bf16"]
     assert abi["agreement_rate"] >= 0.95 and abi["cuda_graph"] == "off" and abi["guard"]["images"] == 24
     assert abi["decoder"] == ("dali-cpu" if pk["nvidia.dali"]["ok"] else "pil")
@@ -111,9 +115,62 @@ def test_cpu_rehearsal_runs_every_step_in_order_and_keeps_only_small_files(tmp_p
     assert (platform.machine() == "aarch64") != any(g.startswith("architecture aarch64") for g in gaps)
     # only small plain files in the result folder; the work folder (checkpoint, artifacts, cohort) is gone
     files = sorted(p.name for p in out.iterdir())
-    assert files == ["device_check.json", "device_check.log"] and tree_bytes(out) < 1 << 20
+    assert files == OUTPUTS and tree_bytes(out) < 1 << 20
+    lines = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert {x["step"] for x in lines} == set(ORDER), lines   # every step landed its line, as it ended
+    at = {x["step"]: x for x in lines if "added" not in x}
+    # the AOT figure lands before the search starts, after the eager figure and its agreement
+    assert at["abi_eager_bf16"]["landed_s"] <= at["reference"]["landed_s"] <= at["aot_bf16"]["landed_s"] <= \
+        at["abi_aot_bf16"]["started_s"] <= at["abi_aot_bf16"]["landed_s"] <= at["search"]["started_s"]
+    assert [x for x in lines if "added" in x][0]["agreement"] == first["agreement"]
+    assert json.loads((out / "aot_phases.json").read_text())["seconds"] == ph
     assert "==== aot_bf16 (exit 0" in (out / "device_check.log").read_text()
     assert doc["work_dir_removed"] and not Path(doc["work_dir"]).exists()
+
+
+@pytest.mark.slow
+def test_a_sigkill_mid_build_leaves_every_result_reached_and_the_aot_phases_so_far(tmp_path):
+    """The device tool kills a command at its limit: whatever the check reached must already be
+    in its folder. Killed with SIGKILL (no teardown) while AOTInductor compiles in the background,
+    the folder holds a whole line per landed result and the build's phases that ended."""
+    out = tmp_path / "out"
+    p = subprocess.Popen([sys.executable, str(REPO / "scripts" / "device_check.py"), "--out", str(out), *TINY,
+                          "--limit-s", "1200"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                         process_group=0)
+    work, phases = None, {}
+    deadline = time.monotonic() + 600
+    try:
+        while time.monotonic() < deadline and p.poll() is None:
+            try:
+                work = work or json.loads((out / "device_check.json").read_text()).get("work_dir")
+                phases = json.loads((out / "aot_phases.json").read_text())
+            except (OSError, ValueError):
+                pass
+            if "export" in phases.get("phases", {}):
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail(f"the build never exported: {p.poll()} {p.stderr.read()[-2000:] if p.poll() is not None else ''}")
+        os.killpg(p.pid, signal.SIGKILL)                   # the check, no teardown
+        p.wait(timeout=30)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        if work:                                           # its children, each in its own group, and the work folder
+            for pid in processes_naming(work):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            shutil.rmtree(work, ignore_errors=True)
+    lines = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]   # whole lines only
+    assert [x["step"] for x in lines][:4] == ["driver", "env", "cuda_home", "checkpoint"], lines
+    assert all(x["landed_s"] >= (x["started_s"] or 0) for x in lines)
+    assert lines[3]["recipe"]["model"] and "error" not in lines[3]
+    doc = json.loads((out / "device_check.json").read_text())
+    assert "running" in doc["steps"]["aot_bf16"] and doc["status"] == "running"      # the kill left no teardown
+    kept = json.loads((out / "aot_phases.json").read_text())
+    assert kept["seconds"]["export"] > 0 and kept["phases"]["export"][0]["s"] > 0
 
 
 def test_sigterm_mid_build_leaves_a_small_result_folder_and_a_json_naming_each_step(tmp_path):
@@ -149,8 +206,7 @@ def test_sigterm_mid_build_leaves_a_small_result_folder_and_a_json_naming_each_s
     assert all("seconds" in steps[n] and "error" not in steps[n] for n in ("driver", "env", "cuda_home", "checkpoint"))
     assert "interrupted" in steps["aot_bf16"] and "interrupted" in steps[list(steps)[-1]]
     assert not [n for n, s in steps.items() if "running" in s]
-    assert tree_bytes(out) < 50 << 20 and sorted(x.name for x in out.iterdir()) == ["device_check.json",
-                                                                                    "device_check.log"]
+    assert tree_bytes(out) < 50 << 20 and set(x.name for x in out.iterdir()) <= set(OUTPUTS)
     assert "==== aot_bf16" in (out / "device_check.log").read_text()   # the cut build's output tail
     assert not Path(work).exists() and not processes_naming(work)            # children stopped, work removed
     assert doc["not_exercised"] and doc["not_run"] == ORDER[len(steps):]
@@ -174,7 +230,7 @@ def test_a_short_limit_keeps_the_first_steps_and_names_those_that_did_not_run(tm
             assert s["timeout_s"] <= shares[name] * limit + 0.1 and s["seconds"] <= s["timeout_s"] + 8, (name, s)
     assert any("timed_out" in s for s in steps.values()) or "checkpoint" in doc["not_run"] or \
         "skipped" in steps.get("aot_bf16", {}), steps
-    assert doc["work_dir_removed"] and sorted(x.name for x in out.iterdir()) == ["device_check.json", "device_check.log"]
+    assert doc["work_dir_removed"] and set(x.name for x in out.iterdir()) <= set(OUTPUTS)
 
 
 def test_the_wrapper_prints_its_help_and_every_option_says_its_default():
@@ -216,3 +272,49 @@ def test_not_exercised_compares_the_run_with_the_lock_and_the_dockerfile():
     doc["steps"]["search"] = {"chose": {"backend": "aot"}}
     gaps = not_exercised(doc, scored)
     assert not [g for g in gaps if "CUDA_HOME" in g or "re-check graph" in g or "measured search" in g], gaps
+
+
+def test_cuda_wheel_folders_split_over_sys_path_are_found_and_merged_into_one_home(tmp_path, monkeypatch):
+    """Carried header wheels unpacked into a folder on PYTHONPATH hold nvidia/cu13/include/crt
+    only; the installed CUDA wheels' nvidia/ is a regular package (an __init__.py), which hides
+    any other nvidia/ from the import system. Both folders are found, and their union is the
+    image's CUDA_HOME: every include/ and lib/ entry, the first folder's winning."""
+    carry, site = tmp_path / "carry", tmp_path / "site"
+    (carry / "nvidia" / "cu13" / "include" / "crt").mkdir(parents=True)
+    (carry / "nvidia" / "cu13" / "include" / "crt" / "host_defines.h").write_text("// carried\n")
+    (carry / "nvidia" / "cu13" / "include" / "cuda.h").write_text("// carried copy\n")
+    (site / "nvidia" / "cu13" / "include").mkdir(parents=True)
+    (site / "nvidia" / "cu13" / "lib").mkdir()
+    (site / "nvidia" / "__init__.py").write_text("")
+    (site / "nvidia" / "cu13" / "include" / "cuda.h").write_text("// installed\n")
+    (site / "nvidia" / "cu13" / "include" / "cuda_runtime.h").write_text('#include "crt/host_defines.h"\n')
+    (site / "nvidia" / "cu13" / "lib" / "libcudart.so.13").write_text("")
+    (site / "nvidia" / "cudnn").mkdir()                               # not a cuNN folder
+    monkeypatch.setattr(sys, "path", [str(carry), str(site)])
+    homes = wheel_homes()
+    assert homes == [carry / "nvidia" / "cu13", site / "nvidia" / "cu13"]
+    home = merged_home(homes, tmp_path / "merged" / "cu13")
+    inc = home / "include"
+    assert sorted(p.name for p in inc.iterdir()) == ["crt", "cuda.h", "cuda_runtime.h"]
+    assert (inc / "crt" / "host_defines.h").read_text() == "// carried\n"
+    assert (inc / "cuda.h").read_text() == "// carried copy\n"                 # the first folder's entry wins
+    assert (home / "lib" / "libcudart.so.13").is_file()
+
+
+def test_a_step_calling_what_this_torch_lacks_is_skipped_in_one_line_naming_it(tmp_path, monkeypatch, capsys):
+    """A lent machine's torch may be older than the lock's: a step that calls a torch name it lacks
+    is skipped with that name (in the JSON, its results line and one stderr line), never run."""
+    monkeypatch.setitem(TORCH_NEEDS, "fp8_gemm", ("_scaled_mm", "no_such_fp8_gemm"))
+    monkeypatch.setitem(TORCH_NEEDS, "attention", ("nn.attention.sdpa_kernel",))
+    lacks = torch_lacks()
+    assert lacks["fp8_gemm"] == ["torch.no_such_fp8_gemm"] and "attention" not in lacks
+    c = Check(tmp_path, 60.0, PLAN)
+    c.doc["steps"]["env"] = {"torch": torch.__version__}
+    c.lacks = lacks
+    ran = []
+    assert c.step("fp8_gemm", lambda: ran.append(1) or {}) is None and not ran
+    want = f"torch {torch.__version__} lacks torch.no_such_fp8_gemm"
+    assert c.doc["steps"]["fp8_gemm"] == {"skipped": want}
+    assert json.loads((tmp_path / "results.jsonl").read_text())["skipped"] == want
+    assert capsys.readouterr().err == f"device_check: fp8_gemm: skipped: {want}\n"
+    assert c.step("attention", lambda: {"ok": True})["ok"]

@@ -112,6 +112,22 @@ DOCUMENTED: dict[str, str] = {
         "skip: benchmarks take minutes each and are timed on a quiet machine; tests/test_bench_progress.py checks "
         "that their preparation is said on the terminal",
     "scripts/device_check.sh [OUTDIR]": "skip: needs a GPU; tests/test_device_check.py runs it on the CPU (--tiny)",
+    "python3 -c \"import glob, sys, zipfile; [zipfile.ZipFile(w).extractall(sys.argv[1]) for w in "
+    "sorted(glob.glob('device_carry/*.whl'))]\" /tmp/device_carry && PYTHONPATH=/tmp/device_carry "
+    "scripts/device_check.sh \"$OUT\" --limit-s 500": "skip: the lent device machine's command (a GPU)",
+    "python3 -m pip download --no-deps -d device_carry timm==1.0.31 nvidia-cuda-crt==13.0.88 "
+    "nvidia-cuda-cccl==13.0.85": "skip: downloads from PyPI",
+    "python3 -m venv --system-site-packages /tmp/gpucheck-venv": "skip: the torch 2.11 rehearsal's environment "
+    "(minutes, a 530 MB download); its result is docs/perf/2026-12-05-device-check-torch211-cpu.md",
+    "/tmp/gpucheck-venv/bin/python -m pip download --no-deps -d /tmp/gpucheck-dl torch==2.11.0 torchvision==0.26.0":
+        "skip: downloads from PyPI",
+    "PIP_CONSTRAINT= /tmp/gpucheck-venv/bin/python -m pip install --no-deps "
+    "/tmp/gpucheck-dl/torch-2.11.0-cp311-cp311-manylinux_2_28_x86_64.whl "
+    "/tmp/gpucheck-dl/torchvision-0.26.0-cp311-cp311-manylinux_2_28_x86_64.whl":
+        "skip: the torch 2.11 rehearsal's environment",
+    "PATH=/tmp/gpucheck-venv/bin:$PATH scripts/device_check.sh /tmp/gpucheck-211-out --tiny --device cpu --count 24 "
+    "--ref-count 24 --batch-size 8 --calibration-count 32 --search-budget-s 5 --gpu-tests-s 60 --limit-s 1200":
+        "skip: needs the torch 2.11 environment; tests/test_device_check.py runs the same on the suite's torch",
     # docs/SUBMITTING.md
     "docker buildx build --platform linux/arm64,linux/amd64 -t eva-engine:submission .":
         "skip: no Docker engine here; tests/test_dockerfile.py checks the Dockerfile",
