@@ -245,7 +245,7 @@ def rowwise_scaled_mm_refused(device: str) -> str | None:
     them) on `device`, else the first line of its refusal."""
     import torch
 
-    from engine.classify.precision import FP8
+    from engine.core.precision import FP8
 
     x = torch.ones(16, 16, device=device).to(FP8)
     sa, sb = torch.ones(16, 1, device=device), torch.ones(1, 16, device=device)
