@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 LOW = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}  # fp8: attention in bf16
+LOW["fp8-torchao"] = torch.bfloat16   # fp8 GEMMs from torchao (engine.classify.fp8_torchao)
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
 _NORMS = (nn.LayerNorm, nn.GroupNorm, getattr(nn, "RMSNorm", nn.LayerNorm))
@@ -116,6 +117,10 @@ def describe(precision: str) -> dict:
     fused = "q|k|v and SwiGLU fc1_g|fc1_x as one GEMM each where the model has them (exact)"
     if precision == "fp32":
         return {"precision": "fp32", "everything": "fp32", "fused_projections": fused}
+    if precision == "fp8-torchao":
+        from engine.classify.fp8_torchao import describe as describe_torchao
+
+        return {**describe_torchao(), "fused_projections": fused}
     if precision == "fp8":
         return {"precision": "fp8", "gemm": "float8 e4m3, rowwise scales (weights per row at build, activations "
                 "per token), bf16 accumulate/output, K and N zero-padded to multiples of 16",
@@ -155,6 +160,11 @@ def apply_policy(net: nn.Module, precision: str, copy: bool = True) -> nn.Module
         for name, child in list(parent.named_children()):
             if child is head and isinstance(child, nn.Linear):
                 setattr(parent, name, Fp32Linear.of(child))
+            elif isinstance(child, nn.Linear) and precision == "fp8-torchao":
+                # quantized on the device by fp8_torchao.finish
+                from engine.classify.fp8_torchao import PendingFp8
+
+                setattr(parent, name, PendingFp8(child.weight, child.bias))
             elif isinstance(child, nn.Linear):
                 setattr(parent, name, Fp8Linear(child.weight, child.bias) if precision == "fp8"
                         else LowPrecisionLinear(child.weight, child.bias, dtype))

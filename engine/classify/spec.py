@@ -13,6 +13,7 @@ from typing import Any
 
 CROP_MODES = ("center", "squash")
 PRECISIONS = ("fp32", "fp16", "bf16", "fp8")  # fp8: rowwise-scaled e4m3 GEMMs (engine.classify.precision)
+PRECISIONS += ("fp8-torchao",)  # the same fp8 recipe from torchao (engine.classify.fp8_torchao)
 INTERPOLATIONS = ("bicubic", "bilinear", "nearest")
 
 
