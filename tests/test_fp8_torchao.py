@@ -77,10 +77,10 @@ def test_torchao_fp8_graph_runs_float8_gemms_on_cuda(fake_cuda, fp8_gpu, tmp_pat
     assert capfd.readouterr().err.count("[engine] fp8-torchao") == 0      # no fallback said
 
 
-@pytest.mark.parametrize("case", ["old_gpu", "no_torchao", "switched_off"])
+@pytest.mark.parametrize("case", ["old_gpu", "no_torchao", "switched_off", "torchao_refuses"])
 def test_without_torchao_fp8_one_line_and_the_fallback(fake_cuda, fp8_gpu, tmp_path, capfd, case):  # noqa: F811
-    """Below compute capability 8.9: bf16 GEMMs; torchao missing or ENGINE_FP8_TORCHAO=0 on an fp8
-    GPU: the engine's own Fp8Linear. Either way one stderr line naming the cause, and the graph runs."""
+    """Below compute capability 8.9: bf16 GEMMs; torchao missing, refusing, or ENGINE_FP8_TORCHAO=0 on
+    an fp8 GPU: the engine's own Fp8Linear. Either way one stderr line naming the cause, and the graph runs."""
     import sys
 
     from engine import settings
@@ -91,13 +91,20 @@ def test_without_torchao_fp8_one_line_and_the_fallback(fake_cuda, fp8_gpu, tmp_p
         fp8_gpu.setattr(fp8_torchao, "capability", lambda device: (8, 0))
     elif case == "no_torchao":
         fp8_gpu.setitem(sys.modules, "torchao.quantization", None)       # import raises ImportError
+    elif case == "torchao_refuses":                                       # its own hardware check fails
+        import torchao.quantization.quant_api as quant_api
+
+        def refuse(granularity):
+            raise AssertionError("Float8 dynamic quantization requires CUDA compute capability >=8.9")
+        fp8_gpu.setattr(quant_api, "_check_hardware_support", refuse)
     else:
         fp8_gpu.setenv("ENGINE_FP8_TORCHAO", "0")
         settings.reload()
     fn = _load(tmp_path)
     err = [line for line in capfd.readouterr().err.splitlines() if "fp8-torchao" in line]
     why = {"old_gpu": "compute capability 8.0 < 8.9", "no_torchao": "torchao is not importable",
-           "switched_off": "ENGINE_FP8_TORCHAO=0"}[case]
+           "switched_off": "ENGINE_FP8_TORCHAO=0",
+           "torchao_refuses": "torchao refused (AssertionError: Float8 dynamic quantization requires"}[case]
     assert len(err) == 1 and why in err[0], err
     mods = list(fn.fn.modules())
     assert not any(fp8_torchao.is_float8(getattr(m, "weight", None)) for m in mods)
@@ -118,3 +125,19 @@ def test_policy_record_names_torchao_and_its_fallback():
     d = describe("fp8-torchao")
     assert d["precision"] == "fp8-torchao" and "PerRow" in d["gemm"] and "8.9" in d["fallback"]
     assert d["head"] == d["norms"] == "fp32"
+
+
+def test_compare_layers_runs_both_implementations_on_cpu_kernels(fp8_gpu):
+    """The device check's comparison, on torch's CPU float8 GEMM: torchao's layer is float8 and as
+    close to the FP32 GEMM as the engine's own (same recipe: e4m3, per-row and per-token scales);
+    no timing off CUDA. On a machine where torchao cannot run it says why instead."""
+    from engine.classify import fp8_torchao
+
+    assert "no CUDA compute capability on cpu" in fp8_torchao.compare_layers("cpu")["unavailable"]
+    fp8_gpu.setattr(fp8_torchao, "unavailable", lambda device: None)
+    res = fp8_torchao.compare_layers("cpu", rows=64, shapes=((64, 96), (48, 32)))
+    assert set(res["layers"]) == {"64x96", "48x32"}
+    for row in res["layers"].values():
+        assert row["torchao_float8"] is True and "torchao_ms" not in row
+        assert 0 < row["engine_rel_error"] < 0.08 and 0 < row["torchao_rel_error"] < 0.08
+        assert abs(row["torchao_rel_error"] - row["engine_rel_error"]) < 0.1 * row["engine_rel_error"]

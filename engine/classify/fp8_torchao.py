@@ -65,6 +65,19 @@ def unavailable(device: torch.device) -> str | None:
     return None
 
 
+def _refused(device: torch.device) -> str | None:
+    """Why torchao refuses to quantize one 16 x 16 layer on `device` (its own hardware checks, an
+    API this torchao lacks), or None: asked before the model, so a refusal leaves no layer half done."""
+    try:
+        from torchao.quantization import quantize_
+
+        probe = nn.Sequential(PendingFp8(torch.zeros(16, 16), None)).to(device)
+        quantize_(probe, config(), filter_fn=lambda m, fqn: isinstance(m, PendingFp8))
+    except Exception as e:  # noqa: BLE001 - whatever torchao raises, the layers fall back
+        return f"torchao refused ({type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''})"
+    return None
+
+
 def config():
     """torchao's rowwise float8 inference recipe; Inductor's global settings are left as they are."""
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow
@@ -78,7 +91,7 @@ def finish(model: nn.Module, device: torch.device) -> dict:
     {"implementation": "torchao" | "engine" | "bf16", "float8_linears": n, "bf16_linears": m[, "why"]}."""
     pending = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
                if isinstance(child, PendingFp8)]
-    why = unavailable(device)
+    why = unavailable(device) or _refused(device)
     if why is None:
         from torchao.quantization import quantize_
 
