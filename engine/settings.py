@@ -38,6 +38,8 @@ on and 0, false, no, off for off (an empty value is the default).
 | CLIP_PRECISION | fp32/fp16/bf16 | fp16 on CUDA, else fp32 | CLIP autocast precision |
 | CLIP_TEXT_TRIM | 0/1 | 1 | run the text tower on the used positions only (0: all 77, the reference twin) |
 | CLIP_TOWERS | auto/eager | auto on CUDA, eager on the CPU | the index build measures eager/aot CLIP towers and records the one chosen, which query runs load (engine.clip.tune); eager: the off switch, at build and query time |
+| ENGINE_FP8_TORCHAO | 0/1 | 1 | let an `fp8-torchao` graph take its float8 GEMMs from torchao (engine.core.fp8_torchao); 0: the engine's own fp8 GEMMs (bf16 without fp8 hardware), said in one stderr line |
+| CLIP_TOWERS_INT8 | 0/1 | 1 | CLIP_TOWERS=auto on the CPU also measures torchao dynamic-INT8 tower candidates, and a query run loads a recorded int8 tower (engine.clip.int8); 0: no int8 rows measured, and an index that chose one runs eager towers, said in one line |
 | KERNELS_TOPK | auto/cupy/torch | auto | force the top-k kernel or its torch twin |
 | ENGINE_DEBUG | 0/1 | 0 | show the Python traceback of a user error (as `--debug` does) instead of one line, and a build's library debug output (Inductor's autotune reports) |
 | OMP_WAIT_POLICY | passive/active | passive | OpenMP threads sleep between calls (busy-waiting ones starve the decoder threads on few cores); engine.threads passes it on |
@@ -222,6 +224,14 @@ def clip_towers() -> str | None:
     return read("CLIP_TOWERS", choice("auto", REFERENCE), None)
 
 
+def fp8_torchao() -> bool:
+    return read("ENGINE_FP8_TORCHAO", flag, True)
+
+
+def clip_towers_int8() -> bool:
+    return read("CLIP_TOWERS_INT8", flag, True)
+
+
 def topk_backend() -> str:
     return read("KERNELS_TOPK", choice("auto", "cupy", "torch"), "auto")
 
@@ -344,6 +354,7 @@ RUN_SWITCHES = ("artifact", "decoder", "cuda_graphs", "tf32", "guard", "artifact
                 "fast_exit", "t0", "threads", "max_file_bytes", "decoder_isolate", "debug", "progress", "tmpdir",
                 "decode_deadline_s", "max_pixels", "readahead_bytes", "hw_decoder_load", "slow_decoder_ok",
                 "omp_wait_policy")
+RUN_SWITCHES += ("fp8_torchao",)   # read where an fp8-torchao graph loads
 
 
 def check(names: tuple[str, ...] = RUN_SWITCHES) -> None:

@@ -217,7 +217,7 @@ def build(phases_path: Path, args: list[str]) -> int:
         manifest = json.loads((out / "manifest.json").read_text())
         dev = torch.device(manifest.get("device", "cpu"))
         fn = ph.timed("load", aot.load_in_place)(so, dev)
-        shape = (manifest.get("aot") or {}).get("example_shape")
+        shape = (manifest.get(aot.NAME) or {}).get("example_shape")
         if shape:
             try:    # the first call of the loaded graph on a zero batch: its one-time costs
                 ph.timed("first_call", first_call)(fn, shape, dev)

@@ -485,7 +485,7 @@ def _rest(c: Check, r) -> None:
                 "interrupted": res.returncode in (124, 130, 2) and "passed" not in tail}
 
     c.step("gpu_tests", gpu_tests, need_s=20)
-    for prec in ("fp16", "fp8"):
+    for prec in ("fp16", "fp8", "fp8-torchao"):   # fp8-torchao: torchao's recipe beside the engine's own fp8
         lacking = (c.doc["steps"].get("fp8_gemm") or {}).get("lacks") if prec == "fp8" else None
         if lacking:                     # the probe found this torch's FP8 GEMM lacking here: the build would fail
             c.record(f"eager_{prec}", {"skipped": f"torch {torch_version()} lacks {lacking} on {r.dev}",

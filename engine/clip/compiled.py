@@ -65,7 +65,12 @@ class TextGraph(torch.nn.Module):
 
 
 def make_graph(kind: str, model, spec, precision: str) -> torch.nn.Module:
-    """The `kind` ("image" or "text") graph of `model` in `precision` (weights cast to it)."""
+    """The `kind` ("image" or "text") graph of `model` in `precision` (weights cast to it; int8:
+    the FP32 graph with torchao's dynamic INT8 Linears, engine.clip.int8)."""
+    if precision == "int8":
+        from engine.clip import int8
+
+        return int8.quantize(make_graph(kind, model, spec, "fp32"))
     dtype = PRECISIONS[precision] or torch.float32
     return ImageGraph(model, spec, dtype) if kind == "image" else TextGraph(model, dtype)
 

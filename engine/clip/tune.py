@@ -2,7 +2,8 @@
 
 Each tower (image, text) has its candidates: backend (engine.clip.compiled: eager, aot) x
 precision (fp32, and the low precisions the device runs natively) x static batch (the
-device's preset). Each is built, run on a sample drawn from the gallery and checked against
+device's preset), and on the CPU eager int8 per batch (torchao dynamic INT8, engine.clip.int8;
+CLIP_TOWERS_INT8=0: none). Each is built, run on a sample drawn from the gallery and checked against
 the FP32 eager reference:
 
     cosine >= COS_MIN for every row, and
@@ -89,8 +90,21 @@ def candidates(tower: str, device: str, preset: Preset) -> list[Candidate]:
     from engine.core.precision import native_precisions
 
     precs = preset.precisions or tuple(native_precisions(device)[0])
-    precs = tuple(p for p in precs if p in ("fp32", "bf16", "fp16"))
-    return [Candidate(tower, b, p, n) for b in preset.backends for p in precs for n in preset.batches]
+    out = [Candidate(tower, b, p, n) for b in preset.backends for p in precs if p in ("fp32", "bf16", "fp16")
+           for n in preset.batches]
+    return out + int8_candidates(tower, device, preset)
+
+
+def int8_candidates(tower: str, device: str, preset: Preset) -> list[Candidate]:
+    """torchao dynamic-INT8 eager candidates (engine.clip.int8): on the CPU when the preset names
+    int8 or leaves precisions to the device, elsewhere only when it names int8; none when
+    CLIP_TOWERS_INT8=0. One that cannot build here (no torchao) is a failed row saying why."""
+    from engine import settings
+
+    wanted = "int8" in preset.precisions if preset.precisions else device == "cpu"
+    if not wanted or not settings.clip_towers_int8() or C.EAGER not in preset.backends:
+        return []
+    return [Candidate(tower, C.EAGER, "int8", n) for n in preset.batches]
 
 
 @dataclass

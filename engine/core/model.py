@@ -52,7 +52,12 @@ class OnDevice:
 def wrap(net: torch.nn.Module, spec: Spec, device: str, margin: bool = False, copy: bool = True) -> Top1Model:
     """Top1Model of `net` (FP32) under the mixed-precision policy of the spec's precision, on `device`
     (`copy=False`: the policy is applied to `net` itself, for a caller that holds it alone)."""
-    return Top1Model(apply_policy(net, spec.precision, copy=copy), spec, margin).to(device).eval()
+    model = Top1Model(apply_policy(net, spec.precision, copy=copy), spec, margin).to(device).eval()
+    if spec.precision == "fp8-torchao":   # torchao quantizes on the device the model runs on
+        from engine.core.fp8_torchao import finish
+
+        finish(model, torch.device(device))
+    return model
 
 
 def export_top1(net: torch.nn.Module, spec: Spec, device: str, margin: bool = False):

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 LOW = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}  # fp8: attention in bf16
+LOW["fp8-torchao"] = torch.bfloat16   # fp8 GEMMs from torchao (engine.core.fp8_torchao)
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
 _NORMS = (nn.LayerNorm, nn.GroupNorm, getattr(nn, "RMSNorm", nn.LayerNorm))
@@ -111,11 +112,30 @@ class Fp32Norm(nn.Module):
         return self.norm(x.float())
 
 
+class PendingFp8(LowPrecisionLinear):
+    """A bf16 Linear that `engine.core.fp8_torchao.finish` turns into a torchao float8 one on the model's device."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__(weight, bias, torch.bfloat16)
+
+
+TORCHAO_FP8 = {  # fp8-torchao as a manifest records it
+    "precision": "fp8-torchao", "gemm": "torchao float8 e4m3 (Float8DynamicActivationFloat8WeightConfig, PerRow: "
+            "weights per row, activations per token), bf16 output; a Linear whose K or N is not a multiple of 16 "
+            "stays bf16 (torchao skips it)",
+            "fallback": "without torchao or below compute capability 8.9: the engine's fp8 GEMMs on an fp8 GPU, "
+            "else bf16 (one stderr line; ENGINE_FP8_TORCHAO=0 forces it)",
+            "attention": "bf16 (SDPA; softmax accumulates in fp32)", "rope": "fp32", "norms": "fp32",
+            "residual_stream": "fp32", "patch_embed": "fp32", "head": "fp32"}
+
+
 def describe(precision: str) -> dict:
     """The policy as recorded in an artifact's manifest."""
     fused = "q|k|v and SwiGLU fc1_g|fc1_x as one GEMM each where the model has them (exact)"
     if precision == "fp32":
         return {"precision": "fp32", "everything": "fp32", "fused_projections": fused}
+    if precision == "fp8-torchao":
+        return {**TORCHAO_FP8, "fused_projections": fused}
     if precision == "fp8":
         return {"precision": "fp8", "gemm": "float8 e4m3, rowwise scales (weights per row at build, activations "
                 "per token), bf16 accumulate/output, K and N zero-padded to multiples of 16",
@@ -155,6 +175,8 @@ def apply_policy(net: nn.Module, precision: str, copy: bool = True) -> nn.Module
         for name, child in list(parent.named_children()):
             if child is head and isinstance(child, nn.Linear):
                 setattr(parent, name, Fp32Linear.of(child))
+            elif isinstance(child, nn.Linear) and precision == "fp8-torchao":   # quantized on its device later
+                setattr(parent, name, PendingFp8(child.weight, child.bias))
             elif isinstance(child, nn.Linear):
                 setattr(parent, name, Fp8Linear(child.weight, child.bias) if precision == "fp8"
                         else LowPrecisionLinear(child.weight, child.bias, dtype))

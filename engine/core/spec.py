@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 CROP_MODES = ("center", "squash")
-PRECISIONS = ("fp32", "fp16", "bf16", "fp8")  # fp8: rowwise-scaled e4m3 GEMMs (engine.core.precision)
+PRECISIONS = ("fp32", "fp16", "bf16", "fp8", "fp8-torchao")  # fp8: rowwise-scaled e4m3 GEMMs (engine.core.precision);
+# fp8-torchao: the same recipe from torchao (engine.core.fp8_torchao)
 INTERPOLATIONS = ("bicubic", "bilinear", "nearest")
 
 
