@@ -28,6 +28,8 @@ class Reference:
     margins: np.ndarray             # [n] its top-1 minus top-2 logit
     origin: dict                    # the source's record: count n, asked, and the fit when cut
     cut: str | None = None          # the line that says what the share cut (None: nothing)
+    seconds_per_image: float = 0.0  # reading one image and its FP32 pass, as the last batch took them
+    fp32_seconds_per_image: float = 0.0   # its FP32 pass alone
 
 
 def fitted(ref, stream: calibrate.Stream, count: int, seconds: float, clock: Callable[[], float], device: str,
@@ -39,6 +41,7 @@ def fitted(ref, stream: calibrate.Stream, count: int, seconds: float, clock: Cal
     first = min(count, max(batch, calibrate.MIN_IMAGES))
     pixels, top1, margins = [], [], []
     taken, spent_per_image = 0, 0.0      # spent_per_image: seconds to read and classify one image, lately
+    fp32_per_image = 0.0                 # of which the FP32 pass
     ended = False                        # the source had no more images
 
     def owed() -> float:                 # the phase's seconds for what is taken: spent, and the later passes
@@ -53,7 +56,9 @@ def fitted(ref, stream: calibrate.Stream, count: int, seconds: float, clock: Cal
         if len(px) == 0:
             ended = True
             break
+        t_read = clock()
         t1, m = calibrate.classify(ref, px, batch, margin=True, device=device)
+        fp32_per_image = (clock() - t_read) / len(px)
         pixels.append(px)
         top1.append(t1)
         margins.append(m)
@@ -64,7 +69,8 @@ def fitted(ref, stream: calibrate.Stream, count: int, seconds: float, clock: Cal
             break
     stream.at_least(min(count, calibrate.MIN_IMAGES))
     origin = {**stream.origin(), "asked": count}
-    out = Reference(np.concatenate(pixels), np.concatenate(top1), np.concatenate(margins), origin)
+    out = Reference(np.concatenate(pixels), np.concatenate(top1), np.concatenate(margins), origin,
+                    seconds_per_image=spent_per_image, fp32_seconds_per_image=fp32_per_image)
     if taken < count and not ended:
         rate = 1.0 / ((1 + later) * spent_per_image) if spent_per_image > 0 else float("inf")
         if taken <= first and owed() > seconds:
