@@ -57,8 +57,9 @@ class Preset:
     calibration_max_images: int = _field("the most calibration images the trade takes: past this many, crops of the "
                                          "bundled photos add little variety (a folder source ends at its files)",
                                          default=4096)
-    verify_images: int = _field("images the chosen artifact classifies end to end through scripts/run, "
-                                "against FP32; each decoder's own flips are measured on them", default=256)
+    verify_images: int = _field("JPEGs at natural sizes the chosen artifact classifies end to end through "
+                                "scripts/run, against FP32 on PIL's pixels; each decoder's own flips, through its "
+                                "own resize, are measured on them", default=256)
     verify_alpha: float = _field("the chance an artifact exactly at the disagreement budget fails that check: "
                                  "it allows the (1 - alpha) quantile of Binomial(images, budget) disagreements "
                                  "with FP32 on PIL's pixels (the decoder's included)", default=0.05)

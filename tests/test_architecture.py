@@ -196,8 +196,11 @@ def test_the_environment_is_read_only_in_the_settings_modules():
 # the contest's cohort sizes (10,000 scored images, 50,000 validation images) and ImageNet's file
 # names, in any spelling: the engine is told them by its caller (evaluator.contest)
 CONTEST_NUMBERS = re.compile(r"(?<![\w.])(?<!\d,)(?:10_?000|10,000|50_?000|50,000)(?!\w|,\d)|ilsvrc", re.IGNORECASE)
-# a number that is not the cohort: the retrieval table's decoded-row cache size (engine/retrieval/presets.py)
-NOT_THE_COHORT = {"engine/retrieval/presets.py": "cached per call\", 50_000,"}
+# a number that is not the cohort: the retrieval table's decoded-row cache size (engine/retrieval/presets.py);
+# the default expected run size the calibration count is traded against (engine/presets.py: a caller's
+# --run-images overrides it)
+NOT_THE_COHORT = {"engine/retrieval/presets.py": "cached per call\", 50_000,",
+                  "engine/presets.py": "calibration count is traded against\", default=10_000)"}
 
 
 def test_the_engine_knows_no_task():
