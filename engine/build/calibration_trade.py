@@ -111,6 +111,9 @@ def extended(fit, ref, low, stream: calibrate.Stream, seconds: float, clock, dev
         return fit, trade
     more = reference.fitted(ref, stream, trade["count"] - n0, seconds - (clock() - t0), clock, device,
                             later=rates.low_s / rates.fp32_s if rates.fp32_s > 0 else 0.0, batch=batch)
+    if len(more.pixels) == 0:            # the source ended with the pilot (a folder of that many images)
+        trade["taken"] = n0
+        return fit, trade
     origin = {**more.origin, "asked": trade["count"], "pilot": n0}
     origin.pop("fit", None)
     if "fit" in more.origin:

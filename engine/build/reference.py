@@ -2,14 +2,16 @@
 
 The calibration images come from a source read only as far as it is needed (engine.build.calibrate.Stream).
 Batch by batch, each is read and classified by the FP32 graph; the seconds per image measured so far
-(reading it, its FP32 pass, and the `later` passes the phase still makes over it: the decoder's check
-reads and classifies each image again, twice), as the last batch took them, decide whether one more
+(reading it, its FP32 pass, and the `later` passes the phase still makes for it: the decoder's check
+reads and classifies one natural-size JPEG per calibration image, twice; the count trade's extension
+its low-precision pass), as the last batch took them, decide whether one more
 batch fits the share. So the
 first batch measures the rate, a machine slower than planned takes fewer images, and one that slows
 down midway stops early. The first batch is the guard's minimum (calibrate.MIN_IMAGES): never fewer.
 A cut is one line ("calibration: 64 of 256 images fit the 40 s left for it at 1.6 images/s") and the
 record (`origin`) counts the images actually used; every later pass over the calibration images (the
-decoder's check, the search's agreement, the end-to-end check) reads those and no more.
+search's agreement, the guard's tau) reads those and no more. `seconds_per_image` and
+`fp32_seconds_per_image` are the rates the count trade (engine.build.calibration_trade) weighs.
 """
 from __future__ import annotations
 
@@ -69,6 +71,8 @@ def fitted(ref, stream: calibrate.Stream, count: int, seconds: float, clock: Cal
             break
     stream.at_least(min(count, calibrate.MIN_IMAGES))
     origin = {**stream.origin(), "asked": count}
+    if not pixels:                       # a source that had ended before this call (an extension of it)
+        pixels, top1, margins = [np.zeros((0, 0, 0, 3), np.uint8)], [np.zeros(0, np.int64)], [np.zeros(0, np.float32)]
     out = Reference(np.concatenate(pixels), np.concatenate(top1), np.concatenate(margins), origin,
                     seconds_per_image=spent_per_image, fp32_seconds_per_image=fp32_per_image)
     if taken < count and not ended:
