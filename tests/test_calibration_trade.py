@@ -82,6 +82,9 @@ def test_an_auto_build_traded_its_count_and_the_manifest_records_the_trade(tmp_p
     monkeypatch.setitem(presets.PRESETS, "cpu", dataclasses.replace(presets.PRESETS["cpu"], calibration_count=16,
                                                                     calibration_max_images=48, verify_images=16))
     monkeypatch.setattr(build_auto, "verify_artifact", lambda *a, **k: {"ok": True, "images": 16, "agreement": 1.0})
+    # a projection that falls with the count (16 renders re-check none): the trade reads further
+    real = trade.projected
+    monkeypatch.setattr(trade, "projected", lambda p, n, *a: {**real(p, n, *a), "rechecked_fraction": 16 / n})
     meta = build(tiny_spec("squash", 16), tiny_checkpoint, tmp_path / "art", backend="eager", device="cpu",
                  guard=GuardConfig(calibration_source="renders", run_images=10 ** 9),
                  auto=AutoConfig(precisions=("bf16",), batch_size=False, backend=False, budget_s=20))
@@ -89,9 +92,9 @@ def test_an_auto_build_traded_its_count_and_the_manifest_records_the_trade(tmp_p
     assert t["precision"] == "bf16" and t["pilot"] == 16 and t["run_images"] == 10 ** 9 and t["cap"] <= 48
     assert {"count", "tau", "rechecked_fraction", "calibration_s", "recheck_s", "seconds_per_image"} <= set(t)
     assert all(v > 0 for v in t["seconds_per_image"].values())                        # measured here
-    assert t["count"] == min(t["table"], key=lambda r: r["total_s"])["count"]
-    # the images the search and the guard used are the count traded (as far as the deadline let them be read)
-    used = meta["build"]["search"]["calibration"]["count"]
-    assert used == t.get("taken", t["pilot"]) and 16 <= used <= t["count"]
+    assert t["count"] == min(t["table"], key=lambda r: r["total_s"])["count"] == 48     # a run of 10^9 images
+    # the images the search and the guard used are the count traded, read on from the pilot's stream
+    search = meta["build"]["search"]["calibration"]
+    assert search["count"] == t["taken"] == 48 and search["asked"] == 48 and search["pilot"] == 16
     on_disk = json.loads((tmp_path / "art" / "manifest.json").read_text())
     assert on_disk["build"]["calibration"]["count"] == t["count"]
