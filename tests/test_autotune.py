@@ -255,7 +255,7 @@ def _auto_build(tmp_path, tiny_checkpoint, monkeypatch, verify_ok=lambda name: T
     monkeypatch.setattr(autotune_measure, "importable_backends", lambda device: (["eager"], {}))
     seen = []
 
-    def verify(artifact, net, spec, device, pixels, count, alpha, decoder, timeout=1800.0):
+    def verify(artifact, net, spec, device, count, alpha, decoder, timeout=1800.0):
         name = f"eager/{spec.precision}/b{spec.batch_size}"
         seen.append(name)
         return {"ok": verify_ok(name), "images": 16, "agreement": 1.0 if verify_ok(name) else 0.5,

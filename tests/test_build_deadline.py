@@ -88,7 +88,7 @@ def _build(tmp_path, ckpt, monkeypatch, deadline, compile_s=1.0, verify_s=1.0, v
     monkeypatch.setattr(calibrate, "classify", slow_classify)
     seen = []
 
-    def verify(artifact, net, spec, device, pixels, count, alpha, decoder, timeout=1800.0):
+    def verify(artifact, net, spec, device, count, alpha, decoder, timeout=1800.0):
         name = f"eager/{spec.precision}/b{spec.batch_size}"
         seen.append(name)
         clock.t += verify_s

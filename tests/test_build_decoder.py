@@ -78,7 +78,7 @@ def test_a_decoder_that_flips_2_percent_is_replaced_by_the_next(capsys):
     fast = choice.tried[0]
     assert (fast["flips"], fast["images"], fast["per_10k"], fast["holds"]) == (4, 200, 200.0, False)
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "decoder fast changes the FP32 answer on 4 of 200" in err[0] and "with pil" in err[0]
+    assert len(err) == 1 and "decoder fast changes the FP32 answer on 4 of 200 natural-size images" in err[0] and "with pil" in err[0]
 
 
 def test_each_decoder_that_breaks_the_budget_is_one_line_and_the_next_is_measured(capsys):
@@ -89,7 +89,7 @@ def test_each_decoder_that_breaks_the_budget_is_one_line_and_the_next_is_measure
     assert choice.name == "other" and choice.precision_budget == pytest.approx(100.0)
     assert [t["flips"] for t in choice.tried] == [10, 1]
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["engine.build: decoder gpu changes the FP32 answer on 10 of 100 calibration images "
+    assert err == ["engine.build: decoder gpu changes the FP32 answer on 10 of 100 natural-size images "
                    "(1000 basis points, budget 200): measuring other next"]
 
 
@@ -103,7 +103,7 @@ def test_a_decoder_within_the_budget_is_kept_and_precision_gets_the_rest(capsys)
     assert choice.tried[0] == {"decoder": "missing", "holds": False, "why": "cannot start: planted: not installed"}
     assert choice.tried[1]["why"].startswith("failed: ZeroDivisionError")
     err = capsys.readouterr().err
-    assert "decoder missing cannot start here" in err and "decoder broken failed on the calibration images" in err
+    assert "decoder missing cannot start here" in err and "decoder broken failed on the check's images" in err
     rec = choice.record()
     assert rec["name"] == "fast" and rec["budget_per_10k"] == 100.0 and rec["precision_budget_per_10k"] == 50.0
 
@@ -149,14 +149,12 @@ def flipping_decoder(monkeypatch):
 def test_a_decoder_kept_leaves_precision_the_rest_of_the_budget(tiny_checkpoint, flipping_decoder, monkeypatch):
     from engine.build import auto as build_auto
     from engine.build.assemble import GuardConfig
-    from engine.build.calibrate import generated_pixels
     from engine.core.checkpoint import load_model
 
     monkeypatch.setattr(sys.modules[__name__], "EVERY", 1000)     # the first of 100 images only: 100 basis points
     spec = tiny_spec("squash", 16)
-    pixels, _ = generated_pixels(spec, 100)
-    guard, extra = build_auto._choose_decoder(load_model(spec, tiny_checkpoint), spec, "cpu", pixels,
-                                              GuardConfig(budget=500.0), {"build": {}})
+    guard, extra = build_auto._choose_decoder(load_model(spec, tiny_checkpoint), spec, "cpu",
+                                              GuardConfig(budget=500.0), {"build": {}}, 100)
     rec = extra["build"]["decoder"]
     assert rec["tried"][0]["flips"] == 1 and extra["decoder"] == rec["name"] == "flip-2pc"
     assert guard.budget == rec["precision_budget_per_10k"] == 400.0 and rec["budget_per_10k"] == 500.0
@@ -196,3 +194,66 @@ def test_the_self_check_accepts_the_decoder_the_build_chose_but_not_a_fallback_f
     assert slow_decoder_reason("cuda").startswith("this CUDA artifact would decode with pil")   # nothing recorded
     assert slow_decoder_reason("cuda", "pil", recorded="dali-gpu").startswith("this CUDA artifact would decode "
                                                                               "with pil")
+
+
+class NearestDecoder:
+    """A planted decoder that decodes exactly as PIL does but resizes by nearest neighbour, straight to the
+    input size (no antialiasing, no crop): right on images already at the input size, wrong elsewhere."""
+    name = "nearest"
+
+    def __init__(self, spec):
+        self.side = spec.input_size
+
+    def decode(self, blobs):
+        import io
+
+        from PIL import Image
+
+        return np.stack([np.asarray(Image.open(io.BytesIO(b)).convert("RGB").resize((self.side, self.side),
+                                                                                      Image.Resampling.NEAREST))
+                         for b in blobs]), {}
+
+
+def create_nearest(name, spec, batch_size, threads=None):
+    return NearestDecoder(spec)
+
+
+def test_the_check_images_come_at_natural_sizes_larger_and_smaller_than_the_input():
+    spec = tiny_spec("squash", 16)
+    blobs, rec = build_decoder.natural_jpegs(spec, 40)
+    from PIL import Image
+
+    sizes = [Image.open(__import__("io").BytesIO(b)).size for b in blobs]
+    assert len(blobs) == rec["images"] == 40 and blobs == build_decoder.natural_jpegs(spec, 40)[0]   # seeded
+    assert any(max(s) < spec.input_size for s in sizes) and any(min(s) > spec.input_size for s in sizes)
+    assert any(w / h > 1.3 for w, h in sizes) and any(h / w > 1.3 for w, h in sizes)
+    assert (spec.input_size, spec.input_size) not in sizes
+
+
+@pytest.mark.abi   # slow: the FP32 graph over 256 images per decoder
+def test_a_decoder_that_resizes_differently_is_refused_and_dali_still_holds(tiny_checkpoint, monkeypatch):
+    """Decoders are compared where they differ: through their own resize of natural-size JPEGs. A planted
+    decoder whose only fault is its resize (nearest neighbour) is refused; DALI's resize holds."""
+    from engine.classify.checkpoint import load_model
+
+    from engine.build import auto as build_auto
+    from engine.build.assemble import GuardConfig
+    from engine.decoders import registry, start_problem
+
+    monkeypatch.setitem(registry.DECODERS, "nearest", __name__)
+    monkeypatch.setitem(registry.NEEDS, "nearest", ((), False))
+    monkeypatch.setitem(registry.FALLBACK, "nearest", "pil")
+    monkeypatch.setattr(sys.modules[__name__], "create", create_nearest)
+    monkeypatch.setenv("ENGINE_DECODER", "nearest")
+    spec = tiny_spec("squash", 16)
+    net = load_model(spec, tiny_checkpoint)
+    budget = 100.0                                   # 2 flips in 256 images: DALI's rounding, not a wrong resize
+    _, extra = build_auto._choose_decoder(net, spec, "cpu", GuardConfig(budget=budget), {"build": {}}, 256)
+    rec = extra["build"]["decoder"]
+    near = rec["tried"][0]
+    assert near["decoder"] == "nearest" and not near["holds"] and near["per_10k"] > budget, rec
+    assert extra["decoder"] == "pil" and rec["images"]["larger_than_input"] > 0
+    if start_problem("dali-cpu") is None:
+        monkeypatch.setenv("ENGINE_DECODER", "dali-cpu")
+        _, extra = build_auto._choose_decoder(net, spec, "cpu", GuardConfig(budget=budget), {"build": {}}, 256)
+        assert extra["decoder"] == "dali-cpu" and extra["build"]["decoder"]["tried"][0]["per_10k"] < budget

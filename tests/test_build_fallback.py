@@ -184,7 +184,6 @@ def test_the_end_to_end_check_can_run_in_the_builds_process_without_a_child(tmp_
     from engine import build as engine_build
     from engine import children
     from engine.build import auto as build_auto
-    from engine.build import calibrate
     from engine.core.checkpoint import load_model
 
     spec = tiny_spec("squash", 16)
@@ -195,8 +194,7 @@ def test_the_end_to_end_check_can_run_in_the_builds_process_without_a_child(tmp_
 
     monkeypatch.setattr(children, "run", no_child)
     net = load_model(spec, tiny_checkpoint)
-    pixels, _ = calibrate.generated_pixels(spec, 16)
-    v = build_auto.verify_artifact(tmp_path / "art", net, spec, "cpu", pixels, 16, 0.05,
+    v = build_auto.verify_artifact(tmp_path / "art", net, spec, "cpu", 16, 0.05,
                                    {"name": "pil", "budget_per_10k": 10.0}, in_process=True)
     assert v["ok"] and v["images"] == 16 and v["disagreements"] == 0 and v["where"] == "in the build's process"
 

@@ -37,11 +37,14 @@ class GuardConfig:
     smoke_count: int = shared("smoke_count")   # renders that check the low-precision graph is not broken
     calibration_check: calibrate.FolderCheck | None = None   # the caller's reasons to refuse calibration_images
     run_images: int | None = None         # images one run classifies: "auto" sizes the re-check calls for them
+    calibration_trade: bool | None = None  # under auto with a low precision, trade the count (engine.build.
+                                           # calibration_trade); None: when calibration_count was not given
 
     def for_device(self, device: str) -> GuardConfig:
         """This config with every None that stands for the device preset's value filled in."""
         pre = preset(device)
-        given = {"calibration_count": pre.calibration_count, "safety": pre.guard_safety,
+        trade = self.calibration_trade if self.calibration_trade is not None else self.calibration_count is None
+        given = {"calibration_trade": trade, "calibration_count": pre.calibration_count, "safety": pre.guard_safety,
                  "recheck_batch": pre.recheck_batch, "budget": pre.guard_budget}
         return dataclasses.replace(self, **{k: v for k, v in given.items() if getattr(self, k) is None})
 
@@ -103,7 +106,8 @@ def build_guard(be, backend: str, net, spec: Spec, device: str, tmp: Path, cfg: 
         pixels, origin = calibration_pixels(spec, cfg)
         low_top1, margins = calibrate.classify(low, pixels, spec.batch_size, margin=True, device=device)
         ref_top1, ref_margins = calibrate.classify(ref, pixels, calibrate.REFERENCE_BATCH, margin=True, device=device)
-        chosen = calibrate.choose_tau(low_top1, margins, ref_top1, ref_margins, cfg.budget, cfg.safety)
+        chosen = calibrate.choose_tau(low_top1, margins, ref_top1, ref_margins, cfg.budget, cfg.safety,
+                                      preset(device).guard_confidence)
     smoke = smoke_check(calibrate, low, ref, spec, device, cfg.smoke_count)
     rbatch = cfg.for_device(device).recheck_batch
     rsweep = None

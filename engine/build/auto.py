@@ -6,7 +6,7 @@ PIL break the disagreement budget, then the next, PIL last; precision gets the b
 leaves. After the search (engine.build.autotune) ranks the candidates that hold that budget, the
 first is assembled into the artifact (its compiled graph reused from the search, the guard's
 re-check graph added below fp32, the decoder recorded) and run through `scripts/run` with
-that decoder on the calibration images written as JPEGs; its answers are counted against
+that decoder on JPEGs at natural sizes (the decoder check's: each decoder resizes them itself); its answers are counted against
 FP32 on PIL's pixels, beside the decoder's own flips, and the total must be within the gate
 the budget allows on that many images (engine.build.calibrate.allowed_disagreements, the preset's
 verify_alpha); on CUDA the artifact runs in this process instead of a scripts/run child
@@ -100,13 +100,32 @@ def build_measured(net, spec: Spec, checkpoint, backend: str, device: str, guard
         low = guard.enabled and any(p != "fp32" for p in cfg.precisions)
         after = (("recheck",) if low else ()) + (("verify",) if auto.verify else ())
         seconds = bclock.allowance("calibration", after, cfg.budget_s)
+        end = bclock.clock() + seconds
         ref = wrap(net, dataclasses.replace(spec, precision="fp32"), device, margin=True)
-        fit = reference.fitted(ref, parts.calibration_stream(spec, guard), guard.calibration_count, seconds,
-                               bclock.clock, device, later=_decoder_passes(device))
+        stream = parts.calibration_stream(spec, guard)
+        fit = reference.fitted(ref, stream, guard.calibration_count, seconds, bclock.clock, device,
+                               later=_decoder_passes(device))
+        guard, extra = _choose_decoder(net, spec, device, guard, extra, len(fit.pixels))
+        pilot = (next((p for p in cfg.precisions if p != "fp32"), None)
+                 if low and guard.calibration_trade and guard.run_images else None)   # no run size: no trade
+        if pilot is not None:
+            # the count: calibration seconds against a run's expected re-check seconds (engine.build.calibration_trade)
+            from engine.build import calibration_trade
+
+            fit, trade = calibration_trade.extended(
+                fit, ref, wrap(net, dataclasses.replace(spec, precision=pilot), device, margin=True), stream,
+                end - bclock.clock(), bclock.clock, device, run_images=guard.run_images,
+                max_images=pre.calibration_max_images, budget=guard.budget, safety=guard.safety,
+                confidence=pre.guard_confidence)
+            trade["precision"] = pilot
+            _say(f"calibration: {trade['count']} images (pilot {trade['pilot']}, cap {trade['cap']}: "
+                 f"{trade['cap_why']}): expected tau {trade['tau']:.4g}, re-checked fraction "
+                 f"{trade['rechecked_fraction']:.1%}; about {trade['calibration_s']:.0f} s of calibration against "
+                 f"{trade['recheck_s']:.0f} s of re-checks in a run of {trade['run_images']} images")
+            extra = {**extra, "build": {**extra["build"], "calibration": trade}}
         if fit.cut:
             bclock.note(fit.cut)
         pixels, origin, ref_top1, ref_margins = fit.pixels, fit.origin, fit.top1, fit.margins
-        guard, extra = _choose_decoder(net, spec, device, pixels, guard, extra)
     work = Path(tempfile.mkdtemp(prefix="search.", dir=tmp.parent))   # the candidates' graphs, in the build's work folder
     try:
         return _search_and_assemble(net, spec, checkpoint, backend, device, guard, auto, tmp, extra,
@@ -130,13 +149,15 @@ def _decoder_passes(device: str) -> float:
     return 0.0
 
 
-def _choose_decoder(net, spec: Spec, device: str, pixels, guard, extra: dict) -> tuple:
+def _choose_decoder(net, spec: Spec, device: str, guard, extra: dict, count: int) -> tuple:
     """(guard with precision's share of the budget, extra naming the decoder): the first decoder
-    whose own flips leave precision a budget (engine.build.decoder_choice); ENGINE_DECODER pins the first."""
+    whose own flips, on JPEGs at natural sizes through its own resize, leave precision a budget
+    (engine.build.decoder_choice; `count` of them, at most the preset's verify_images); ENGINE_DECODER
+    pins the first."""
     from engine import settings
     from engine.build import decoder_choice as build_decoder
 
-    choice = build_decoder.for_build(net, spec, device, pixels, guard.budget, preset(device).verify_images,
+    choice = build_decoder.for_build(net, spec, device, guard.budget, min(count, preset(device).verify_images),
                                      first=settings.decoder())
     _say(f"decoder {choice.name}: precision gets {choice.precision_budget:.4g} of the {guard.budget:g} basis "
          "points of the disagreement budget")
@@ -258,7 +279,7 @@ def _verify_in_order(result, net, spec, checkpoint, device, guard, auto, tmp, ex
             continue
         try:
             with bclock.phase("verify"):
-                v = (verify_artifact(tmp, net, cspec, device, pixels, pre.verify_images, pre.verify_alpha,
+                v = (verify_artifact(tmp, net, cspec, device, pre.verify_images, pre.verify_alpha,
                                      extra["build"]["decoder"], timeout=max(bclock.left(), 1.0)) if auto.verify
                      else {"ok": True, "skipped": "verification off"})
         except (OSError, ValueError, RuntimeError, subprocess.SubprocessError) as e:
@@ -334,10 +355,12 @@ def device_name(device: str) -> str:
     return f"{platform.machine()} CPU, capability {torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} CPUs"
 
 
-def verify_artifact(artifact: Path, net, spec: Spec, device: str, pixels: np.ndarray, count: int, alpha: float,
-                    decoder: dict, timeout: float = shared("verify_timeout_s"), in_process: bool | None = None) -> dict:
-    """The artifact end to end through scripts/run on `count` calibration images written as JPEG files,
-    with the decoder the build chose (`decoder`: build_decoder.Choice.record()), against FP32 on
+def verify_artifact(artifact: Path, net, spec: Spec, device: str, count: int, alpha: float,
+                    decoder: dict, timeout: float = shared("verify_timeout_s"),
+                    in_process: bool | None = None) -> dict:
+    """The artifact end to end through scripts/run on `count` JPEG files at natural sizes (the decoder
+    check's: engine.build.decoder_choice.natural_jpegs, each decoder resizing them itself), with the
+    decoder the build chose (`decoder`: build_decoder.Choice.record()), against FP32 on
     PIL's pixels (the reference). Two counts: the decoder's own flips (FP32 on its pixels against
     FP32 on PIL's) and the total (the artifact against FP32 on PIL's pixels); ok when the total is
     within calibrate.allowed_disagreements(the budget, n, alpha). `timeout`: the seconds the whole
@@ -351,7 +374,7 @@ def verify_artifact(artifact: Path, net, spec: Spec, device: str, pixels: np.nda
     end = time.monotonic() + timeout
 
     name, budget = decoder["name"], decoder["budget_per_10k"]
-    blobs = build_decoder.jpeg_blobs(pixels, count)
+    blobs, _ = build_decoder.natural_jpegs(spec, count)
     n = len(blobs)
     fp32 = wrap(net, dataclasses.replace(spec, precision="fp32"), device)
 

@@ -296,19 +296,39 @@ def margin_errors(low_top1: np.ndarray, margins: np.ndarray, ref_top1: np.ndarra
     return np.where(agree, np.abs(margins - ref_margins), margins + ref_margins).astype(np.float64)
 
 
+def tail_scale_factor(excesses: float, confidence: float) -> float:
+    """The one-sided upper `confidence` bound of an exponential tail's scale over its estimate, the mean
+    of `excesses` excesses: 2k / chi2_(1 - confidence)(2k) (2k x mean / scale is chi-square with 2k
+    degrees of freedom). 1.43 for 26 excesses at 0.95 (256 images), 1.13 for 200 (2,000), 1.05 for 1,000."""
+    from scipy.stats import chi2
+
+    k = max(float(excesses), 0.5)
+    return float(2 * k / chi2.ppf(1.0 - confidence, 2 * k))
+
+
 class ErrorTail:
     """P(E >= t) for the margin error E: empirical up to the 90th percentile u of the
     calibration errors, then p_u exp(-(t - u) / lambda) with lambda the mean excess over u
     (the exponential peaks-over-threshold fit: a tail that never reaches zero, unlike the
-    largest error seen)."""
+    largest error seen). With a `confidence`, lambda is its upper bound at that confidence
+    (tail_scale_factor): a small sample's tail is taken as heavy as it may be, and the bound
+    tightens as the sample grows; `images` sizes the bound as if the sample had that many
+    images at the same excess rate (the projection of engine.build.calibration_trade)."""
 
-    def __init__(self, errors: np.ndarray):
+    def __init__(self, errors: np.ndarray, confidence: float | None = None, images: int | None = None):
         e = np.sort(np.asarray(errors, np.float64))
         self.errors = e
         self.u = float(np.quantile(e, TAIL_QUANTILE)) if len(e) else 0.0
         over = e[e > self.u]
         self.p_u = len(over) / max(len(e), 1)
         self.scale = float((over - self.u).mean()) if len(over) else max(float(e.mean()) if len(e) else 0.0, 1e-6)
+        self.point_scale, self.factor = self.scale, 1.0
+        if confidence is not None:
+            if not 0 < confidence < 1:
+                raise ValueError(f"the tail's confidence must be in (0, 1), got {confidence}")
+            excesses = max(len(over), 1) * (images / len(e) if images and len(e) else 1.0)
+            self.factor = tail_scale_factor(excesses, confidence)
+            self.scale *= self.factor
 
     def survival(self, t: np.ndarray) -> np.ndarray:
         t = np.asarray(t, np.float64)
@@ -318,7 +338,7 @@ class ErrorTail:
 
 
 def choose_tau(low_top1: np.ndarray, margins: np.ndarray, ref_top1: np.ndarray, ref_margins: np.ndarray,
-               budget: float, safety: float) -> dict:
+               budget: float, safety: float, confidence: float | None = None, bound_images: int | None = None) -> dict:
     """The smallest tau whose estimated disagreement rate, in basis points, stays under `budget`.
 
     The estimator. Rounding moves each logit a little; an image whose low-precision margin
@@ -333,7 +353,11 @@ def choose_tau(low_top1: np.ndarray, margins: np.ndarray, ref_top1: np.ndarray, 
         estimate(tau) = safety x max(model(tau), observed(tau))
 
     `safety` covers what the calibration set cannot show: images with more near-ties
-    than the photos, an error tail heavier than exponential. estimate(tau) falls as tau
+    than the photos, an error tail heavier than exponential. `confidence` (the build passes
+    its preset's `guard_confidence`; None: the point estimate) takes the tail's scale at its
+    upper bound (ErrorTail): the bound of a small sample, which tightens, and with it tau and
+    the re-checked fraction, as the calibration set grows; `bound_images` sizes that bound for
+    a sample of that many images (what more calibration would give). estimate(tau) falls as tau
     grows; tau is the smallest threshold (0, or just above a calibration margin) at which
     it is <= budget, and the expected re-checked fraction is the share of calibration
     margins below it. A budget no threshold meets re-checks every calibration image.
@@ -346,7 +370,7 @@ def choose_tau(low_top1: np.ndarray, margins: np.ndarray, ref_top1: np.ndarray, 
     n = len(margins)
     disagree = np.asarray(low_top1) != np.asarray(ref_top1)
     errors = margin_errors(np.asarray(low_top1), margins, np.asarray(ref_top1), np.asarray(ref_margins, np.float64))
-    tail = ErrorTail(errors)
+    tail = ErrorTail(errors, confidence, bound_images)
     flip = tail.survival(margins)                                   # [N] P(E >= m_i)
 
     def estimate(tau: float) -> tuple[float, float]:
@@ -376,7 +400,8 @@ def choose_tau(low_top1: np.ndarray, margins: np.ndarray, ref_top1: np.ndarray, 
             "margin_error": {"quantiles": {q: round(float(np.quantile(errors, float(q))), 6)
                                            for q in ("0.5", "0.9", "0.99", "1.0")},
                              "tail": {"u": round(tail.u, 6), "p_u": round(tail.p_u, 6),
-                                      "scale": round(tail.scale, 6)}},
+                                      "scale": round(tail.scale, 6), "point_scale": round(tail.point_scale, 6),
+                                      "confidence": confidence, "scale_factor": round(tail.factor, 4)}},
             "rule": "smallest tau with safety x max(model, observed) disagreements, in basis points of the "
                     "images, <= budget (engine.build.calibrate.choose_tau)",
             "curve": curve}

@@ -278,8 +278,9 @@ def argument_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
                    help="function(folder, files) -> reasons to refuse --calibration-images (e.g. it holds "
                         "evaluation data) (default: none, the folder is taken as it is)")
     g.add_argument("--calibration-count", type=whole_number(16, 10**6, "images"),
-                   help="calibration images tau is chosen on, at least 16 "
-                        f"(default: the device preset's: {per_device('calibration_count')})")
+                   help="calibration images tau is chosen on, at least 16 (default: under auto with a low "
+                        "precision, the count whose calibration time plus a run's expected re-check time is least, "
+                        f"from a pilot of the device preset's {per_device('calibration_count')}; else that many)")
     g.add_argument("--guard-budget", type=finite_float(0.0, ALL_BP, "bp", lo_open=True), metavar="BP",
                    help="disagreements with FP32 on PIL's pixels allowed, in basis points of the images (1 = 0.01 %%): "
                         "tau keeps its estimate under it, less the decoder's measured flips under auto "
@@ -293,8 +294,9 @@ def argument_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
     g.add_argument("--recheck-backend", choices=tuple(backends.BACKENDS), default=None,
                    help="backend of the re-check graph (default: --backend)")
     g.add_argument("--run-images", type=images,
-                   help="images one run classifies: --recheck-batch auto sizes its calls for them "
-                        "(default: a long run, the fastest batch)")
+                   help="images one run classifies: --recheck-batch auto sizes its calls for them (default: a "
+                        "long run, the fastest batch) and auto trades the calibration count against their "
+                        "re-checks (default: none given, no trade: --calibration-count's images)")
     return p
 
 
@@ -307,6 +309,7 @@ def parse_args(argv: list[str] | None = None, exit_on_error: bool = True) -> arg
     a.backend = a.backend or pre.backend
     a.batch_size = a.batch_size if a.batch_size is not None else pre.batch_size
     a.recheck_batch = a.recheck_batch if a.recheck_batch is not None else pre.recheck_batch
+    a.calibration_trade = a.calibration_count is None      # unasked: auto trades the count from a pilot
     a.calibration_count = a.calibration_count if a.calibration_count is not None else pre.calibration_count
     a.guard_budget = a.guard_budget if a.guard_budget is not None else pre.guard_budget
     a.guard_safety = a.guard_safety if a.guard_safety is not None else pre.guard_safety
@@ -342,7 +345,7 @@ def plan(a: argparse.Namespace) -> tuple[Spec, GuardConfig, AutoConfig | None]:
                         calibration_count=a.calibration_count, safety=a.guard_safety,
                         recheck_batch=a.recheck_batch, recheck_backend=a.recheck_backend, budget=a.guard_budget,
                         calibration_source=a.calibration_source, calibration_check=a.calibration_check,
-                        run_images=a.run_images)
+                        run_images=a.run_images, calibration_trade=a.calibration_trade)
     auto = None
     if a.auto:
         auto = AutoConfig(a.precision == "auto", a.batch_size == "auto", a.backend == "auto",

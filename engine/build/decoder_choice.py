@@ -2,10 +2,14 @@
 
 A fast decoder's pixels differ from PIL's by an IDCT rounding or a chroma upsampling step; on
 an image whose FP32 top-1 is a near-tie that is enough to change the answer before any
-precision is lowered. The build measures it the way the run decodes: the calibration images
-written as JPEG files (quality 95, `jpeg_blobs`), decoded by the decoder and by PIL, both
-classified by the FP32 graph. A flip is an image whose two answers differ; an image the
-decoder cannot read counts as one.
+precision is lowered. Most of all they differ in their resize: a run's JPEGs come at their
+natural sizes, and each decoder brings them to the model's input with its own resampling and
+crop. The build measures it the way the run decodes: JPEG crops of scikit-image's bundled photos
+at natural sizes (`natural_jpegs`: from half to two and a half times the input side, aspect 1:2
+to 2:1, quality 75-95; procedural renders where scikit-image is missing), decoded, resized and
+cropped by the decoder and by PIL, both classified by the FP32 graph. A flip is an image whose
+two answers differ; an image the decoder cannot read counts as one. (Images already at the input
+size would skip every decoder's resize, the one step where they differ most.)
 
 Order (`order`): the device's fast decoder first (`ENGINE_DECODER` pins where the order
 starts), then its FALLBACK chain, PIL last (the reference: no flips by definition). The first
@@ -31,8 +35,11 @@ import numpy as np
 from engine.build.calibrate import BASIS_POINTS, REFERENCE_BATCH
 from engine.decoders.registry import FALLBACK
 
-JPEG_QUALITY = 95            # the verification files: a camera's quality, PIL's encoder
 REFERENCE = "pil"
+NATURAL_SEED = 2             # the decoder check's crops: another draw than the calibration crops' (seed 1)
+NATURAL_SIDES = (0.5, 2.5)   # a natural image's width, in input sides (log-uniform): smaller and larger
+NATURAL_ASPECT = 2.0         # its aspect, log-uniform in [1 / this, this]
+NATURAL_QUALITY = (75, 96)   # its JPEG quality, uniform in [lo, hi)
 
 # pixels [n, S, S, 3] uint8 -> FP32 top-1 [n]
 Classify = Callable[[np.ndarray], np.ndarray]
@@ -46,16 +53,49 @@ def _why(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}".replace("\n", " ")[:200]
 
 
-def jpeg_blobs(pixels: np.ndarray, n: int) -> list[bytes]:
-    """The first n of pixels [N, S, S, 3] uint8 as JPEG files (quality JPEG_QUALITY, PIL's encoder)."""
+def natural_jpegs(spec, count: int, seed: int = NATURAL_SEED) -> tuple[list[bytes], dict]:
+    """(count JPEG files at natural sizes, their record): crops of scikit-image's bundled photos
+    (engine.build.calibrate.photo_sources; procedural renders where scikit-image is missing), each
+    resized to a width of NATURAL_SIDES input sides and an aspect within NATURAL_ASPECT, then
+    encoded at a quality in NATURAL_QUALITY. Every decoder resizes and crops them itself."""
     from PIL import Image
 
-    out = []
-    for i in range(min(n, len(pixels))):
+    from engine.build import calibrate
+
+    rng = np.random.default_rng(seed)
+    try:
+        photos = calibrate.photo_sources()
+        keys, origin = sorted(photos), "scikit-image bundled photos"
+    except calibrate.CalibrationError:
+        photos, keys, origin = None, [], "procedural renders (scikit-image is not installed)"
+    temps = None
+    out, sizes = [], []
+    for i in range(count):
+        w = max(16, int(round(spec.input_size * np.exp(rng.uniform(*np.log(NATURAL_SIDES))))))
+        h = max(16, int(round(w / np.exp(rng.uniform(-np.log(NATURAL_ASPECT), np.log(NATURAL_ASPECT))))))
+        if photos is not None:
+            px = photos[keys[i % len(keys)]]
+            hh, ww = px.shape[:2]
+            # the largest region of the photo at aspect w:h, scaled by 50-100 %, placed at random
+            scale = rng.uniform(0.5, 1.0)
+            cw = max(8, int(min(ww, hh * w / h) * scale))
+            ch = max(8, int(min(hh, ww * h / w) * scale))
+            y, x = int(rng.integers(0, hh - ch + 1)), int(rng.integers(0, ww - cw + 1))
+            img = Image.fromarray(px[y:y + ch, x:x + cw]).resize((w, h), Image.Resampling.LANCZOS)
+        else:
+            from engine.build.renders import render, templates
+
+            temps = temps if temps is not None else templates(100, seed + 2000)
+            img = Image.fromarray(render(temps[int(rng.integers(len(temps)))], w, h, rng))
         buf = io.BytesIO()
-        Image.fromarray(pixels[i]).save(buf, "JPEG", quality=JPEG_QUALITY)
+        img.save(buf, "JPEG", quality=int(rng.integers(*NATURAL_QUALITY)))
         out.append(buf.getvalue())
-    return out
+        sizes.append((w, h))
+    side = [max(s) for s in sizes] or [0]
+    return out, {"origin": f"{origin}, crops at natural sizes, seed {seed}", "images": len(out),
+                 "input_side": spec.input_size, "sides": [int(min(side)), int(max(side))],
+                 "smaller_than_input": sum(1 for w, h in sizes if max(w, h) < spec.input_size),
+                 "larger_than_input": sum(1 for w, h in sizes if min(w, h) > spec.input_size)}
 
 
 def rate_bp(count: int, n: int) -> float:
@@ -130,12 +170,14 @@ class Choice:
     budget: float                 # the disagreement budget B, basis points
     precision_budget: float       # B - the decoder's flip rate
     tried: list[dict]             # one record per decoder measured or skipped, in order
+    images: dict | None = None    # natural_jpegs' record of the files measured
 
     def record(self) -> dict:
-        return {"name": self.name, "budget_per_10k": self.budget,
+        return {"name": self.name, "budget_per_10k": self.budget, "images": self.images,
                 "precision_budget_per_10k": round(self.precision_budget, 4), "tried": self.tried,
                 "rule": "the first decoder (fast first, PIL last) whose FP32 flips against FP32 on PIL's "
-                        "pixels, in basis points, are under the budget; precision gets the rest "
+                        "pixels, on JPEGs at natural sizes each decoder resizes itself, in basis points, "
+                        "are under the budget; precision gets the rest "
                         "(engine.build.decoder_choice)"}
 
 
@@ -159,10 +201,10 @@ def choose(names: Sequence[str], blobs: list[bytes], classify: Classify, budget:
             want = classify(decoded(pil, blobs, REFERENCE_BATCH)[0])     # [n] FP32 on PIL's pixels
         try:
             rec = flips(dec, blobs, classify, want)
-        except Exception as e:  # noqa: BLE001 - a decoder that fails on the calibration files is not taken
+        except Exception as e:  # noqa: BLE001 - a decoder that fails on the check's files is not taken
             why = _why(e)
             tried.append({"decoder": name, "holds": False, "why": f"failed: {why}"})
-            _say(f"decoder {name} failed on the calibration images ({why}); measuring the next")
+            _say(f"decoder {name} failed on the check's images ({why}); measuring the next")
             continue
         finally:
             getattr(dec, "close", lambda: None)()
@@ -171,17 +213,17 @@ def choose(names: Sequence[str], blobs: list[bytes], classify: Classify, budget:
         if rec["holds"]:
             return Choice(name, budget, budget - rec["per_10k"], tried)
         nxt = names[names.index(name) + 1] if names.index(name) + 1 < len(names) else REFERENCE
-        _say(f"decoder {name} changes the FP32 answer on {rec['flips']} of {rec['images']} calibration images "
+        _say(f"decoder {name} changes the FP32 answer on {rec['flips']} of {rec['images']} natural-size images "
              f"({rec['per_10k']:.0f} basis points, budget {budget:g}): "
              + ("the artifact decodes with pil, the reference" if nxt == REFERENCE else f"measuring {nxt} next"))
     tried.append({"decoder": REFERENCE, "images": len(blobs), "flips": 0, "per_10k": 0.0, "holds": True})
     return Choice(REFERENCE, budget, budget, tried)
 
 
-def for_build(net, spec, device: str, pixels: np.ndarray, budget: float, count: int, first: str | None = None,
+def for_build(net, spec, device: str, budget: float, count: int, first: str | None = None,
               make: Callable[[str], tuple[object, str | None]] | None = None) -> Choice:
-    """The build's decoder: the first `count` calibration images (pixels [N, S, S, 3] uint8) as JPEG
-    files, each decoder of `order(device, first)` against PIL under the FP32 graph of `net`.
+    """The build's decoder: `count` JPEGs at natural sizes (natural_jpegs), each decoder of
+    `order(device, first)` against PIL under the FP32 graph of `net`, each through its own resize.
     `make(name)`: (decoder, None) or (None, why not); default: `start` in this process."""
     from engine.build import calibrate
     from engine.core.model import wrap
@@ -191,5 +233,6 @@ def for_build(net, spec, device: str, pixels: np.ndarray, budget: float, count: 
     def classify(px: np.ndarray) -> np.ndarray:
         return calibrate.classify(fp32, px, REFERENCE_BATCH, margin=False, device=device)[0]
 
-    blobs = jpeg_blobs(pixels, count)
-    return choose(order(device, first), blobs, classify, budget, make or (lambda name: start(name, spec, REFERENCE_BATCH)))
+    blobs, images = natural_jpegs(spec, count)
+    choice = choose(order(device, first), blobs, classify, budget, make or (lambda name: start(name, spec, REFERENCE_BATCH)))
+    return dataclasses.replace(choice, images=images)

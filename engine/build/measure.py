@@ -105,6 +105,7 @@ class Measurer:
         self.ref_top1, self.ref_margins = ref
         self.workdir, self.budget, self.safety = workdir, budget, safety
         self.alpha = preset(device).verify_alpha
+        self.confidence = preset(device).guard_confidence   # the tail bound tau is chosen with
         self.recheck_batch = recheck_batch if isinstance(recheck_batch, int) else preset(device).recheck_batch
         self._recheck_rate: float | None = None
         s = spec.input_size
@@ -178,7 +179,8 @@ class Measurer:
                              f"{wrong} of {n} calibration images disagree with the FP32 graph" if wrong > allowed
                              else "")
         top1, margins = calibrate.classify(h.fn, self.pixels, c.batch_size, margin=True, device=self.device)
-        g = calibrate.choose_tau(top1, margins, self.ref_top1, self.ref_margins, self.budget, self.safety)
+        g = calibrate.choose_tau(top1, margins, self.ref_top1, self.ref_margins, self.budget, self.safety,
+                                 self.confidence)
         guarded = np.where(margins < g["tau"], self.ref_top1, top1)   # the guard's FP32 answers below tau
         agreement = float((guarded == self.ref_top1).mean())
         holds = g["estimated_per_10k"] <= self.budget

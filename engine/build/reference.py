@@ -2,14 +2,16 @@
 
 The calibration images come from a source read only as far as it is needed (engine.build.calibrate.Stream).
 Batch by batch, each is read and classified by the FP32 graph; the seconds per image measured so far
-(reading it, its FP32 pass, and the `later` passes the phase still makes over it: the decoder's check
-reads and classifies each image again, twice), as the last batch took them, decide whether one more
+(reading it, its FP32 pass, and the `later` passes the phase still makes for it: the decoder's check
+reads and classifies one natural-size JPEG per calibration image, twice; the count trade's extension
+its low-precision pass), as the last batch took them, decide whether one more
 batch fits the share. So the
 first batch measures the rate, a machine slower than planned takes fewer images, and one that slows
 down midway stops early. The first batch is the guard's minimum (calibrate.MIN_IMAGES): never fewer.
 A cut is one line ("calibration: 64 of 256 images fit the 40 s left for it at 1.6 images/s") and the
 record (`origin`) counts the images actually used; every later pass over the calibration images (the
-decoder's check, the search's agreement, the end-to-end check) reads those and no more.
+search's agreement, the guard's tau) reads those and no more. `seconds_per_image` and
+`fp32_seconds_per_image` are the rates the count trade (engine.build.calibration_trade) weighs.
 """
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ class Reference:
     margins: np.ndarray             # [n] its top-1 minus top-2 logit
     origin: dict                    # the source's record: count n, asked, and the fit when cut
     cut: str | None = None          # the line that says what the share cut (None: nothing)
+    seconds_per_image: float = 0.0  # reading one image and its FP32 pass, as the last batch took them
+    fp32_seconds_per_image: float = 0.0   # its FP32 pass alone
 
 
 def fitted(ref, stream: calibrate.Stream, count: int, seconds: float, clock: Callable[[], float], device: str,
@@ -39,6 +43,7 @@ def fitted(ref, stream: calibrate.Stream, count: int, seconds: float, clock: Cal
     first = min(count, max(batch, calibrate.MIN_IMAGES))
     pixels, top1, margins = [], [], []
     taken, spent_per_image = 0, 0.0      # spent_per_image: seconds to read and classify one image, lately
+    fp32_per_image = 0.0                 # of which the FP32 pass
     ended = False                        # the source had no more images
 
     def owed() -> float:                 # the phase's seconds for what is taken: spent, and the later passes
@@ -53,7 +58,9 @@ def fitted(ref, stream: calibrate.Stream, count: int, seconds: float, clock: Cal
         if len(px) == 0:
             ended = True
             break
+        t_read = clock()
         t1, m = calibrate.classify(ref, px, batch, margin=True, device=device)
+        fp32_per_image = (clock() - t_read) / len(px)
         pixels.append(px)
         top1.append(t1)
         margins.append(m)
@@ -64,7 +71,10 @@ def fitted(ref, stream: calibrate.Stream, count: int, seconds: float, clock: Cal
             break
     stream.at_least(min(count, calibrate.MIN_IMAGES))
     origin = {**stream.origin(), "asked": count}
-    out = Reference(np.concatenate(pixels), np.concatenate(top1), np.concatenate(margins), origin)
+    if not pixels:                       # a source that had ended before this call (an extension of it)
+        pixels, top1, margins = [np.zeros((0, 0, 0, 3), np.uint8)], [np.zeros(0, np.int64)], [np.zeros(0, np.float32)]
+    out = Reference(np.concatenate(pixels), np.concatenate(top1), np.concatenate(margins), origin,
+                    seconds_per_image=spent_per_image, fp32_seconds_per_image=fp32_per_image)
     if taken < count and not ended:
         rate = 1.0 / ((1 + later) * spent_per_image) if spent_per_image > 0 else float("inf")
         if taken <= first and owed() > seconds:

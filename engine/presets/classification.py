@@ -40,11 +40,24 @@ class Preset:
     guard_safety: float = _field("`--guard-safety` when none is given: the factor on the estimated disagreements "
                                  "tau is chosen with", names=("GuardConfig.safety", "choose_tau.safety"),
                                  default=2.0)
-    calibration_count: int = _field("`--calibration-count` when none is given: calibration images tau is chosen on",
+    calibration_count: int = _field("`--calibration-count` when none is given: calibration images tau is chosen on "
+                                    "(under `auto`, with a low precision, the pilot the count is traded from)",
                                     names=("photo_pixels.count", "generated_pixels.count", "folder_pixels.count"),
                                     default=256)
-    verify_images: int = _field("images the chosen artifact classifies end to end through scripts/run, "
-                                "against FP32; each decoder's own flips are measured on them", default=256)
+    # The trade (engine.build.calibration_trade): more calibration images tighten the bound on the
+    # margin-error tail, and with it tau and the share of a run re-checked in FP32; each costs the
+    # build an FP32 and a low-precision inference. The count is the one with the least calibration +
+    # expected re-check seconds for a run of the caller's size (`--run-images`; no size given, no trade), capped by the deadline's share
+    # for calibration and by `calibration_max_images`.
+    guard_confidence: float = _field("the one-sided confidence of the upper bound on the margin-error tail's scale "
+                                     "tau is chosen with: a small calibration sample's tail is taken as heavy as it "
+                                     "may be", names=("choose_tau.confidence",), default=0.95)
+    calibration_max_images: int = _field("the most calibration images the trade takes: past this many, crops of the "
+                                         "bundled photos add little variety (a folder source ends at its files)",
+                                         default=4096)
+    verify_images: int = _field("JPEGs at natural sizes the chosen artifact classifies end to end through "
+                                "scripts/run, against FP32 on PIL's pixels; each decoder's own flips, through its "
+                                "own resize, are measured on them", default=256)
     verify_alpha: float = _field("the chance an artifact exactly at the disagreement budget fails that check: "
                                  "it allows the (1 - alpha) quantile of Binomial(images, budget) disagreements "
                                  "with FP32 on PIL's pixels (the decoder's included)", default=0.05)
