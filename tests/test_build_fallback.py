@@ -157,7 +157,7 @@ def test_when_every_verification_fails_the_fallback_is_the_measured_eager_bf16_w
     monkeypatch.setattr(autotune_measure, "importable_backends", lambda device: (["eager"], {}))
     seen = []
 
-    def verify(artifact, net, spec, device, pixels, count, alpha, decoder, timeout=1800.0):
+    def verify(artifact, net, spec, device, count, alpha, decoder, timeout=1800.0):
         seen.append(f"eager/{spec.precision}/b{spec.batch_size}")
         return {"ok": False, "images": 16,
                 "why": "scripts/run exited 1: CUDA error: all CUDA-capable devices are busy or unavailable"}
