@@ -58,6 +58,9 @@ class Preset:
                                        "search's first, the guard's re-check graph)", default=120.0)
     verify_estimate_s: float = _field("the deadline's plan: seconds to assemble and verify one candidate end to end",
                                       default=60.0)
+    int8_calibration_images: int = _field("calibration images the int8 candidate's activation ranges are observed "
+                                          "on (PT2E static quantization; the CPU's only: the GPU has no int8 "
+                                          "candidate)", names=("export_int8.count",), default=64)
 
 
 PRESETS = {

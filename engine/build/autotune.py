@@ -44,7 +44,7 @@ from engine.build.table import LEGEND, format_table  # noqa: F401 - the table th
 
 PRUNE = 0.6         # a (precision, batch) screened under 60 % of the best is not compiled (unless it is
                     # its precision's best)
-SIMPLER = {"fp32": 0, "bf16": 1, "fp16": 2, "fp8": 3}
+SIMPLER = {"fp32": 0, "bf16": 1, "fp16": 2, "fp8": 3, "int8": 4}
 KEEP = 2            # candidates that hold and keep their compiled files for the build's verification
 
 
@@ -151,6 +151,8 @@ class SearchConfig:
     compile_estimate_s: float       # one compile's seconds before one is measured (0: the first always starts)
     options_backends: tuple[str, ...] = ()    # the backends that take those options
     compiled: tuple[str, ...] = ()  # backends whose build compiles (budgeted by their compile time)
+    only: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)   # precisions only some
+                                    # backends build (int8: the quantizing ones), and those backends
 
 
 @dataclasses.dataclass
@@ -234,6 +236,8 @@ def _candidates(cfg: SearchConfig, screened: dict) -> tuple[list[Candidate], set
     cands: list[Candidate] = []
     for be in cfg.backends:
         for p, b in order:
+            if p in cfg.only and be not in cfg.only[p]:
+                continue
             for g in (cfg.cuda_graphs if cfg.device == "cuda" else (False,)):
                 cands.append(Candidate(p, b, be, g))
     best_fp32 = next((k for k in order if k[0] == "fp32"), None)

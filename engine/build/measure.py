@@ -47,6 +47,13 @@ def native_precisions(device: str) -> tuple[list[str], dict[str, str]]:
                               + f", oneDNN {p} {'yes' if supported() else 'no'}): emulated, measure it with "
                               "--search-precisions")
         skipped["fp8"] = "no fp8 GEMMs on the CPU"
+        from engine.classify.int8 import unavailable
+
+        why = unavailable(device)
+        if why:
+            skipped["int8"] = why
+        else:
+            out.append("int8")
         return out, skipped
     major, minor = torch.cuda.get_device_capability()
     cc = (major, minor)
@@ -137,6 +144,7 @@ class Measurer:
         self.alpha = preset(device).verify_alpha
         self.recheck_batch = recheck_batch if isinstance(recheck_batch, int) else preset(device).recheck_batch
         self._recheck_rate: float | None = None
+        self._screens: dict[tuple[str, int], float] = {}
         s = spec.input_size
         self._x = {}
         self._shape = lambda b: (b, s, s, 3)
@@ -151,6 +159,14 @@ class Measurer:
         return dataclasses.replace(self.spec, precision=c_precision, batch_size=b)
 
     def screen(self, precision: str, batch_size: int) -> float:
+        if precision == "int8":
+            # int8 has no eager form (it is quantized from the FP32 graph for the compile): the FP32
+            # network's screen stands in, so int8 is compiled at the batches FP32 is
+            return self._screens.get(("fp32", batch_size)) or self.screen("fp32", batch_size)
+        self._screens[(precision, batch_size)] = self._screen(precision, batch_size)
+        return self._screens[(precision, batch_size)]
+
+    def _screen(self, precision: str, batch_size: int) -> float:
         m = wrap(self.net, self._spec(precision, batch_size), self.device, margin=precision != "fp32")
         # a screen only orders the compiles: one warm-up and two timed calls (an emulated precision
         # can take seconds a call)
@@ -166,6 +182,8 @@ class Measurer:
         folder = self.workdir / name
         folder.mkdir(parents=True)
         kwargs = {"options": c.options} if c.options != "default" else {}
+        if c.precision in getattr(be, "QUANTIZED", ()):   # int8: activation ranges from the calibration images
+            kwargs["calibration"] = self.pixels
         cache = self.workdir / ".inductor" / name if getattr(be, "COMPILES", False) else None
         h = Handle(None, folder, {}, cache)
         try:

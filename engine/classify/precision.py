@@ -116,6 +116,10 @@ def describe(precision: str) -> dict:
     fused = "q|k|v and SwiGLU fc1_g|fc1_x as one GEMM each where the model has them (exact)"
     if precision == "fp32":
         return {"precision": "fp32", "everything": "fp32", "fused_projections": fused}
+    if precision == "int8":   # quantized from the FP32 graph at build time: no eager policy of its own
+        from engine.classify.int8 import describe as describe_int8
+
+        return describe_int8()
     if precision == "fp8":
         return {"precision": "fp8", "gemm": "float8 e4m3, rowwise scales (weights per row at build, activations "
                 "per token), bf16 accumulate/output, K and N zero-padded to multiples of 16",

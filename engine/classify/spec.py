@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 CROP_MODES = ("center", "squash")
-PRECISIONS = ("fp32", "fp16", "bf16", "fp8")  # fp8: rowwise-scaled e4m3 GEMMs (engine.classify.precision)
+PRECISIONS = ("fp32", "fp16", "bf16", "fp8", "int8")  # fp8: rowwise-scaled e4m3 GEMMs (engine.classify.precision);
+                                                      # int8: CPU PT2E static quantization (engine.classify.int8)
 INTERPOLATIONS = ("bicubic", "bilinear", "nearest")
 
 
