@@ -15,6 +15,7 @@ on and 0, false, no, off for off (an empty value is the default).
 | ENGINE_DECODER | decoder name | the artifact's | pil, dali-cpu, dali-gpu, nvjpeg: the off switch for fast decoding |
 | ENGINE_CUDA_GRAPHS | 0/1 | the artifact's (1) | replay the static batch from a captured CUDA graph (an auto build records whether that measured faster) |
 | ENGINE_TF32 | 0/1 | 0 | let FP32 matmuls and convolutions on CUDA use TF32 (0: IEEE FP32, as a frozen FP32 reference computes; 1: to match a reference that ran with TF32) |
+| ENGINE_INT8 | 0/1 | 1 | offer the CPU build's int8 candidate to the measured search (PT2E static quantization, engine.core.int8) where the CPU has INT8 dot products and torchao imports; 0: the off switch, the search skips it with that reason |
 | ENGINE_GUARD | 0/1 | 1 | re-check near-ties of a guarded low-precision artifact in FP32 (0: raw answers) |
 | ENGINE_ARTIFACT_VERIFY | quick/size/sha256 | quick | a classification artifact's check before the model loads: sizes + a sampled SHA-256 of each file, sizes only, or the full SHA-256; under quick and size the full SHA-256 of every file still runs, on a thread while the model loads, and classify waits for it before the first image (engine.classify.artifact). An index's compiled CLIP tower files get their full SHA-256 at load in every mode |
 | ENGINE_PIPELINE_DEPTH | int 0..64 | 2 | decoded batches in flight ahead of inference |
@@ -238,6 +239,11 @@ def topk_backend() -> str:
 
 def guard() -> bool:
     return read("ENGINE_GUARD", flag, True)
+
+
+def int8() -> bool:
+    """ENGINE_INT8: whether the CPU build's measured search offers its int8 candidate (read at build time)."""
+    return read("ENGINE_INT8", flag, True)
 
 
 def debug() -> bool:

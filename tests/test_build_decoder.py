@@ -234,10 +234,9 @@ def test_the_check_images_come_at_natural_sizes_larger_and_smaller_than_the_inpu
 def test_a_decoder_that_resizes_differently_is_refused_and_dali_still_holds(tiny_checkpoint, monkeypatch):
     """Decoders are compared where they differ: through their own resize of natural-size JPEGs. A planted
     decoder whose only fault is its resize (nearest neighbour) is refused; DALI's resize holds."""
-    from engine.core.checkpoint import load_model
-
     from engine.build import auto as build_auto
     from engine.build.assemble import GuardConfig
+    from engine.core.checkpoint import load_model
     from engine.decoders import registry, start_problem
 
     monkeypatch.setitem(registry.DECODERS, "nearest", __name__)

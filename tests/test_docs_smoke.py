@@ -70,7 +70,7 @@ DOCUMENTED: dict[str, str] = {
         "skip: installs packages from the network",
     "python3 -m pip install -e .": "skip: installs packages (done before the suite runs)",
     "python -m engine.build --model eva02_large_patch14_448.mim_m38m_ft_in22k_in1k --checkpoint "
-    "/path/model.safetensors --out artifacts/default [--device cpu|cuda] [--precision auto|fp32|bf16|fp16|fp8] "
+    "/path/model.safetensors --out artifacts/default [--device cpu|cuda] [--precision auto|fp32|bf16|fp16|fp8|int8] "
     "[--backend auto|aot|eager|trt|null] [--batch-size auto|N] [--input-size N] [--crop-mode center|squash] "
     "[--deadline-s S] [--search-budget-s S] [--search-precisions fp32,bf16] [--no-verify] [--no-guard] "
     "[--calibration-source photos|renders] [--calibration-images DIR] [--guard-budget 10] [--guard-safety 2] "

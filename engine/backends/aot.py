@@ -34,6 +34,7 @@ COMPILED = (".so", ".cubin", ".fatbin", ".spv")
 NEEDS_WEIGHTS = True
 COMPILES = True
 AUTO = True
+QUANTIZED = ("int8",)   # precisions only this backend builds: save() takes their calibration images
 PACKAGE_MODEL_DIR = ("data", "aotinductor", "model")   # where a .pt2 keeps the model's files
 SOURCES = (".cpp", ".h", ".hpp", ".cu", ".c")            # the package's C++ sources: not needed to load
 
@@ -55,8 +56,15 @@ def inductor_configs(device: str, options: str = "default") -> dict:
 
 
 def save(net: torch.nn.Module, spec, device: str, out_dir: Path, margin: bool = False,
-         options: str = "default") -> dict:
-    ep, example = export_top1(net, spec, device, margin)
+         options: str = "default", calibration=None) -> dict:
+    """Export, compile and unpack the graph; `calibration` (uint8 [N, S, S, 3]): the images an int8
+    graph's activation ranges are observed on (engine.core.int8), unused by other precisions."""
+    if spec.precision == "int8":
+        from engine.core.int8 import export_int8
+
+        ep, example = export_int8(net, spec, device, margin, calibration)
+    else:
+        ep, example = export_top1(net, spec, device, margin)
     configs = inductor_configs(device, options)
     package = out_dir / ".model.pt2"
     workers = _compile_workers()
@@ -66,10 +74,17 @@ def save(net: torch.nn.Module, spec, device: str, out_dir: Path, margin: bool = 
           f"Inductor cache {cache} needs about {need / 2**30:.1f} GiB, "
           f"{_free_bytes(cache) / 2**30:.1f} GiB free there", file=sys.stderr)
     t0 = time.time()
-    with torch._inductor.config.patch(compile_threads=workers, **quiet_reports()):
+    # no_grad: Inductor applies freezing (and with it oneDNN's weight prepacking and the int8 GEMM
+    # fusions) only to a graph compiled with autograd off; with it on, `freezing` is silently ignored
+    with torch._inductor.config.patch(compile_threads=workers, **quiet_reports()), torch.no_grad():
         torch._inductor.aoti_compile_and_package(ep, package_path=str(package), inductor_configs=configs)
     seconds = time.time() - t0
     used = tree_bytes(cache, since=t0 - 1)   # what this compile left in the cache (mtimes are coarse)
+    kernels = None
+    if spec.precision == "int8":   # which quantized oneDNN kernels the generated code calls (sources not kept)
+        from engine.core.int8 import kernels_in_package
+
+        kernels = kernels_in_package(package)
     files = unpack(package, out_dir / DIR)
     package.unlink()
     print(f"engine.build: AOTInductor compiled in {seconds:.0f} s; the Inductor cache grew by "
@@ -77,7 +92,8 @@ def save(net: torch.nn.Module, spec, device: str, out_dir: Path, margin: bool = 
     return {"aot": {"dir": DIR, "so": f"{DIR}/{SO}", "files": files, "compile_seconds": round(seconds, 3),
                     "compile_workers": workers, "inductor_cache_bytes": used,
                     "example_shape": list(example.shape), "inductor_configs": configs, "options": options,
-                    "outputs": ["top1", "margin"] if margin else ["top1"]}}
+                    "outputs": ["top1", "margin"] if margin else ["top1"],
+                    **({"quantized_kernels": kernels} if kernels is not None else {})}}
 
 
 # Inductor's own reports, written straight to stderr while max-autotune times its kernels (an

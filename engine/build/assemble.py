@@ -58,12 +58,21 @@ def assemble(be, backend: str, net, spec: Spec, checkpoint: Path | None, device:
 
     guarded = guard.enabled and spec.precision != "fp32" and be.NEEDS_WEIGHTS
     extra = {**extra, "precision_policy": describe_policy(spec.precision)}
-    extra.update(saved if saved is not None else be.save(net, spec, device, tmp, margin=guarded))
+    extra.update(saved if saved is not None else be.save(net, spec, device, tmp, margin=guarded,
+                                                         **quantized_args(be, spec, guard, device)))
     if guarded:
         extra["guard"] = build_guard(be, backend, net, spec, device, tmp, guard, chosen_guard)
     extra["build"] = {**extra["build"], "seconds": round(time.perf_counter() - t0, 3)}
     ck_sha = sha256_file(checkpoint) if checkpoint is not None else None
     return write_manifest(tmp, spec, backend, device, checkpoint, ck_sha, extra)
+
+
+def quantized_args(be, spec: Spec, guard: GuardConfig, device: str) -> dict:
+    """save()'s calibration images for a precision the backend quantizes (int8: activation ranges
+    observed on the guard's calibration source, never evaluation data); {} for the others."""
+    if spec.precision not in getattr(be, "QUANTIZED", ()):
+        return {}
+    return {"calibration": calibration_pixels(spec, guard.for_device(device))[0]}
 
 
 SMOKE_AGREEMENT = shared("smoke_agreement")   # raw low precision agreeing with FP32 on fewer renders than this: a broken build

@@ -53,8 +53,7 @@ def _say(msg: str) -> None:
 
 def search_config(spec: Spec, backend: str, device: str, auto) -> tuple[autotune.SearchConfig, dict]:
     """The candidates `auto` measures on this machine, and what it skips (with why)."""
-    from engine.build.measure import importable_backends
-    from engine.core.precision import native_precisions
+    from engine.build.measure import importable_backends, measurable_precisions
 
     pre = preset(device)
     skipped: dict[str, str] = {}
@@ -62,7 +61,7 @@ def search_config(spec: Spec, backend: str, device: str, auto) -> tuple[autotune
         if auto.precisions:
             precisions = tuple(auto.precisions)
         else:
-            native, skipped = native_precisions(device)
+            native, skipped = measurable_precisions(device)
             precisions = tuple(native)
     else:
         precisions = (spec.precision,)
@@ -73,14 +72,40 @@ def search_config(spec: Spec, backend: str, device: str, auto) -> tuple[autotune
     else:
         names = [backend]
     mods = {n: backends.get(n) for n in names}
+    precisions, only = _quantized(precisions, mods, device, skipped)
     with_options = tuple(n for n, m in mods.items() if set(pre.options) & set(getattr(m, "OPTIONS", ())) - {"default"})
     cfg = autotune.SearchConfig(precisions, tuple(batches), tuple(names), device,
                                 budget_s=auto.budget_s if auto.budget_s is not None else pre.search_budget_s,
                                 options=pre.options, options_backends=with_options, cuda_graphs=pre.cuda_graphs,
                                 compile_estimate_s=pre.compile_estimate_s,
                                 compiled=tuple(n for n, m in mods.items() if getattr(m, "COMPILES", False)),
-                                fp16_same_cost=pre.fp16_same_cost, compile_share=pre.compile_share)
+                                fp16_same_cost=pre.fp16_same_cost, compile_share=pre.compile_share,
+                                only=only)
     return cfg, skipped
+
+
+def _quantized(precisions: tuple[str, ...], mods: dict, device: str, skipped: dict) -> tuple[tuple[str, ...], dict]:
+    """(precisions, {quantized precision: the backends that build it}): a quantized precision (int8)
+    is measured only on the backends that list it (their QUANTIZED) and only where it can be built at
+    all (engine.core.int8.cannot_build: its off switch, the device, torchao); else it is left out
+    with its reason in `skipped`, asked for by --search-precisions or not."""
+    only: dict[str, tuple[str, ...]] = {}
+    kept = []
+    for p in precisions:
+        if p != "int8":
+            kept.append(p)
+            continue
+        from engine.core.int8 import cannot_build
+
+        builders = tuple(n for n, m in mods.items() if p in getattr(m, "QUANTIZED", ()))
+        why = cannot_build(device) or (None if builders else f"built only by a quantizing backend (aot), not "
+                                                             f"{', '.join(mods) or 'none'}")
+        if why:
+            skipped[p] = why
+        else:
+            kept.append(p)
+            only[p] = builders
+    return tuple(kept), only
 
 
 def build_measured(net, spec: Spec, checkpoint, backend: str, device: str, guard, auto, tmp: Path, extra: dict,

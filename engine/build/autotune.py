@@ -52,7 +52,7 @@ from engine.presets import shared
 
 PRUNE = shared("search_prune")   # a (precision, batch) screened under 60 % of the best is not compiled (unless
                                  # it is its precision's best)
-SIMPLER = {"fp32": 0, "bf16": 1, "fp16": 2, "fp8": 3}
+SIMPLER = {"fp32": 0, "bf16": 1, "fp16": 2, "fp8": 3, "fp8-torchao": 3, "int8": 4}
 KEEP = shared("search_keep")     # candidates that hold and keep their compiled files for the build's verification
 
 
@@ -165,6 +165,8 @@ class SearchConfig:
                                           # faster by more than this share (None: by anything)
     compile_share: float | None = None   # the preset's: a compile stopped past this share of the time left
                                          # when it started (None: never stopped)
+    only: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)   # precisions only some
+                                    # backends build (int8: the quantizing ones), and those backends
 
 
 @dataclasses.dataclass
@@ -257,7 +259,8 @@ def _candidates(cfg: SearchConfig, screened: dict) -> tuple[list[Candidate], set
     rest = [k for k in order if k not in first]
     backs = sorted(cfg.backends, key=lambda be: be in cfg.compiled)   # stable: compile-free ones first
     graphs = cfg.cuda_graphs if cfg.device == "cuda" else (False,)
-    cands = [Candidate(p, b, be, g) for p, b in first + rest for be in backs for g in graphs]
+    cands = [Candidate(p, b, be, g) for p, b in first + rest for be in backs for g in graphs
+             if p not in cfg.only or be in cfg.only[p]]   # int8: only the backends that quantize
     best_fp32 = leaders.get("fp32")
     for opt in cfg.options:
         if opt != "default" and best_fp32 is not None:

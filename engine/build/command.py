@@ -1,7 +1,7 @@
 """The untimed preparation step: checkpoint -> artifact directory.
 
     python -m engine.build --model NAME --checkpoint FILE --out DIR [--device cpu|cuda]
-        [--precision auto|fp32|bf16|fp16|fp8] [--backend auto|NAME] [--batch-size auto|N]
+        [--precision auto|fp32|bf16|fp16|fp8|int8] [--backend auto|NAME] [--batch-size auto|N]
         [--input-size N] [--crop-mode center|squash] [--crop-pct F] [--model-kwargs JSON]
         [--no-guard] [--calibration-source photos|renders] [--calibration-images DIR]
         [--calibration-check MODULE:FUNCTION] [--guard-budget BP] [--guard-safety F]
@@ -83,6 +83,10 @@ def build(spec: Spec, checkpoint: Path | None, out: Path, backend: str = backend
         raise RuntimeError("--device cuda needs a CUDA GPU on the build machine")
     if checkpoint is None and (be is None or be.NEEDS_WEIGHTS):
         raise ValueError(f"backend {backend} needs --checkpoint")
+    if be is not None and spec.precision == "int8":
+        why = quantized_refusal(be, backend, spec.precision, device)
+        if why:
+            raise ValueError(why)
     t0 = time.perf_counter()
     bclock = None
     if auto is not None:
@@ -108,6 +112,16 @@ def build(spec: Spec, checkpoint: Path | None, out: Path, backend: str = backend
     if bclock is not None:
         say(bclock.actual_line())
     return meta
+
+
+def quantized_refusal(be, backend: str, precision: str, device: str) -> str | None:
+    """Why a fixed build of a quantized precision (int8) cannot be made with `backend` here (None: it can)."""
+    from engine.core.int8 import cannot_build
+
+    if precision not in getattr(be, "QUANTIZED", ()):
+        return f"--precision {precision} is built by a quantizing backend (aot), not {backend}"
+    why = cannot_build(device)
+    return f"--precision {precision}: {why}" if why else None
 
 
 def is_artifact_folder(folder: Path) -> bool:

@@ -28,6 +28,23 @@ MIN_CALLS, MIN_SECONDS, WARMUP = shared("timing_calls"), shared("timing_min_s"),
 MAX_CALLS = shared("timing_max_calls")
 
 
+def measurable_precisions(device: str) -> tuple[list[str], dict[str, str]]:
+    """(precisions the search measures here, {precision: why not} for the others): those the device
+    runs natively (engine.core.precision.native_precisions), and on the CPU int8 where its graph can
+    be built (engine.core.int8.unavailable: the switch, the CPU's INT8 dot products, torchao)."""
+    from engine.core.int8 import unavailable
+    from engine.core.precision import native_precisions
+
+    out, skipped = native_precisions(device)
+    if device == "cpu":
+        why = unavailable(device)
+        if why:
+            skipped["int8"] = why
+        else:
+            out.append("int8")
+    return out, skipped
+
+
 def importable_backends(device: str) -> tuple[list[str], dict[str, str]]:
     """The registry's backends `--backend auto` measures (AUTO) that can build here, and why the
     others that would cannot (their `unavailable(device)`)."""
@@ -108,6 +125,7 @@ class Measurer:
         self.confidence = preset(device).guard_confidence   # the tail bound tau is chosen with
         self.recheck_batch = recheck_batch if isinstance(recheck_batch, int) else preset(device).recheck_batch
         self._recheck_rate: float | None = None
+        self._screens: dict[tuple[str, int], float] = {}
         s = spec.input_size
         self._x = {}
         self._shape = lambda b: (b, s, s, 3)
@@ -122,6 +140,14 @@ class Measurer:
         return dataclasses.replace(self.spec, precision=c_precision, batch_size=b)
 
     def screen(self, precision: str, batch_size: int) -> float:
+        if precision == "int8":
+            # int8 has no eager form (it is quantized from the FP32 graph for the compile): the FP32
+            # network's screen stands in, so int8 is compiled at the batches FP32 is
+            return self._screens.get(("fp32", batch_size)) or self.screen("fp32", batch_size)
+        self._screens[(precision, batch_size)] = self._screen(precision, batch_size)
+        return self._screens[(precision, batch_size)]
+
+    def _screen(self, precision: str, batch_size: int) -> float:
         m = wrap(self.net, self._spec(precision, batch_size), self.device, margin=precision != "fp32")
         # a screen only orders the compiles: one warm-up and two timed calls (an emulated precision
         # can take seconds a call)
@@ -137,6 +163,8 @@ class Measurer:
         folder = self.workdir / name
         folder.mkdir(parents=True)
         kwargs = {"options": c.options} if c.options != "default" else {}
+        if c.precision in getattr(be, "QUANTIZED", ()):   # int8: activation ranges from the calibration images
+            kwargs["calibration"] = self.pixels
         cache = self.workdir / ".inductor" / name if getattr(be, "COMPILES", False) else None
         h = Handle(None, folder, {}, cache)
         try:

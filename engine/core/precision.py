@@ -129,6 +129,13 @@ TORCHAO_FP8 = {  # fp8-torchao as a manifest records it
             "residual_stream": "fp32", "patch_embed": "fp32", "head": "fp32"}
 
 
+INT8 = {  # int8 as a manifest records it (engine.core.int8 builds it)
+    "precision": "int8", "gemm": "int8 (PT2E static quantization, torchao X86InductorQuantizer): activations u8 per "
+    "tensor with scales observed on the calibration images, weights s8 per output channel, int32 accumulation "
+    "(oneDNN qlinear)", "attention": "fp32 (SDPA)", "rope": "fp32", "norms": "fp32", "residual_stream": "fp32",
+    "patch_embed": "fp32", "head": "fp32"}
+
+
 def describe(precision: str) -> dict:
     """The policy as recorded in an artifact's manifest."""
     fused = "q|k|v and SwiGLU fc1_g|fc1_x as one GEMM each where the model has them (exact)"
@@ -136,6 +143,8 @@ def describe(precision: str) -> dict:
         return {"precision": "fp32", "everything": "fp32", "fused_projections": fused}
     if precision == "fp8-torchao":
         return {**TORCHAO_FP8, "fused_projections": fused}
+    if precision == "int8":   # quantized from the FP32 graph at build time: no eager policy of its own
+        return {**INT8, "fused_projections": fused}
     if precision == "fp8":
         return {"precision": "fp8", "gemm": "float8 e4m3, rowwise scales (weights per row at build, activations "
                 "per token), bf16 accumulate/output, K and N zero-padded to multiples of 16",

@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 CROP_MODES = ("center", "squash")
-PRECISIONS = ("fp32", "fp16", "bf16", "fp8", "fp8-torchao")  # fp8: rowwise-scaled e4m3 GEMMs (engine.core.precision);
-# fp8-torchao: the same recipe from torchao (engine.core.fp8_torchao)
+PRECISIONS = ("fp32", "fp16", "bf16", "fp8", "fp8-torchao", "int8")  # fp8: rowwise-scaled e4m3 GEMMs
+# (engine.core.precision); fp8-torchao: the same recipe from torchao (engine.core.fp8_torchao); int8: CPU
+# PT2E static quantization (engine.core.int8)
 INTERPOLATIONS = ("bicubic", "bilinear", "nearest")
 
 

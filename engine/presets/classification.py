@@ -71,6 +71,9 @@ class Preset:
                                        "search's first, the guard's re-check graph)", default=120.0)
     verify_estimate_s: float = _field("the deadline's plan: seconds to assemble and verify one candidate end to end",
                                       default=60.0)
+    int8_calibration_images: int = _field("calibration images the int8 candidate's activation ranges are observed "
+                                          "on (PT2E static quantization; the CPU's only: the GPU has no int8 "
+                                          "candidate)", names=("export_int8.count",), default=64)
     verify_timeout_s: float = _field("seconds the end-to-end verification of one candidate may take",
                                      names=("verify_artifact.timeout",), default=1800.0)
     recheck_batches: tuple[int, ...] = _field("the candidates of `--recheck-batch auto` (the FP32 re-check graph's "
