@@ -20,8 +20,9 @@ source in `PROMPT_SOURCES`: published, or this kit's own variant) or any templat
 
 Beyond composition (docs/retrieval_quality.md): `pic2word` composes through a mapping
 learned at build time (engine.retrieval.pic2word), and a method name may add gallery-aware options
-after `+`, each `option[:key=value...]` (engine.retrieval.rescore, engine.retrieval.gap,
-engine.retrieval.reinspect):
+after `+`, each `option[:key=value...]`. Each option is one file of engine/retrieval/options/ and
+one line of its `OPTIONS` table (its keys, defaults, checks and hooks: options/base.py); a
+`Method` is the base below plus an ordered tuple of option instances:
 
     slerp+gap+qbnorm:beta=20+aqe:n=3      pic2word+csls:k=10+reinspect:n=100:crops=3
 

@@ -12,8 +12,11 @@
   (engine.retrieval.rescore.dba), stored as `dba-<build>.f16.npy`. A run that asks for DBA with
   other (n, alpha), or from an index without it, computes it at query time (said on stderr).
 
-`extras_key` says what the extras depend on besides the embeddings; a build whose
-embeddings are up to date but whose extras differ reuses the committed embeddings.
+Each item is written by its option's `extras` hook (engine.retrieval.options: the gap options'
+gallery mean, the Pic2Word mapping's files, DBA's rows), asked in the table's order; `MAPPINGS`
+(the build's `--mapping` choices) are the trained options. `extras_key` says what the extras
+depend on besides the embeddings; a build whose embeddings are up to date but whose extras
+differ reuses the committed embeddings.
 """
 from __future__ import annotations
 
