@@ -113,12 +113,18 @@ class QueryPipeline:
     def log(msg: str) -> None:
         _log(msg)
 
-    def _load_text_bank(self) -> torch.Tensor | None:
-        data = self.index.extra_bytes("text_bank")
+    def extra_rows(self, name: str) -> torch.Tensor | None:
+        """The index's extra array file `name` (text_bank, dba) as FP32 rows on the towers' device, or None."""
+        data = self.index.extra_bytes(name)
         if data is None:
-            _log("the index has no gallery-derived text bank (build with --mapping pic2word)")
             return None
         return torch.from_numpy(npy_from_bytes(data).astype(np.float32)).to(self.towers.device)
+
+    def _load_text_bank(self) -> torch.Tensor | None:
+        bank = self.extra_rows("text_bank")
+        if bank is None:
+            _log("the index has no gallery-derived text bank (build with --mapping pic2word)")
+        return bank
 
     def image_side(self, x: torch.Tensor) -> torch.Tensor:
         """Image rows [*, D] as the method compares them (gap-corrected when asked)."""

@@ -82,7 +82,7 @@ class Searcher:
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"k must be an int >= 1, got {k!r}")
         m = method if isinstance(method, Method) else make_method(method, max_reinspect=self.max_reinspect)
-        key = (json.dumps(m.to_dict(), sort_keys=True), k)
+        key = (m.label, json.dumps(m.to_dict(), sort_keys=True), k)   # the label names options without record fields
         if key not in self._pipelines:
             settings = QuerySettings(self.corpus, self.bank_chunk, not self.confine, self.max_reinspect)
             self._pipelines[key] = QueryPipeline(self.index, self.towers, m, self.warn, self.source, k, settings)

@@ -24,8 +24,9 @@ Hooks, each a no-op here, in the order the pipeline calls them:
               rescore(pipe, batch, scored, vals, idx) -> (vals, idx)   the final list (re-inspection)
     build     extras(ctx) -> (meta, files)    (classmethod) what the index stores for it
 
-A scorer (the `score` group) also gives `row_state(pipe, cos, ref_t)` and
-`scores(pipe, cos, state, cols)`; the pipeline uses the one scorer a method names.
+A scorer (a hubness scorer, engine/retrieval/options/hubness.py) also gives
+`row_state(pipe, cos, ref_t)` and `scores(pipe, cos, state, cols)`; the pipeline scores with the
+one option of the method that has them (cosines alone without one).
 """
 from __future__ import annotations
 
@@ -109,7 +110,7 @@ class Option:
             try:
                 values[k.attr] = k.kind(raw)
             except ValueError:
-                raise ValueError(f"{k.attr}: {raw!r} is not a number") from None
+                raise ValueError(f"{cls.name} {key}: {raw!r} is not a number") from None
         return cls(**values)
 
     def within(self, max_reinspect: int | None, say) -> Option:
@@ -118,7 +119,7 @@ class Option:
         return self
 
     def inspected(self) -> int:
-        """Candidate images per request it re-inspects visually (the task's limit counts them)."""
+        """Candidate images per request it re-inspects visually (a caller's per-request limit counts them)."""
         return 0
 
     def missing(self, meta: dict, corpus) -> str | None:

@@ -36,17 +36,14 @@ class DBA(Option):
         return cls(n=n, alpha=flat.get("dba_alpha", RETRIEVAL.dba_alpha)) if n else None
 
     def gallery_rows(self, pipe, rows):
-        import numpy as np
-        import torch
-
-        from engine.retrieval.index import npy_from_bytes
         from engine.retrieval.rescore import dba
 
         stored = pipe.index.meta.get("dba") or {}
-        data = pipe.index.extra_bytes("dba")
-        if stored.get("n") == self.n and stored.get("alpha") == self.alpha and data is not None:
-            pipe.info["dba"] = "stored at build time"
-            return torch.from_numpy(npy_from_bytes(data).astype(np.float32)).to(rows.device)
+        if stored.get("n") == self.n and stored.get("alpha") == self.alpha:
+            kept = pipe.extra_rows("dba")
+            if kept is not None:
+                pipe.info["dba"] = "stored at build time"
+                return kept
         t0 = time.perf_counter()
         out = dba(rows, self.n, self.alpha, chunk=RETRIEVAL.dba_chunk if pipe.bank_chunk else 0)
         pipe.log(f"DBA n={self.n} alpha={self.alpha:g} is not stored in the index (build --dba {self.n} "

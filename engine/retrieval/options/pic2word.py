@@ -46,7 +46,6 @@ class Pic2WordMapping(Option):
         """[B, D] the prompts with the reference's pseudo-word; the bare modification where there is none."""
         import torch
 
-        from engine.retrieval.compose import make_method, prompt_text
         from engine.retrieval.pic2word import encode_prompts
 
         towers = pipe.towers
@@ -55,10 +54,9 @@ class Pic2WordMapping(Option):
         if any(has):
             sel = [i for i, h in enumerate(has) if h]
             out[sel] = encode_prompts(towers, pipe.mapping, pipe.raw[ref_t[sel]], [texts[i] for i in sel])
-        if not all(has):             # no image for the pseudo-word: the bare modification alone
-            plain = make_method("text-only")
+        if not all(has):             # no image for the pseudo-word: the bare modification alone (text-only's prompt)
             sel = [i for i, h in enumerate(has) if not h]
-            out[sel] = towers.encode_texts([prompt_text(plain, batch[i].modification, None) for i in sel])
+            out[sel] = towers.encode_texts([batch[i].modification for i in sel])
         return out
 
     @classmethod

@@ -1,7 +1,7 @@
 """`reinspect[:n=100:crops=3]`: this kit's variant, multi-view re-scoring of the top n candidates
 of each request (engine.retrieval.reinspect): the candidates' images are decoded again as
 `crops` extra views by the decoder that built the gallery, their rows re-embedded and scored by
-the method's scorer. n is capped by the caller's limit (the task's re-inspection budget)."""
+the method's scorer. n is capped by the caller's per-request re-inspection limit."""
 from __future__ import annotations
 
 from pathlib import Path
