@@ -41,12 +41,14 @@ def clip_dirs() -> dict[str, Path]:
 
 
 def script(name: str, *args: str, env: dict | None = None, timeout: float = 300,
-           prefix: list[str] | None = None) -> subprocess.CompletedProcess:
-    """scripts/NAME as a whole process (the tiny CLIP's open_clip layout unless env says otherwise)."""
+           prefix: list[str] | None = None, root: Path = REPO) -> subprocess.CompletedProcess:
+    """scripts/NAME as a whole process (the tiny CLIP's open_clip layout unless env says otherwise),
+    from the code in `root` (default: this checkout)."""
     e = {**os.environ, "CLIP_MODEL_DIR": str(clip_dirs()["open_clip"]), "PYTHON": sys.executable,
          "CLIP_DEVICE": "cpu", **(env or {})}
-    return subprocess.run([*(prefix or []), str(REPO / "scripts" / name), *args], env=e,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([*(prefix or []), str(root / "scripts" / name), *args], env=e,
+                          capture_output=True, text=True, timeout=timeout,
+                          cwd=None if root == REPO else root)   # `python -m` reads the code of its cwd first
 
 
 def killed_run(*args: str, after: int, timeout: float = 300) -> subprocess.CompletedProcess:

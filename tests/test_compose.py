@@ -68,7 +68,7 @@ def test_the_default_is_the_published_slerp_setting():
     assert m == Method() == make_method("slerp", prompt="auto")
     assert prompt_text(m, "make it red", "a dog") == "make it red"   # the caption alone, concept or not
     assert prompt_text(m, "make it red", None) == "make it red"
-    assert not (m.gap or m.hubness or m.aqe or m.dba or m.reinspect)
+    assert m.options == () and m.steps == ()                        # no add-ons
     assert cir_build.parse_args(["--corpus", "c", "--index-dir", "i"]).method == "slerp"
     assert cir_run.parse_args(["--index-dir", "i", "--queries", "q", "--output", "o"]).method is None  # index's
     # Pic2Word's own prompt; SEARLE's under its own name
@@ -79,12 +79,14 @@ def test_the_default_is_the_published_slerp_setting():
 def test_every_prompt_method_and_option_names_its_source():
     assert set(compose_mod.PROMPT_SOURCES) == set(compose_mod.PROMPTS)
     assert set(compose_mod.METHOD_SOURCES) == set(METHODS)
-    assert set(compose_mod.OPTION_SOURCES) == set(compose_mod._OPTION_KEYS)
+    from engine.retrieval.options import OPTIONS
+
     for label in (*compose_mod.PROMPT_SOURCES.values(), *compose_mod.METHOD_SOURCES.values(),
-                  *compose_mod.OPTION_SOURCES.values()):
+                  *(cls.source for cls in OPTIONS.values())):
         assert "published" in label or "this kit's variant" in label, label
     assert "this kit's variant" in compose_mod.PROMPT_SOURCES["pic2word-concept"]
-    assert "this kit's variant" in compose_mod.OPTION_SOURCES["gap-centre"]
+    assert "this kit's variant" in OPTIONS["gap-centre"].source
+    assert all(f"{n}: {cls.source}" in compose_mod.method_help() for n, cls in OPTIONS.items())
     with pytest.raises(ValueError, match="pseudo-word"):
         make_method("slerp", prompt="pic2word")                  # * means nothing without the mapping
 
@@ -100,7 +102,7 @@ def test_presets_weights_and_prompts():
     custom = make_method(prompt="{shared_concept}, {modification}")
     assert prompt_text(custom, "red", "a dog") == "a dog, red"
     assert prompt_text(custom, "red", None) == "red"            # the template needs a concept it lacks
-    assert Method(**m.to_dict()) == m
+    assert Method.from_dict(m.to_dict()) == m
 
 
 @pytest.mark.parametrize("bad", [dict(name="mean"), dict(weight_plain=1.5), dict(prompt="no placeholder")])
@@ -127,8 +129,9 @@ def test_gap_shift_closes_a_planted_gap():
     assert match(img2, txt2) > 0.95 and match(img2, txt2) > match(img, txt), (match(img, txt), match(img2, txt2))
     torch.testing.assert_close(shift(img, delta, True, lam=0.0), img)   # lam = 0: nothing moves
     # the centring variant and the shift are distinct names; one gap correction at a time
-    assert make_method("slerp+gap").gap_mode == "shift" and make_method("slerp+gap").gap == "captions"
-    assert make_method("slerp+gap-centre").gap_mode == "centre" and make_method("slerp+gap-centre").uses_bank
+    assert make_method("slerp+gap").to_dict()["gap_mode"] == "shift" and make_method("slerp+gap").option("gap").text \
+        == "captions"
+    assert make_method("slerp+gap-centre").to_dict()["gap_mode"] == "centre" and make_method("slerp+gap-centre").uses_bank
     assert make_method("slerp+gap:shift=0.5").label == "slerp+gap:shift=0.5"
     for bad in ("slerp+gap+gap-centre", "slerp+gap:text=requests", "slerp+gap:shift=3"):
         with pytest.raises(ValueError):
@@ -158,7 +161,7 @@ def test_scale_free_alpha_qe_changes_a_cross_modal_ranking(tmp_path):
     reqs = [Request(1, "q1", None, "x", None)]
     got = {}
     for name in ("text-only", "text-only+aqe:n=1"):
-        pipe = QueryPipeline(index, OneHotTowers(), make_method(name), print, Path("q.jsonl"), None, k=3)
+        pipe = QueryPipeline(index, OneHotTowers(), make_method(name), print, Path("q.jsonl"), k=3)
         pipe.prepare(reqs)
         got[name] = [j for j, _ in pipe.answer(reqs)[0]]
     assert got["text-only"] == [0, 1, 2] and got["text-only+aqe:n=1"] == [0, 2, 1]   # p2 passes d

@@ -199,7 +199,7 @@ FACTS: dict[str, dict[str, str]] = {
     "engine/decoders/route.py": {"MAX_PIXELS": "PIL's decompression-bomb limit",
                                  "MAX_BLOCKS_IN_MCU": "the JPEG standard's limit",
                                  "MAX_FAST_SCANS": "a limit against a hostile progressive JPEG"},
-    "engine/retrieval/compose.py": {"MAX_CROPS": "the views re-inspection defines (a range, not a default)"},
+    "engine/retrieval/options/reinspect.py": {"MAX_CROPS": "the views re-inspection defines (a range, not a default)"},
     "engine/retrieval/index.py": {"NORM_TOL": "a check's threshold: stored rows are unit vectors",
                                   "READ_TRIES": "retries of a torn read (hygiene)",
                                   "MAX_FILE": "a limit against a hostile index"},
@@ -349,17 +349,18 @@ def test_the_defaults_compose_quotes_in_prose_are_the_tables():
     import re
 
     from engine.retrieval import compose
+    from engine.retrieval.options import named
 
     doc = compose.__doc__
     checked = set()
     for opt, brackets in re.findall(r"`([a-z-]+)((?:\[:[^\]`]*\])+)`", doc):
-        if opt not in compose._OPTION_KEYS:          # `option[:key=value...]`: the syntax itself
+        if opt not in named():          # `option[:key=value...]`: the syntax itself
             continue
         method = compose.make_method(f"slerp+{opt}")
         for pair in re.findall(r"[a-z]+=[^:\]]+", brackets):
             key, value = pair.split("=")
             if re.fullmatch(r"[0-9.]+", value):
-                got = getattr(method, compose._OPTION_KEYS[opt][key])
+                got = getattr(method.option(opt), named()[opt].keys[key].attr)
                 assert float(got) == float(value), f"compose's docstring says {opt}:{key}={value}; the default is {got}"
                 checked.add((opt, key))
     assert checked >= {("isoftmax", "beta"), ("qbnorm", "beta"), ("dual-softmax", "temp"), ("csls", "k"),

@@ -17,15 +17,17 @@ from cir_fakes import FakeIndex, OneHotTowers
 from cir_helpers import built_index, check_abi, clip_dirs, corpus, read_rows, requests_of, run_args
 from PIL import Image
 
-from engine.retrieval.compose import make_method
+from engine.retrieval.compose import Method, make_method
 from engine.retrieval.index import load_index
 from engine.retrieval.jsonl import Request
+from engine.retrieval.options import OPTIONS
 from engine.retrieval.query import QueryPipeline
 from engine.retrieval.reinspect import (
     VIEWS,
     ReinspectBudget,
     ReinspectLimitError,
     Reinspector,
+    ViewDecoding,
     view_groups,
     view_spec,
 )
@@ -63,7 +65,7 @@ def test_the_budget_is_enforced_in_one_place():
         r.embed_many([("a", [0]), ("b", [0, 1, 2, 3])], [torch.zeros(1, 4), torch.zeros(4, 4)])
     assert reads == []                                             # refused before any image is read
     with pytest.raises(ValueError):
-        task.check_method(make_method("slerp").__class__(reinspect=101))   # a Method past the limit is refused
+        task.check_method(Method(options=(OPTIONS["reinspect"](n=101),)))   # a Method past the limit is refused
 
 
 def _view(blob: bytes, view: str, size: int = 16) -> np.ndarray:
@@ -106,7 +108,7 @@ def test_the_centre_view_through_the_gallery_decoder_agrees_with_the_stored_row(
 
     def reinspector(view):
         return Reinspector(lambda r: paths[str(index.ids[r])].read_bytes(), towers.encode_images, spec.image, 1,
-                           ReinspectBudget(len(rows)), index.meta["decoder"], batch_size=4, views=(view,))
+                           ReinspectBudget(len(rows)), ViewDecoding(index.meta["decoder"], batch_size=4), views=(view,))
 
     r = reinspector("centre")
     centre = r.view_sums(rows)
@@ -131,7 +133,7 @@ def test_reinspection_changes_the_order_on_a_constructed_case(tmp_path):
     reqs = [Request(1, "q1", None, "x", None), Request(2, "q2", None, "y", None)]
     answers = {}
     for name in ("text-only", "text-only+reinspect:n=2:crops=1"):
-        pipe = QueryPipeline(index, OneHotTowers(), make_method(name), print, Path("q.jsonl"), None, k=3)
+        pipe = QueryPipeline(index, OneHotTowers(), make_method(name), print, Path("q.jsonl"), k=3)
         pipe.prepare(reqs)
         answers[name] = pipe.answer(reqs)
         rep = pipe.report()
@@ -145,7 +147,7 @@ def test_reinspection_changes_the_order_on_a_constructed_case(tmp_path):
     # n = 1 < k: A alone is re-inspected and keeps rank 1 (new score 0.9 / sqrt(2)); B and C keep their
     # order below it, lowered by one offset so that B (stored 0.8) does not pass A
     pipe = QueryPipeline(index, OneHotTowers(), make_method("text-only+reinspect:n=1:crops=1"), print,
-                         Path("q.jsonl"), None, k=3)
+                         Path("q.jsonl"), k=3)
     pipe.prepare(reqs)
     block = pipe.answer(reqs)[0]
     a = 0.9 / np.sqrt(0.9 ** 2 + 0.436 ** 2 + 1)

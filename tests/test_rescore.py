@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from engine.retrieval.compose import Method, make_method
 from engine.retrieval.rescore import (
+    ScorerParams,
     alpha_qe,
     bank_stats,
     bank_stats_reference,
@@ -108,7 +109,8 @@ def test_a_bank_querys_own_reference_is_not_pushed_down_for_other_requests(score
     def margin(exclude):                                # R's lead over D for request 1
         # qbnorm: counted as a bank apart from the scored rows (has_queries=False), so one bank query's
         # top-1 activates R either way and the test sees R's log-sum-exp
-        stats = bank_stats(scorer, q, gallery, k=2, exclude=exclude, has_queries=scorer != "qbnorm", chunk=chunk)
+        stats = bank_stats(scorer, q, gallery, ScorerParams(k=2), exclude=exclude, has_queries=scorer != "qbnorm",
+                           chunk=chunk)
         s = score_cos(scorer, cos, stats, row_state(scorer, cos, stats, 2, refs))
         assert torch.isfinite(s[:, big_d]).all()
         return float(s[1, big_r] - s[1, big_d])
@@ -152,14 +154,14 @@ def test_a_gallery_text_banks_self_matches_do_not_seed_the_activation_set():
 def test_streamed_bank_stats_match_the_reference(scorer, chunk):
     bank, gallery = _unit(23, 32, seed=6), _unit(41, 32, seed=7)
     ex = torch.randint(-1, 41, (23,), generator=torch.Generator().manual_seed(8))
-    got = bank_stats(scorer, bank, gallery, k=5, exclude=ex, chunk=chunk)
-    want = bank_stats_reference(scorer, bank, gallery, k=5, exclude=ex)
+    got = bank_stats(scorer, bank, gallery, ScorerParams(k=5), exclude=ex, chunk=chunk)
+    want = bank_stats_reference(scorer, bank, gallery, ScorerParams(k=5), exclude=ex)
     for name in ("lse", "knn"):
         if getattr(want, name) is not None:
             torch.testing.assert_close(getattr(got, name), getattr(want, name))
     if want.active is not None:
         assert torch.equal(got.active, want.active) and torch.equal(got.hits, want.hits)
-    assert bank_stats(scorer, bank, gallery, k=5, exclude=ex, chunk=0).size == 23   # chunk 0: the twin
+    assert bank_stats(scorer, bank, gallery, ScorerParams(k=5), exclude=ex, chunk=0).size == 23   # chunk 0: the twin
 
 
 def test_streamed_dba_matches_the_reference():
@@ -205,17 +207,19 @@ def test_alpha_qe_and_dba_pull_in_the_second_positive():
 
 def test_method_names_round_trip_and_defaults(capsys):
     m = make_method("slerp+gap+qbnorm+aqe+dba:n=5+reinspect")
-    assert (m.hubness, m.beta, m.bank, m.aqe, m.aqe_alpha, m.dba, m.reinspect, m.crops) == \
+    d = m.to_dict()
+    assert (d["hubness"], d["beta"], d["bank"], d["aqe"], d["aqe_alpha"], d["dba"], d["reinspect"], d["crops"]) == \
         ("qbnorm", 20.0, "gallery", 3, 3.0, 5, 100, 3)   # the default bank never depends on the call's requests
+    assert [o.name for o in m.options] == ["gap", "qbnorm", "aqe", "dba", "reinspect"]
     assert m.label == "slerp+gap+qbnorm+aqe+dba:n=5+reinspect"
     for name in ("slerp", "pic2word+csls:k=5:bank=requests", "sum+dual-softmax:temp=50",
                  "text-only+isoftmax:beta=30:bank=both+aqe:n=2:alpha=1"):
         assert make_method(name).label == name
-        assert Method(**make_method(name).to_dict()) == make_method(name)
+        assert Method.from_dict(make_method(name).to_dict()) == make_method(name)
     assert make_method("slerp").uses_bank is False and make_method("slerp+csls").uses_bank is False
     assert make_method("slerp+csls:bank=requests").uses_bank is True and make_method("slerp+csls:bank=gallery") \
         == make_method("slerp+csls")
-    assert task.method("slerp+reinspect:n=500").reinspect == 100                  # clamped to the task's limit ...
+    assert task.method("slerp+reinspect:n=500").option("reinspect").n == 100     # clamped to the task's limit ...
     assert "clamped to 100" in capsys.readouterr().err                            # ... and said
 
 

@@ -42,7 +42,7 @@ class RetrievalPreset:
     beta: float = _field("`isoftmax:beta=`, `qbnorm:beta=`: the inverse temperature (QB-Norm's)", 20.0)
     temp: float = _field("`dual-softmax:temp=`: the inverse temperature on cosines (CLIP's logit scale)", 100.0)
     csls_k: int = _field("`csls:k=`: the neighbourhood size (Conneau et al.)", 10,
-                         names=("bank_stats.k", "bank_stats_reference.k", "row_state.k"))
+                         names=("ScorerParams.k", "row_state.k"))
     aqe_neighbours: int = _field("`aqe` without `n=`: the neighbours alpha-QE adds", 3)
     aqe_alpha: float = _field("`aqe:alpha=`: the exponent on similarities relative to the best neighbour's", 3.0)
     dba_neighbours: int = _field("`dba` without `n=`: the neighbours DBA adds to a gallery row", 3)
@@ -62,7 +62,7 @@ class RetrievalPreset:
                              "(0: one [M, N] matrix, the reference twin)", 256, names=("bank_stats.chunk",))
     text_batch: int = _field("texts per call of the text tower (ClipTowers.encode_texts, Pic2Word's prompts)", 256)
     reinspect_cache_rows: int = _field("multi-view rows a re-inspecting run keeps cached per call", 50_000,
-                                       names=("Reinspector.cache_rows",))
+                                       names=("ViewDecoding.cache_rows",))
     # the index build (evaluator.cir.build, engine.retrieval.gallery and .index_extras)
     image_batch: dict = _field("images per call of the image tower, by device: build `--batch-size`, "
                                "re-inspection, a loaded CLIP's spec (no device named: the CPU's)",
@@ -71,7 +71,7 @@ class RetrievalPreset:
     image_readers: int = _field("build `--readers`: file reader threads of the gallery's decode (re-inspection "
                                 "takes the thread budget's)", 8,
                                 names=("BuildConfig.readers", "build.readers", "embed_images.readers",
-                                       "Reinspector.readers"))
+                                       "ViewDecoding.readers"))
     decode_ahead: int = _field("decoded batches in flight ahead of the image tower", 2,
                                names=("embed_images.depth",))
     text_bank_size: int = _field("build `--text-bank` -1: gallery-derived texts stored with a mapping (none "

@@ -25,6 +25,7 @@ from __future__ import annotations
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 from engine.presets.retrieval import RETRIEVAL
@@ -52,38 +53,53 @@ def load_towers(model_dir, model_name, batch_size: int, device, precision):
     return ClipTowers(model, spec, device, precision), info
 
 
+@dataclass(frozen=True)
+class ActorSettings:
+    """What each actor loads: the CLIP (load_towers' arguments), the build key, the corpus and
+    index folders, the decoder by name, images per batch, reader threads, whether records paths
+    are confined to the corpus, and the towers the driver chose (engine.clip.tune's record)."""
+    tower_args: tuple
+    key: dict
+    corpus: str
+    index_dir: str
+    decoder: str
+    batch_size: int
+    readers: int
+    confine: bool
+    towers_record: dict | None = None
+
+
 class ChunkEmbedder:
     """A Ray actor: towers and decoder loaded once; each row of a batch is one chunk to embed
     and save. Returns each chunk's record (chunk, sha256, decoder, rows), or its error: an error
     of ours travels back as a row's `error` (one line), so the driver says it as it was raised
     (a constructor that raised would reach the driver as Ray's ActorDiedError, and be restarted)."""
 
-    def __init__(self, tower_args: tuple, key: dict, corpus: str, index_dir: str, decoder: str,
-                 batch_size: int, readers: int, confine: bool, towers_record: dict | None = None):
+    def __init__(self, settings: ActorSettings):
         self.error = None
         try:
-            self._load(tower_args, key, corpus, index_dir, decoder, batch_size, readers, confine, towers_record)
+            self._load(settings)
         except Exception as e:          # noqa: BLE001 -- said by the driver, in one line
             self.error = _error_line(e)
 
-    def _load(self, tower_args, key, corpus, index_dir, decoder, batch_size, readers, confine, towers_record):
+    def _load(self, s: ActorSettings):
         from engine import settings as engine_settings
         from engine.clip import tune
         from engine.decoders import make_decoder
         from engine.retrieval.index import ChunkStore
         from engine.retrieval.jsonl import record_reader
 
-        recs = read_own_records(Path(corpus), key)
-        towers, _ = load_towers(*tower_args)
+        recs = read_own_records(Path(s.corpus), s.key)
+        towers, _ = load_towers(*s.tower_args)
         # the towers the driver measured and chose (engine.clip.tune), loaded without compiling
-        self.towers = tune.load_recorded(towers, Path(index_dir), towers_record, _log)
-        self.dec = make_decoder(decoder, self.towers.spec.image, batch_size,
+        self.towers = tune.load_recorded(towers, Path(s.index_dir), s.towers_record, _log)
+        self.dec = make_decoder(s.decoder, self.towers.spec.image, s.batch_size,
                                 isolate=engine_settings.decoder_isolate())
-        self.store = ChunkStore(Path(index_dir), key)
+        self.store = ChunkStore(Path(s.index_dir), s.key)
         self.paths = [r.path for r in recs]
         self.ids, self.lines = [r.image_id for r in recs], [r.line for r in recs]
-        self.read = record_reader(Path(corpus), self.paths, confine)
-        self.batch_size, self.readers = batch_size, readers
+        self.read = record_reader(Path(s.corpus), self.paths, s.confine)
+        self.batch_size, self.readers = s.batch_size, s.readers
 
     def __call__(self, batch: dict) -> dict:
         import json
@@ -155,16 +171,17 @@ def gallery_record(store, chunk: int) -> dict:
     return json.loads(store.record_path(chunk).read_text())
 
 
-class _RayRun(gallery._Run):
-    """gallery's build with `_embed` spread over Ray actors (everything else is the single build's)."""
+class RayEmbedder:
+    """gallery.build's embedder (its public seam, `embed(build, chunks)`) spreading the chunks over
+    Ray actors; everything else is the single build's. `tower_args`: load_towers' arguments for the
+    actors; `workers`: actors asked for; `prog` names the command in Ray's one-line failures."""
 
-    def __init__(self, *args, workers: int, tower_args: tuple, prog: str):
-        super().__init__(*args)
+    def __init__(self, tower_args: tuple, workers: int = RETRIEVAL.ray_workers, prog: str = "cir_build_ray"):
         self.workers, self.tower_args, self.prog = workers, tower_args, prog
 
-    def _embed(self, chunks: list[int]) -> bool:
-        todo = chunks[:self.stop_after] if self.stop_after else chunks
-        gpu = self.towers.device.type == "cuda"
+    def embed(self, run, chunks: list[int]) -> bool:
+        todo = chunks[:run.stop_after] if run.stop_after else chunks
+        gpu = run.towers.device.type == "cuda"
         session = RaySession(self.prog, "finished chunks are kept; the same command resumes the build")
         with session:                     # Ray stopped and its folder removed on every way out
             ray = start_ray(session, min(self.workers, len(todo), local_capacity(gpu)))
@@ -172,32 +189,33 @@ class _RayRun(gallery._Run):
             workers, line = capped_workers(self.workers, len(todo), session.capacity(gpu), "GPU" if gpu else "CPU")
             if line:
                 _log(line)
-            failure = self._run_chunks(ray, session, todo, workers, gpu)
+            failure = self._run_chunks(run, ray, session, todo, (workers, gpu))
             if failure:   # raised here, not in _run_chunks: no frame of ours holding Ray's objects outlives Ray
                 raise RayBuildError(failure, 1)
-        if self.stop_after and self.saved >= self.stop_after and len(todo) < len(chunks):
-            _log(f"stopping after {self.saved} chunks, as asked (resumable)")
+        if run.stop_after and run.saved >= run.stop_after and len(todo) < len(chunks):
+            _log(f"stopping after {run.saved} chunks, as asked (resumable)")
             return False
         return True
 
-    def _run_chunks(self, ray, session, todo: list[int], workers: int, gpu: bool) -> str | None:
+    def _run_chunks(self, run, ray, session, todo: list[int], pool: tuple[int, bool]) -> str | None:
         """Embed `todo` on `workers` actors, one chunk per call; the line saying why it stopped on
         an actor's error or a worker's death, else None. (Returned, not raised: a traceback would keep
         this frame, its dataset and object refs alive past ray.shutdown, and a ref freed then makes
         Ray end the process.)"""
         import json
 
-        n, size = len(self.records), self.chunk_size
+        workers, gpu = pool
+        n, size = len(run.records), run.chunk_size
         rows = [{"chunk": c, "lo": c * size, "hi": min((c + 1) * size, n)} for c in todo]
         with warnings.catch_warnings():   # Ray 2.60 deprecates max_restarts as arguments, with no other way
             warnings.filterwarnings("ignore", message=".*ray_remote_args.* is deprecated")
             ds = ray.data.from_items(rows, override_num_blocks=len(rows)).map_batches(
                 ChunkEmbedder, batch_size=1, compute=ray.data.ActorPoolStrategy(size=workers),
                 **bounded_retries(), **({"num_gpus": 1} if gpu else {"num_cpus": 1}),
-                fn_constructor_kwargs=dict(
-                    tower_args=self.tower_args, key=self.key, corpus=str(self.corpus),
-                    index_dir=str(self.index_dir), decoder=self.dec.name, batch_size=self.batch_size,
-                    readers=self.readers, confine=self.confine, towers_record=self.towers_record))
+                fn_constructor_kwargs=dict(settings=ActorSettings(
+                    tower_args=self.tower_args, key=run.key, corpus=str(run.corpus),
+                    index_dir=str(run.index_dir), decoder=run.dec.name, batch_size=run.batch_size,
+                    readers=run.readers, confine=run.confine, towers_record=run.towers_record)))
         t0 = time.perf_counter()
         images = 0
         rows_done = iter(ds.iter_rows())
@@ -206,17 +224,17 @@ class _RayRun(gallery._Run):
                 if row["error"]:
                     return f"a Ray actor failed: {row['error']}"
                 rec = json.loads(row["record"])
-                self.store.decoders[int(row["chunk"])] = rec["decoder"]
-                self.embedded += rec["rows"]
+                run.store.decoders[int(row["chunk"])] = rec["decoder"]
+                run.embedded += rec["rows"]
                 images += rec["rows"] + rec["failed"]
-                self.saved += 1
+                run.saved += 1
                 dt = time.perf_counter() - t0
-                _log(f"chunk {int(row['chunk']) + 1}/{self.n_chunks} done ({i}/{len(todo)} this run, "
+                _log(f"chunk {int(row['chunk']) + 1}/{run.n_chunks} done ({i}/{len(todo)} this run, "
                      f"{images / dt if dt > 0 else 0.0:.1f} images/s)")
         except ray.exceptions.RayError as e:
-            return session.death_line(e, self.index_dir)
+            return session.death_line(e, run.index_dir)
         finally:
-            self.t_embed += time.perf_counter() - t0
+            run.t_embed += time.perf_counter() - t0
             close = getattr(rows_done, "close", None)
             if close is not None:         # Ray Data's executor stops before Ray does (no thread left calling it)
                 try:
@@ -226,15 +244,12 @@ class _RayRun(gallery._Run):
         return None
 
 
-def build(records, records_sha: str, towers, info: dict, method: dict, *, tower_args: tuple,
-          workers: int = RETRIEVAL.ray_workers, prog: str = "cir_build_ray", **kwargs) -> bool:
-    """gallery.build on Ray: the same arguments (`kwargs`), plus `tower_args` (load_towers' arguments,
-    for the actors) and `workers` (actors: one GPU each on CUDA, else one CPU each; capped at the
-    units usable and the unfinished chunks, said in one line). The towers are chosen as the single
-    build chooses them (gallery.set_towers_mode), once, by the driver; each actor loads the recorded
-    choice. RayBuildError (one line, its exit status) when Ray cannot serve; a signal during the Ray
-    phase stops Ray, removes its folder, says `PROG: interrupted (SIG...)` and exits 128 + signal."""
-    import functools
-
-    run = functools.partial(_RayRun, workers=workers, tower_args=tower_args, prog=prog)
-    return gallery.build(records, records_sha, towers, info, method, make_run=run, **kwargs)
+def build(job: gallery.BuildJob, tower_args: tuple, workers: int = RETRIEVAL.ray_workers,
+          prog: str = "cir_build_ray") -> bool:
+    """gallery.build of `job` on Ray: `tower_args` (load_towers' arguments, for the actors) and
+    `workers` (actors: one GPU each on CUDA, else one CPU each; capped at the units usable and the
+    unfinished chunks, said in one line). The towers are chosen as the single build chooses them
+    (gallery.set_towers_mode), once, by the driver; each actor loads the recorded choice.
+    RayBuildError (one line, its exit status) when Ray cannot serve; a signal during the Ray phase
+    stops Ray, removes its folder, says `PROG: interrupted (SIG...)` and exits 128 + signal."""
+    return gallery.build(job, RayEmbedder(tower_args, workers, prog))

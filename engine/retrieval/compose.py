@@ -20,8 +20,9 @@ source in `PROMPT_SOURCES`: published, or this kit's own variant) or any templat
 
 Beyond composition (docs/retrieval_quality.md): `pic2word` composes through a mapping
 learned at build time (engine.retrieval.pic2word), and a method name may add gallery-aware options
-after `+`, each `option[:key=value...]` (engine.retrieval.rescore, engine.retrieval.gap,
-engine.retrieval.reinspect):
+after `+`, each `option[:key=value...]`. Each option is one file of engine/retrieval/options/ and
+one line of its `OPTIONS` table (its keys, defaults, checks and hooks: options/base.py); a
+`Method` is the base below plus an ordered tuple of option instances:
 
     slerp+gap+qbnorm:beta=20+aqe:n=3      pic2word+csls:k=10+reinspect:n=100:crops=3
 
@@ -38,7 +39,6 @@ engine.retrieval.reinspect):
 """
 from __future__ import annotations
 
-import dataclasses
 import sys
 from dataclasses import dataclass
 
@@ -70,32 +70,6 @@ PROMPT_SOURCES = {
 DEFAULT_PROMPTS = {"pic2word": "pic2word"}
 _PSEUDO_WORD_PROMPTS = ("pic2word", "searle", "pic2word-concept")   # the prompt `auto` stands for; every other method: plain
 DEFAULT_WEIGHTS = RETRIEVAL.text_weights   # method -> (with concept, without)
-HUBNESS = ("isoftmax", "qbnorm", "dual-softmax", "csls")
-BANKS = ("requests", "gallery", "both")      # where a hubness scorer's query bank comes from
-GAP_TEXT = ("captions", "bank")              # text-mean sources of the gap shift (none depends on the call)
-GAP_CENTRE_TEXT = ("requests", "bank", "both", "captions")   # ... of the centring variant
-MAX_CROPS = 5
-# option -> {key in the name: Method field}; _SWITCH_ON: the field an option sets by its presence
-_OPTION_KEYS = {
-    "gap": {"text": "gap", "shift": "gap_shift"}, "gap-centre": {"text": "gap"},
-    "isoftmax": {"beta": "beta", "bank": "bank"}, "qbnorm": {"beta": "beta", "bank": "bank"},
-    "dual-softmax": {"temp": "temp", "bank": "bank"}, "csls": {"k": "csls_k", "bank": "bank"},
-    "aqe": {"n": "aqe", "alpha": "aqe_alpha"}, "dba": {"n": "dba", "alpha": "dba_alpha"},
-    "reinspect": {"n": "reinspect", "crops": "crops"},
-}
-_SWITCH_ON = {"gap": ("gap", "captions"), "gap-centre": ("gap", "requests"), "aqe": ("aqe", RETRIEVAL.aqe_neighbours),
-              "dba": ("dba", RETRIEVAL.dba_neighbours), "reinspect": ("reinspect", RETRIEVAL.reinspect_candidates)}
-OPTION_SOURCES = {
-    "gap": "published: shift along the modality-gap vector (Liang et al., NeurIPS 2022)",
-    "gap-centre": "this kit's variant: each modality centred on its own mean (transductive with text=requests)",
-    "isoftmax": "published: inverted softmax (Smith et al., ICLR 2017)",
-    "qbnorm": "published: QB-Norm's dynamic inverted softmax (Bogolin et al., CVPR 2022)",
-    "dual-softmax": "published: dual softmax (Cheng et al., 2021); temp 100 is this kit's choice",
-    "csls": "published: CSLS (Conneau et al., ICLR 2018)",
-    "aqe": "alpha-QE (Radenovic et al., TPAMI 2018) with scale-free weights: this kit's variant",
-    "dba": "published: database-side augmentation (Arandjelovic & Zisserman, CVPR 2012)",
-    "reinspect": "this kit's variant: multi-view re-scoring of the top candidates",
-}
 
 
 def prompt_help() -> str:
@@ -105,32 +79,25 @@ def prompt_help() -> str:
 
 def method_help() -> str:
     """Every base name and option with its source (for --help)."""
-    return "; ".join(f"{k}: {v}" for k, v in {**METHOD_SOURCES, **OPTION_SOURCES}.items())
+    from engine.retrieval.options import named
+
+    return "; ".join(f"{k}: {v}" for k, v in {**METHOD_SOURCES,
+                                                **{n: cls.source for n, cls in named().items()}}.items())
 
 
 _R = RETRIEVAL   # every default below is the retrieval table's (engine/presets/retrieval.py)
+_BASE_FIELDS = ("name", "weight_concept", "weight_plain", "prompt")   # the flat record's fields before the options'
 
 
 @dataclass(frozen=True)
 class Method:
+    """A composition (the base: name, text weights, prompt) and its options
+    (engine.retrieval.options, in the table's order: the order their hooks run)."""
     name: str = _R.method          # composition: slerp | sum | text-only | pic2word
     weight_concept: float = _R.text_weights[_R.method][0]   # text weight for requests with a shared_concept
     weight_plain: float = _R.text_weights[_R.method][1]     # ... for requests without one (CIRR-style)
     prompt: str = "plain"          # a PROMPTS name, auto (the method's default) or a template string
-    gap: str = ""                  # modality-gap correction: "" off, else the text-mean source
-    gap_mode: str = "shift"        # shift (Liang et al., GAP_TEXT) | centre (this kit's variant, GAP_CENTRE_TEXT)
-    gap_shift: float = _R.gap_shift   # fraction of the gap vector closed (1: the two means meet)
-    hubness: str = ""              # "" off, else one of HUBNESS
-    bank: str = "gallery"          # query bank of the hubness scorer (BANKS); requests only when named
-    beta: float = _R.beta          # isoftmax / qbnorm inverse temperature (QB-Norm's default)
-    temp: float = _R.temp          # dual-softmax inverse temperature on cosines (CLIP's logit scale)
-    csls_k: int = _R.csls_k        # CSLS neighbourhood size (Conneau et al.)
-    aqe: int = 0                   # alpha-QE neighbours, 0 = off
-    aqe_alpha: float = _R.aqe_alpha   # exponent on similarities relative to the best neighbour's
-    dba: int = 0                   # database-side augmentation neighbours, 0 = off
-    dba_alpha: float = _R.dba_alpha
-    reinspect: int = 0             # candidates re-inspected per request, 0 = off
-    crops: int = _R.crops          # extra views per re-inspected candidate (1..5)
+    options: tuple = ()            # engine.retrieval.options.Option instances, one per group
 
     def __post_init__(self) -> None:
         if self.name not in METHODS:
@@ -148,93 +115,94 @@ class Method:
                              f"{{modification}}, got {self.prompt!r}")
         elif self.name != "pic2word" and self.prompt in _PSEUDO_WORD_PROMPTS:
             raise ValueError(f"prompt {self.prompt!r} holds Pic2Word's pseudo-word *: it needs method pic2word")
-        sources = GAP_TEXT if self.gap_mode == "shift" else GAP_CENTRE_TEXT
-        checks = [(self.gap_mode in ("shift", "centre"), "gap mode must be shift or centre"),
-                  (self.gap in ("", *sources), f"gap{'' if self.gap_mode == 'shift' else '-centre'} text source "
-                                               f"must be one of {sources}"),
-                  (0.0 <= self.gap_shift <= 2.0, "gap shift must lie in [0, 2]"),
-                  (self.hubness in ("", *HUBNESS), f"hubness scorer must be one of {HUBNESS}"),
-                  (self.bank in BANKS, f"bank must be one of {BANKS}"),
-                  (self.beta > 0 and self.temp > 0, "beta and temp must be > 0"),
-                  (self.csls_k >= 1, "csls k must be >= 1"),
-                  (self.aqe >= 0 and self.dba >= 0, "aqe / dba neighbours must be >= 0"),
-                  (self.aqe_alpha >= 0 and self.dba_alpha >= 0, "alpha must be >= 0"),
-                  (self.reinspect >= 0, "reinspect must be >= 0 candidates per request"),
-                  (1 <= self.crops <= MAX_CROPS, f"crops must lie in 1..{MAX_CROPS}")]
-        for ok, msg in checks:
-            if not ok:
-                raise ValueError(msg)
+        object.__setattr__(self, "options", _ordered(self.options))
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The flat method record (meta.json `method`, a run's identity): the base's fields, then
+        every option's fields (their `off` values for options not named)."""
+        from engine.retrieval.options import record_defaults
+
+        out = {f: getattr(self, f) for f in _BASE_FIELDS}
+        out.update(record_defaults())
+        for o in self.options:
+            out.update(o.record())
+        return out
+
+    @classmethod
+    def from_dict(cls, flat: dict) -> Method:
+        """The method a flat record (to_dict) holds; TypeError / ValueError when it is not one."""
+        from engine.retrieval.options import OPTIONS, record_defaults
+
+        unknown = set(flat) - set(_BASE_FIELDS) - set(record_defaults())
+        if unknown:
+            raise TypeError(f"the recorded method has unknown fields {sorted(unknown)}")
+        opts = [o for c in OPTIONS.values() if not c.base for o in [c.from_record(flat)] if o is not None]
+        m = cls(**{f: flat[f] for f in _BASE_FIELDS if f in flat}, options=tuple(opts))
+        mine = m.to_dict()
+        differ = sorted(f for f, v in flat.items() if mine.get(f) != v)
+        if differ:
+            raise ValueError(f"the recorded method's {', '.join(differ)} name no option this engine knows "
+                             f"(the record: {flat})")
+        return m
+
+    def option(self, name: str):
+        """The option `name` of this method (implied by its base or named), or None."""
+        return next((o for o in self.steps if o.name == name), None)
+
+    @property
+    def steps(self) -> tuple:
+        """Every option the pipeline runs: those the base implies and those named, in the table's order."""
+        from engine.retrieval.options import implied
+
+        return _ordered((*implied(self.name), *self.options))
 
     @property
     def label(self) -> str:
         """The canonical name: base + options with their non-default values (make_method reads it back)."""
-        parts = [self.name]
-        on = [("gap", self.gap != "" and self.gap_mode == "shift"),
-              ("gap-centre", self.gap != "" and self.gap_mode == "centre"),
-              (self.hubness, self.hubness != ""), ("aqe", self.aqe > 0),
-              ("dba", self.dba > 0), ("reinspect", self.reinspect > 0)]
-        for opt in (o for o, enabled in on if enabled):
-            keys = []
-            for key, field in _OPTION_KEYS[opt].items():
-                switch = _SWITCH_ON.get(opt, (None, None))
-                default = switch[1] if field == switch[0] else Method.__dataclass_fields__[field].default
-                value = getattr(self, field)
-                if value != default:
-                    keys.append(f"{key}={value:g}" if isinstance(value, float) else f"{key}={value}")
-            parts.append(":".join([opt, *keys]))
-        return "+".join(parts)
+        return "+".join([self.name, *(o.label for o in self.options)])
 
     @property
     def uses_bank(self) -> bool:
         """Whether the call's own requests must be encoded before any is answered."""
-        return (self.gap_mode == "centre" and self.gap in ("requests", "both")) or (
-            self.hubness != "" and self.bank in ("requests", "both"))
+        return any(o.uses_requests for o in self.options)
 
 
-def _parse_value(field: str, raw: str):
-    kind = Method.__dataclass_fields__[field].type
-    try:
-        return int(raw) if kind == "int" else float(raw) if kind == "float" else raw
-    except ValueError:
-        raise ValueError(f"{field}: {raw!r} is not a number") from None
+def _ordered(options) -> tuple:
+    """Options in the table's order, those their values switch off left out; ValueError for one
+    that is not an option a method name may add, or two of one group."""
+    from engine.retrieval.options import OPTIONS, Option
+
+    for o in options:
+        if not isinstance(o, Option) or OPTIONS.get(o.name) is not type(o):
+            raise ValueError(f"not a retrieval option: {o!r}")
+    order = list(OPTIONS)
+    out = tuple(sorted((o for o in options if o.active), key=lambda o: order.index(o.name)))
+    groups = [o.group for o in out if o.group]
+    if len(groups) != len(set(groups)) or len({o.name for o in out}) != len(out):
+        raise ValueError(f"one option per group and name: {', '.join(o.name for o in out)}")
+    return out
 
 
-def parse_options(spec: str, say=None, max_reinspect: int | None = None) -> dict:
-    """Method fields from `base+opt[:key=value...]...` (see the module docstring); a
+def parse_options(spec: str, say=None, max_reinspect: int | None = None) -> tuple[str, tuple]:
+    """(base, options) from `base+opt[:key=value...]...` (see the module docstring); a
     re-inspection count past `max_reinspect` (the caller's limit) is clamped and said."""
+    from engine.retrieval.options import named
+
     base, *opts = spec.strip().split("+")
     if base not in METHODS:
         raise ValueError(f"method must be one of {METHODS} (optionally +options), got {spec!r}")
-    out: dict = {"name": base}
+    known = named()
+    out: dict = {}                  # name -> option (a name given twice: the last one)
     for opt in opts:
         head, *pairs = opt.split(":")
-        if head not in _OPTION_KEYS:
-            raise ValueError(f"{spec!r}: unknown option {head!r} (one of {sorted(_OPTION_KEYS)})")
-        if head in ("gap", "gap-centre"):
-            if out.get("gap"):
-                raise ValueError(f"{spec!r}: one gap correction at a time (gap or gap-centre)")
-            out["gap_mode"] = "shift" if head == "gap" else "centre"
-        if head in HUBNESS:
-            if out.get("hubness"):
-                raise ValueError(f"{spec!r}: one hubness scorer at a time ({out['hubness']} and {head})")
-            out["hubness"] = head
-        if head in _SWITCH_ON:
-            field, value = _SWITCH_ON[head]
-            out[field] = value
-        for pair in pairs:
-            key, eq, raw = pair.partition("=")
-            if not eq or key not in _OPTION_KEYS[head]:
-                raise ValueError(f"{spec!r}: {head} takes {', '.join(k + '=' for k in _OPTION_KEYS[head])} "
-                                 f"got {pair!r}")
-            out[_OPTION_KEYS[head][key]] = _parse_value(_OPTION_KEYS[head][key], raw)
-    if max_reinspect is not None and out.get("reinspect", 0) > max_reinspect:
-        (say or _stderr)(f"[compose] reinspect:n={out['reinspect']} asks for more than the {max_reinspect} "
-                         f"candidates per request allowed; clamped to {max_reinspect}")
-        out["reinspect"] = max_reinspect
-    return out
+        if head not in known:
+            raise ValueError(f"{spec!r}: unknown option {head!r} (one of {sorted(known)})")
+        cls = known[head]
+        rival = next((n for n, o in out.items() if cls.group and o.group == cls.group), None)
+        if rival is not None:
+            raise ValueError(f"{spec!r}: one {cls.group} at a time ({rival} and {head})")
+        out[head] = cls.parse(spec, pairs).within(max_reinspect, say or _stderr)
+    return base, tuple(out.values())
 
 
 def _stderr(msg: str) -> None:
@@ -245,13 +213,13 @@ def make_method(name: str = RETRIEVAL.method, text_weight: float | None = None, 
                 max_reinspect: int | None = None) -> Method:
     """A method from its name (`base[+option...]`); `text_weight` overrides both per-request weights;
     a re-inspection count past `max_reinspect` is clamped."""
-    fields = parse_options(name, max_reinspect=max_reinspect)
-    wc, wp = DEFAULT_WEIGHTS[fields["name"]]
+    base, options = parse_options(name, max_reinspect=max_reinspect)
+    wc, wp = DEFAULT_WEIGHTS[base]
     if text_weight is not None:
         wc = wp = float(text_weight)
     if prompt in (None, "", "auto"):
-        prompt = DEFAULT_PROMPTS.get(fields["name"], "plain")
-    return Method(weight_concept=wc, weight_plain=wp, prompt=prompt, **fields)
+        prompt = DEFAULT_PROMPTS.get(base, "plain")
+    return Method(base, wc, wp, prompt, options)
 
 
 def prompt_text(method: Method, modification: str, shared_concept: str | None) -> str:

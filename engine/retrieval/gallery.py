@@ -20,6 +20,7 @@ import os
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from engine.presets.retrieval import RETRIEVAL
@@ -34,38 +35,57 @@ def model_record(info: dict) -> dict:
     return {**info, "dir": os.path.abspath(info["dir"])}
 
 
-def build(records, records_sha: str, towers, info: dict, method: dict, *, corpus: Path, index_dir: Path,
-          extras, decoder: str = "auto", batch_size: int = RETRIEVAL.image_batch["cpu"],
-          chunk_size: int = RETRIEVAL.chunk_size, readers: int = RETRIEVAL.image_readers,
-          confine_to_corpus: bool = False, force: bool = False, stop_after_chunks: int = 0,
-          t_start: float | None = None, t_loaded: float | None = None, towers_mode: str | None = None,
-          make_run=None) -> bool:
-    """Embed every pending chunk of `records` (engine.retrieval.jsonl.Record), then commit the index.
+@dataclass
+class BuildJob:
+    """One index build: the records (engine.retrieval.jsonl.Record) and their sha256, the CLIP
+    `towers` and `info` (engine.clip.load's record of it), the composition `method` recorded for
+    the query runs (Method.to_dict()), the corpus and index folders, the `extras`
+    (engine.retrieval.index_extras.ExtrasConfig), and the build's settings."""
+    records: list
+    records_sha: str
+    towers: object
+    info: dict
+    method: dict
+    corpus: Path
+    index_dir: Path
+    extras: object
+    decoder: str = "auto"
+    batch_size: int = RETRIEVAL.image_batch["cpu"]
+    chunk_size: int = RETRIEVAL.chunk_size
+    readers: int = RETRIEVAL.image_readers
+    confine_to_corpus: bool = False
+    force: bool = False
+    stop_after_chunks: int = 0      # stop (resumably) after this many chunks; 0: never
+    t_start: float | None = None    # perf_counter at the process's start (the timing's origin)
+    t_loaded: float | None = None   # ... once the CLIP was loaded
+    towers_mode: str | None = None  # auto | eager; None: CLIP_TOWERS, else auto on CUDA, eager on CPU
 
-    `info`: engine.clip.load's record of the CLIP in `towers`; `method`: the composition method
-    recorded for the query runs (Method.to_dict()); `extras`: an ExtrasConfig. True when the index
-    is committed or already up to date; False when stopped early as asked (`stop_after_chunks`, or
-    the extras' training hook): resumable. IndexLoadError when stored chunks or the index in place
-    cannot be read; IndexBusyError when another build holds the index (one build per index).
-    `towers_mode`: auto measures the compiled CLIP towers and embeds with the chosen ones
-    (engine.clip.tune); eager keeps `towers`; default CLIP_TOWERS, else auto on CUDA, eager on CPU.
-    `make_run`: the build's run class (default _Run; engine.retrieval.build_ray embeds on Ray actors)."""
+
+def build(job: BuildJob, embedder=None) -> bool:
+    """Embed every pending chunk of `job.records`, then commit the index.
+
+    True when the index is committed or already up to date; False when stopped early as asked
+    (`stop_after_chunks`, or the extras' training hook): resumable. IndexLoadError when stored
+    chunks or the index in place cannot be read; IndexBusyError when another build holds the index
+    (one build per index). `towers_mode` auto measures the compiled CLIP towers and embeds with the
+    chosen ones (engine.clip.tune). `embedder`: what embeds the pending chunks, an object with
+    `embed(build, chunks) -> bool` (False: stopped as asked); default LocalEmbedder, this process
+    (engine.retrieval.build_ray.RayEmbedder spreads them over Ray actors)."""
     from engine import settings as engine_settings
     from engine.decoders import default_decoder, make_decoder
     from engine.retrieval.index import BuildLock
 
-    t_start = time.perf_counter() if t_start is None else t_start
-    t_loaded = t_start if t_loaded is None else t_loaded
-    decoder_name = decoder if decoder != "auto" else (
-        engine_settings.decoder() or default_decoder(towers.device.type))
-    with BuildLock(index_dir):
-        dec = make_decoder(decoder_name, towers.spec.image, batch_size, isolate=engine_settings.decoder_isolate())
+    job.t_start = time.perf_counter() if job.t_start is None else job.t_start
+    job.t_loaded = job.t_start if job.t_loaded is None else job.t_loaded
+    decoder_name = job.decoder if job.decoder != "auto" else (
+        engine_settings.decoder() or default_decoder(job.towers.device.type))
+    with BuildLock(job.index_dir):
+        dec = make_decoder(decoder_name, job.towers.spec.image, job.batch_size,
+                           isolate=engine_settings.decoder_isolate())
         dec.decode([None])   # an isolated decoder that cannot start gives way now: dec.name is what decodes
-        run = (make_run or _Run)(records, records_sha, towers, info, method, corpus, index_dir, extras, dec,
-                                 batch_size, chunk_size, readers, confine_to_corpus, stop_after_chunks, t_start,
-                                 t_loaded)
-        set_towers_mode(run, towers_mode)
-        return run.build(force)
+        run = GalleryBuild(job, dec, embedder or LocalEmbedder())
+        set_towers_mode(run, job.towers_mode)
+        return run.build(job.force)
 
 
 def set_towers_mode(run, towers_mode: str | None) -> None:
@@ -92,27 +112,35 @@ def build_key(records, records_sha: str, towers, info: dict, chunk_size: int, co
             "records_paths": "confined" if confine_to_corpus else "followed"}
 
 
-class _Run:
-    """One build under the index's lock: the up-to-date check, the chunks, the commit."""
+class GalleryBuild:
+    """One build under the index's lock: the up-to-date check, the chunks, the commit.
+
+    What an embedder (`embed(build, chunks)`) reads and updates: `records`, `chunk_size`,
+    `n_chunks`, `stop_after`, `towers`, `towers_record`, `dec` (the decoder), `batch_size`,
+    `readers`, `read` (row -> bytes), `confine`, `corpus`, `index_dir`, `key` (the build key),
+    `store` (the ChunkStore: each saved chunk's decoder in `store.decoders`), and the counters
+    `saved` (chunks), `embedded` (images) and `t_embed` (seconds)."""
 
     MAX_PASSES = 3   # passes over chunks whose decoder differs from the one decoding now
 
-    def __init__(self, records, records_sha, towers, info, method, corpus, index_dir, extras, dec, batch_size,
-                 chunk_size, readers, confine_to_corpus, stop_after_chunks, t_start, t_loaded):
+    def __init__(self, job: BuildJob, dec, embedder):
         from engine.retrieval.index import ChunkStore
         from engine.retrieval.index_extras import extras_key
         from engine.retrieval.jsonl import record_reader
 
-        self.records, self.records_sha, self.towers, self.info = records, records_sha, towers, info
-        self.method, self.corpus, self.index_dir, self.extras, self.dec = method, corpus, index_dir, extras, dec
-        self.batch_size, self.chunk_size, self.readers = batch_size, chunk_size, readers
-        self.confine, self.stop_after, self.t_start, self.t_loaded = confine_to_corpus, stop_after_chunks, \
-            t_start, t_loaded
-        self.key = build_key(records, records_sha, towers, info, chunk_size, confine_to_corpus)
-        self.ekey = extras_key(extras, method)
-        self.store = ChunkStore(index_dir, self.key)
+        records, chunk_size, confine = job.records, job.chunk_size, job.confine_to_corpus
+        self.job, self.embedder = job, embedder
+        self.records, self.records_sha, self.towers, self.info = records, job.records_sha, job.towers, job.info
+        self.method, self.corpus, self.index_dir, self.extras, self.dec = job.method, job.corpus, job.index_dir, \
+            job.extras, dec
+        self.batch_size, self.chunk_size, self.readers = job.batch_size, chunk_size, job.readers
+        self.confine, self.stop_after, self.t_start, self.t_loaded = confine, job.stop_after_chunks, \
+            job.t_start, job.t_loaded
+        self.key = build_key(records, job.records_sha, job.towers, job.info, chunk_size, confine)
+        self.ekey = extras_key(job.extras, job.method)
+        self.store = ChunkStore(job.index_dir, self.key)
         self.n_chunks = (len(records) + chunk_size - 1) // chunk_size
-        self.read = record_reader(corpus, [r.path for r in records], confine_to_corpus)
+        self.read = record_reader(job.corpus, [r.path for r in records], confine)
         self.saved = self.embedded = 0
         self.t_embed = 0.0
         from engine.backends import REFERENCE
@@ -133,8 +161,7 @@ class _Run:
             if old.get("extras_key") == self.ekey:
                 _log(f"index in {self.index_dir} is up to date ({old.get('count')} images); --force rebuilds it")
                 return True
-            return reuse_embeddings(self.index_dir, self.corpus, old, self.towers, self.info, self.extras,
-                                    self.ekey, self.method, idx)
+            return self.reuse_embeddings(old, idx)
         done = self.store.open(self.n_chunks, _log)
         if self.towers_mode == "auto":
             self._choose_towers()
@@ -147,7 +174,7 @@ class _Run:
             pending = [c for c in range(self.n_chunks) if c not in self.store.decoders]
             if not pending:
                 break
-            if not self._embed(pending):
+            if not self.embedder.embed(self, pending):
                 return False
         else:
             if any(d != self.dec.name for d in self.store.decoders.values()):
@@ -209,58 +236,6 @@ class _Run:
             for c in other:
                 self.store.drop(c)
 
-    def _embed(self, chunks: list[int]) -> bool:
-        """Embed and save `chunks`; False when stopped as asked (stop_after_chunks)."""
-        import numpy as np
-
-        from engine.progress import Progress
-        from engine.retrieval.embed import embed_images
-
-        records, size = self.records, self.chunk_size
-        pending = [i for c in chunks for i in range(c * size, min((c + 1) * size, len(records)))]
-        bar = Progress(len(records), "[cir_build] embedding", unit="images", initial=len(records) - len(pending))
-        acc: dict[int, dict] = {}      # chunk -> {"rows", "emb", "failed", "decoders", "seen"}
-        t0 = time.perf_counter()
-        for b in embed_images(self.read, pending, self.dec, self.towers.encode_images, self.batch_size,
-                              self.readers):
-            k = 0
-            for j, item in enumerate(b.items):
-                c = acc.setdefault(item // size, {"rows": [], "emb": [], "failed": [], "decoders": set(), "seen": 0})
-                c["seen"] += 1
-                c["decoders"].add(b.decoders[j])
-                if b.ok[j]:
-                    c["rows"].append(item)
-                    c["emb"].append(b.emb[k])
-                    k += 1
-                else:
-                    r = records[item]
-                    c["failed"].append({"image_id": r.image_id, "path": r.path, "line": r.line,
-                                        "reason": b.failed[item]})
-                    _log(f"unreadable image {r.image_id!r} ({r.path}, records line {r.line}): {b.failed[item]}")
-            self.embedded += k
-            bar.update(len(b.items))
-            for chunk in sorted(acc):
-                if acc[chunk]["seen"] < min(size, len(records) - chunk * size):
-                    break
-                c = acc.pop(chunk)
-                emb = np.stack(c["emb"]) if c["emb"] else np.zeros((0, self.towers.spec.embed_dim), np.float16)
-                self.store.save(chunk, np.asarray(c["rows"], np.int64), emb, c["failed"],
-                                "+".join(sorted(c["decoders"])))
-                self.saved += 1
-                if bar.mode != "bar":
-                    _log(f"chunk {chunk + 1}/{self.n_chunks} done")
-                if self.stop_after and self.saved >= self.stop_after:
-                    bar.close()
-                    _log(f"stopping after {self.saved} chunks, as asked (resumable)")
-                    return False
-        bar.close()
-        if self.towers.device.type == "cuda":
-            import torch
-
-            torch.cuda.synchronize()
-        self.t_embed += time.perf_counter() - t0
-        return True
-
     def _commit(self, resumed: int) -> bool:
         towers, spec, dec = self.towers, self.towers.spec, self.dec
         rows, emb, failed = self.store.load(range(self.n_chunks))
@@ -277,7 +252,7 @@ class _Run:
                 "timing": {"load_s": round(self.t_loaded - self.t_start, 3), "embed_s": round(self.t_embed, 3),
                            "images_embedded_this_run": self.embedded, "images_per_s": round(rate, 2),
                            "resumed_chunks": resumed}}
-        if not commit_with_extras(self.index_dir, emb, ids, meta, towers, self.info, self.extras, self.ekey):
+        if not self.commit_with_extras(emb, ids, meta):
             return False
         self.store.clear()
         _log(f"index: {len(ids)} images, {len(failed)} unreadable, dim {spec.embed_dim} -> {self.index_dir}")
@@ -286,24 +261,107 @@ class _Run:
              f"model load {self.t_loaded - self.t_start:.2f} s)")
         return True
 
+    def commit_with_extras(self, emb, ids: list, meta: dict) -> bool:
+        """Compute the extras (engine.retrieval.index_extras), then commit; False when the training hook fires."""
+        from engine.retrieval.index import BUILD_DIR, commit
+        from engine.retrieval.index_extras import build_extras
+        from engine.retrieval.pic2word import Stopped
 
-def commit_with_extras(index_dir: Path, emb, ids: list, meta: dict, towers, info: dict, extras, ekey: dict) -> bool:
-    """Compute the extras (engine.retrieval.index_extras), then commit; False when the training hook fires."""
-    from engine.retrieval.index import BUILD_DIR, commit
-    from engine.retrieval.index_extras import build_extras
-    from engine.retrieval.pic2word import Stopped
+        index_dir = self.index_dir
+        t0 = time.perf_counter()
+        try:
+            extra_meta, files = build_extras(self.extras, emb, self.towers, self.info["digest"], index_dir / BUILD_DIR)
+        except Stopped as e:
+            _log(f"pic2word: {e} (stopped as asked; resumable)")
+            return False
+        meta = {**meta, **extra_meta, "extras_key": self.ekey, "kernels": store_kernels(index_dir)}
+        meta["timing"] = {**meta.get("timing", {}), "extras_s": round(time.perf_counter() - t0, 3)}
+        commit(index_dir, emb, ids, meta, files)
+        drop_other_towers(index_dir, meta.get("towers"))
+        return True
 
-    t0 = time.perf_counter()
-    try:
-        extra_meta, files = build_extras(extras, emb, towers, info["digest"], index_dir / BUILD_DIR)
-    except Stopped as e:
-        _log(f"pic2word: {e} (stopped as asked; resumable)")
-        return False
-    meta = {**meta, **extra_meta, "extras_key": ekey, "kernels": store_kernels(index_dir)}
-    meta["timing"] = {**meta.get("timing", {}), "extras_s": round(time.perf_counter() - t0, 3)}
-    commit(index_dir, emb, ids, meta, files)
-    drop_other_towers(index_dir, meta.get("towers"))
-    return True
+    def reuse_embeddings(self, old: dict, idx=None) -> bool:
+        """The embeddings are up to date but the extras or the recorded method differ: redo only those.
+        `old`: the meta.json in place; `idx`: the index in place, verified (default: loaded here).
+        IndexLoadError (naming --force) when it cannot be read."""
+        import numpy as np
+
+        from engine.retrieval.index import BUILD_DIR, IndexLoadError, load_index
+
+        index_dir = self.index_dir
+        if idx is None:
+            try:
+                idx = load_index(index_dir)
+            except IndexLoadError as e:
+                raise IndexLoadError(f"{e}; pass --force to rebuild") from e
+        _log(f"embeddings in {index_dir} are up to date; recomputing the extras only")
+        keep = ("build_key", "model", "clip_spec", "decoder", "device", "precision", "towers", "records", "corpus",
+                "confine_to_corpus", "unreadable", "counts", "timing")
+        meta = {k: old[k] for k in keep if k in old}
+        meta["model"] = model_record(self.info)   # the same digest (the build key says so); where it is now
+        meta["method"] = self.method
+        meta["corpus"] = str(self.corpus.resolve())
+        meta["timing"] = {**meta.get("timing", {}), "reused_embeddings": True}
+        done = self.commit_with_extras(np.asarray(idx.emb), idx.ids, meta)
+        if done:
+            shutil.rmtree(index_dir / BUILD_DIR / "pic2word", ignore_errors=True)
+        return done
+
+
+class LocalEmbedder:
+    """The build's default embedder: the pending chunks embedded in this process, saved as they fill."""
+
+    def embed(self, run: GalleryBuild, chunks: list[int]) -> bool:
+        """Embed and save `chunks`; False when stopped as asked (stop_after_chunks)."""
+        import numpy as np
+
+        from engine.progress import Progress
+        from engine.retrieval.embed import embed_images
+
+        records, size = run.records, run.chunk_size
+        pending = [i for c in chunks for i in range(c * size, min((c + 1) * size, len(records)))]
+        bar = Progress(len(records), "[cir_build] embedding", unit="images", initial=len(records) - len(pending))
+        acc: dict[int, dict] = {}      # chunk -> {"rows", "emb", "failed", "decoders", "seen"}
+        t0 = time.perf_counter()
+        for b in embed_images(run.read, pending, run.dec, run.towers.encode_images, run.batch_size,
+                              run.readers):
+            k = 0
+            for j, item in enumerate(b.items):
+                c = acc.setdefault(item // size, {"rows": [], "emb": [], "failed": [], "decoders": set(), "seen": 0})
+                c["seen"] += 1
+                c["decoders"].add(b.decoders[j])
+                if b.ok[j]:
+                    c["rows"].append(item)
+                    c["emb"].append(b.emb[k])
+                    k += 1
+                else:
+                    r = records[item]
+                    c["failed"].append({"image_id": r.image_id, "path": r.path, "line": r.line,
+                                        "reason": b.failed[item]})
+                    _log(f"unreadable image {r.image_id!r} ({r.path}, records line {r.line}): {b.failed[item]}")
+            run.embedded += k
+            bar.update(len(b.items))
+            for chunk in sorted(acc):
+                if acc[chunk]["seen"] < min(size, len(records) - chunk * size):
+                    break
+                c = acc.pop(chunk)
+                emb = np.stack(c["emb"]) if c["emb"] else np.zeros((0, run.towers.spec.embed_dim), np.float16)
+                run.store.save(chunk, np.asarray(c["rows"], np.int64), emb, c["failed"],
+                               "+".join(sorted(c["decoders"])))
+                run.saved += 1
+                if bar.mode != "bar":
+                    _log(f"chunk {chunk + 1}/{run.n_chunks} done")
+                if run.stop_after and run.saved >= run.stop_after:
+                    bar.close()
+                    _log(f"stopping after {run.saved} chunks, as asked (resumable)")
+                    return False
+        bar.close()
+        if run.towers.device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize()
+        run.t_embed += time.perf_counter() - t0
+        return True
 
 
 def torch_flat(a):
@@ -336,29 +394,3 @@ def store_kernels(index_dir: Path) -> dict:
     return {"topk": topk}
 
 
-def reuse_embeddings(index_dir: Path, corpus: Path, old: dict, towers, info: dict, extras, ekey: dict,
-                     method: dict, idx=None) -> bool:
-    """The embeddings are up to date but the extras or the recorded method differ: redo only those.
-    `idx`: the index in place, verified (default: loaded here). IndexLoadError (naming --force)
-    when it cannot be read."""
-    import numpy as np
-
-    from engine.retrieval.index import BUILD_DIR, IndexLoadError, load_index
-
-    if idx is None:
-        try:
-            idx = load_index(index_dir)
-        except IndexLoadError as e:
-            raise IndexLoadError(f"{e}; pass --force to rebuild") from e
-    _log(f"embeddings in {index_dir} are up to date; recomputing the extras only")
-    keep = ("build_key", "model", "clip_spec", "decoder", "device", "precision", "towers", "records", "corpus",
-            "confine_to_corpus", "unreadable", "counts", "timing")
-    meta = {k: old[k] for k in keep if k in old}
-    meta["model"] = model_record(info)        # the same digest (the build key says so); where it is now
-    meta["method"] = method
-    meta["corpus"] = str(corpus.resolve())
-    meta["timing"] = {**meta.get("timing", {}), "reused_embeddings": True}
-    done = commit_with_extras(index_dir, np.asarray(idx.emb), idx.ids, meta, towers, info, extras, ekey)
-    if done:
-        shutil.rmtree(index_dir / BUILD_DIR / "pic2word", ignore_errors=True)
-    return done

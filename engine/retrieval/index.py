@@ -44,11 +44,12 @@ import numpy as np
 
 from engine.io import LockHeld, take_lock, write_atomic
 from engine.presets.retrieval import RETRIEVAL
+from engine.retrieval.options import extra_files
 
 FORMAT = "cir-index/1"
 BUILD_DIR = ".build"
 LOCK_FILE = ".lock"
-EXTRA_FILES = ("pic2word", "text_bank", "dba")   # optional data files (engine.retrieval.index_extras)
+EXTRA_FILES = extra_files()   # optional data files, the options' (engine.retrieval.options; index_extras writes them)
 KERNEL_DIR = "kernels"   # compiled kernels the query run loads instead of compiling (kernels.topk)
 # A unit FP32 row rounded to FP16 moves its norm by at most 2**-11 (~4.9e-4, round to nearest):
 # 1e-2 is 20 times that, and far below what a damaged row shows (0 for a zeroed row, NaN, 1e4).

@@ -105,23 +105,36 @@ def _cat(parts):
     return np.concatenate(parts) if isinstance(parts[0], np.ndarray) else torch.cat(parts)
 
 
+@dataclasses.dataclass(frozen=True)
+class ViewDecoding:
+    """How a Reinspector decodes and embeds views: `decoder`, the engine decoder name the gallery
+    was built with; images per tower call; reader threads; the decoder's process isolation; the
+    multi-view rows kept cached per call."""
+    decoder: str = "pil"
+    batch_size: int = RETRIEVAL.image_batch["cpu"]
+    readers: int = RETRIEVAL.image_readers
+    isolate: bool = False
+    cache_rows: int = RETRIEVAL.reinspect_cache_rows
+
+
 class Reinspector:
     """Multi-view embeddings of gallery rows, decoded and embedded on demand (cached per call).
 
     read(row) -> encoded bytes; encode(uint8 [B, S, S, 3]) -> [B, D] unit rows; `spec` the
-    CLIP image spec; `decoder` the engine decoder name the gallery was built with."""
+    CLIP image spec; `decoding` how views are decoded (ViewDecoding); `views` the views by name
+    (default: the first `crops` of VIEWS)."""
 
     def __init__(self, read: Callable[[int], bytes], encode: Callable, spec: Spec, crops: int,
-                 budget: ReinspectBudget, decoder: str = "pil", batch_size: int = RETRIEVAL.image_batch["cpu"],
-                 readers: int = RETRIEVAL.image_readers, isolate: bool = False,
-                 cache_rows: int = RETRIEVAL.reinspect_cache_rows, views: tuple[str, ...] | None = None):
+                 budget: ReinspectBudget, decoding: ViewDecoding = ViewDecoding(),
+                 views: tuple[str, ...] | None = None):
         if views is None and not 1 <= crops <= len(VIEWS):
             raise ValueError(f"crops must lie in 1..{len(VIEWS)}, got {crops}")
         self.read, self.encode, self.spec, self.budget = read, encode, spec, budget
         self.views = tuple(views) if views is not None else VIEWS[:crops]
         self.crops = len(self.views)
-        self.decoder_name, self.batch_size, self.readers, self.isolate = decoder, batch_size, readers, isolate
-        self.cache_rows = cache_rows
+        self.decoder_name, self.batch_size = decoding.decoder, decoding.batch_size
+        self.readers, self.isolate = decoding.readers, decoding.isolate
+        self.cache_rows = decoding.cache_rows
         self.cache: dict[int, torch.Tensor | None] = {}     # gallery row -> [D] views' sum (None: unreadable)
         self.failed: dict[int, str] = {}
         self._decoders: dict[str, object] = {}

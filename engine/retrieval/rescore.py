@@ -71,25 +71,34 @@ class BankStats:
     knn: torch.Tensor | None = None      # [N] mean of the k largest s_bj (csls)
 
 
+@dataclass(frozen=True)
+class ScorerParams:
+    """A scorer's settings: inverse temperature of isoftmax / qbnorm (`beta`), of dual-softmax
+    (`temp`), and CSLS's neighbourhood size (`k`); a scorer reads its own."""
+    beta: float = RETRIEVAL.beta
+    temp: float = RETRIEVAL.temp
+    k: int = RETRIEVAL.csls_k
+
+
 def _scale(scorer: str, beta: float, temp: float) -> float:
     return temp if scorer == "dual-softmax" else beta
 
 
-def bank_stats(scorer: str, bank: torch.Tensor, gallery: torch.Tensor, beta: float = RETRIEVAL.beta,
-               temp: float = RETRIEVAL.temp, k: int = RETRIEVAL.csls_k, exclude: torch.Tensor | None = None,
-               has_queries: bool = True, chunk: int = RETRIEVAL.bank_chunk) -> BankStats:
-    """Per-gallery-item statistics of the bank [M, D] for `scorer`; `exclude` [M] is each bank
-    query's own match (its reference row; -1 = none), left out of every statistic: the
-    log-sum-exp, the top-1 and the k nearest. chunk=0: the reference."""
+def bank_stats(scorer: str, bank: torch.Tensor, gallery: torch.Tensor, params: ScorerParams = ScorerParams(),
+               exclude: torch.Tensor | None = None, has_queries: bool = True,
+               chunk: int = RETRIEVAL.bank_chunk) -> BankStats:
+    """Per-gallery-item statistics of the bank [M, D] for `scorer` (its settings in `params`);
+    `exclude` [M] is each bank query's own match (its reference row; -1 = none), left out of every
+    statistic: the log-sum-exp, the top-1 and the k nearest. chunk=0: the reference."""
     if scorer not in SCORERS[1:]:
         raise ValueError(f"scorer must be one of {SCORERS[1:]}, got {scorer!r}")
     m, n = bank.shape[0], gallery.shape[0]
     if m == 0:
         raise ValueError("the query bank is empty")
     if chunk <= 0:
-        return bank_stats_reference(scorer, bank, gallery, beta, temp, k, exclude, has_queries)
-    a = _scale(scorer, beta, temp)
-    k = min(k, m)
+        return bank_stats_reference(scorer, bank, gallery, params, exclude, has_queries)
+    a = _scale(scorer, params.beta, params.temp)
+    k = min(params.k, m)
     out = BankStats(scorer, m, has_queries)
     lse = torch.full((n,), float("-inf"), device=gallery.device)
     hits = torch.zeros(n, dtype=torch.int64, device=gallery.device)
@@ -122,14 +131,14 @@ def _finish(out: BankStats, scorer: str, a: float, lse: torch.Tensor, hits: torc
     return out
 
 
-def bank_stats_reference(scorer: str, bank: torch.Tensor, gallery: torch.Tensor, beta: float = RETRIEVAL.beta,
-                         temp: float = RETRIEVAL.temp, k: int = RETRIEVAL.csls_k, exclude: torch.Tensor | None = None,
+def bank_stats_reference(scorer: str, bank: torch.Tensor, gallery: torch.Tensor,
+                         params: ScorerParams = ScorerParams(), exclude: torch.Tensor | None = None,
                          has_queries: bool = True) -> BankStats:
     """`bank_stats` from the whole [M, N] similarity matrix at once (the twin of the streamed path)."""
     s = _masked(bank @ gallery.T, exclude)                              # [M, N], own matches at -inf
     out = BankStats(scorer, bank.shape[0], has_queries)
-    a = _scale(scorer, beta, temp)
-    best = s.topk(min(k, s.shape[0]), dim=0).values if scorer == "csls" else s[:0]
+    a = _scale(scorer, params.beta, params.temp)
+    best = s.topk(min(params.k, s.shape[0]), dim=0).values if scorer == "csls" else s[:0]
     hits = torch.bincount(s.argmax(dim=1), minlength=gallery.shape[0])
     return _finish(out, scorer, a, torch.logsumexp(a * s, dim=0), hits, best)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from engine.presets.retrieval import RETRIEVAL
@@ -26,36 +27,65 @@ from engine.presets.retrieval import RETRIEVAL
 DEFAULT_K = RETRIEVAL.top_k   # results per request unless asked
 
 
+@dataclass(frozen=True)
+class SearchSettings:
+    """A Searcher's settings: `corpus`, image files for re-inspecting methods (default: the
+    index's); records paths confined to the corpus; requests per batch; bank queries per block of
+    the streamed bank statistics; `warn` (default: stderr); the re-inspection limit per request;
+    `source`, how warnings name the requests."""
+    corpus: Path | None = None
+    confine_to_corpus: bool = False
+    batch_size: int = RETRIEVAL.query_batch
+    bank_chunk: int = RETRIEVAL.bank_chunk
+    warn: object = None
+    max_reinspect: int | None = None
+    source: str | os.PathLike = "requests"
+
+
+@dataclass(frozen=True)
+class ClipChoice:
+    """How clip_for picks and loads an index's CLIP besides its folder: the folder used when none
+    is named and it exists, CLIP_DEVICE / CLIP_PRECISION's values, the architecture of a bare state
+    dict, whether a CLIP other than the index's is accepted (said through `say`), and the hint
+    that ends the refusal otherwise."""
+    default_clip_dir: Path | None = None
+    device: str | None = None
+    precision: str | None = None
+    model_name: str | None = None
+    allow_model_mismatch: bool = False
+    say: object = None
+    mismatch_hint: str = "pass allow_model_mismatch=True to search anyway"
+
+
 class Searcher:
     """An open index: `index` (engine.retrieval.index.Index), `towers` (engine.clip.towers.ClipTowers)
-    and `info`, engine.clip.load's record of their CLIP."""
+    and `info`, engine.clip.load's record of their CLIP; `settings`: SearchSettings."""
 
-    def __init__(self, index, towers, info: dict, corpus: Path | None = None, confine_to_corpus: bool = False,
-                 batch_size: int = RETRIEVAL.query_batch, bank_chunk: int = RETRIEVAL.bank_chunk, warn=None, max_reinspect: int | None = None,
-                 source: str | os.PathLike = "requests"):
+    def __init__(self, index, towers, info: dict, settings: SearchSettings = SearchSettings()):
         from engine.retrieval.jsonl import stderr_warn
 
         self.index, self.towers, self.info = index, towers, info
-        self.corpus, self.batch_size, self.bank_chunk = corpus, batch_size, bank_chunk
+        self.corpus, self.batch_size, self.bank_chunk = settings.corpus, settings.batch_size, settings.bank_chunk
         # records paths are followed as the build followed them, unless confined (here or at build time)
-        self.confine = confine_to_corpus or bool(index.meta.get("confine_to_corpus"))
-        self.warn = warn or stderr_warn("retrieval")
-        self.max_reinspect, self.source = max_reinspect, source   # source: how warnings name the requests
+        self.confine = settings.confine_to_corpus or bool(index.meta.get("confine_to_corpus"))
+        self.warn = settings.warn or stderr_warn("retrieval")
+        # source: how warnings name the requests
+        self.max_reinspect, self.source = settings.max_reinspect, settings.source
         self._pipelines: dict[tuple[str, int], object] = {}
 
     def pipeline(self, method, k: int = DEFAULT_K):
         """The query pipeline (engine.retrieval.query.QueryPipeline) of `method` (a name or a
         compose.Method) and `k`, made once and kept: prepare(requests), then results(batch)."""
         from engine.retrieval.compose import Method, make_method
-        from engine.retrieval.query import QueryPipeline
+        from engine.retrieval.query import QueryPipeline, QuerySettings
 
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"k must be an int >= 1, got {k!r}")
         m = method if isinstance(method, Method) else make_method(method, max_reinspect=self.max_reinspect)
-        key = (json.dumps(m.to_dict(), sort_keys=True), k)
+        key = (m.label, json.dumps(m.to_dict(), sort_keys=True), k)   # the label names options without record fields
         if key not in self._pipelines:
-            self._pipelines[key] = QueryPipeline(self.index, self.towers, m, self.warn, self.source, self.corpus, k,
-                                                 self.bank_chunk, not self.confine, self.max_reinspect)
+            settings = QuerySettings(self.corpus, self.bank_chunk, not self.confine, self.max_reinspect)
+            self._pipelines[key] = QueryPipeline(self.index, self.towers, m, self.warn, self.source, k, settings)
         return self._pipelines[key]
 
     def search(self, reference_image_id, modification: str, shared_concept: str | None = None,
@@ -101,29 +131,27 @@ class Searcher:
         return out
 
 
-def clip_for(index, clip_dir: str | os.PathLike | None = None, *, default_clip_dir: Path | None = None,
-             device: str | None = None, precision: str | None = None, model_name: str | None = None,
-             allow_model_mismatch: bool = False, say=None,
-             mismatch_hint: str = "pass allow_model_mismatch=True to search anyway"):
+def clip_for(index, clip_dir: str | os.PathLike | None = None, choice: ClipChoice = ClipChoice()):
     """(towers, info): the CLIP of `index` loaded on its device, with the device's thread budget
     applied. The folder: engine.retrieval.index_clip.resolve (`clip_dir`, else CLIP_MODEL_DIR,
-    else `default_clip_dir` when it exists, else the folder the index records when its digest
-    matches). A CLIP other than the index's is a ClipLoadError ending in `mismatch_hint`, unless
-    `allow_model_mismatch` (then a warning through `say`). The towers the index records
-(meta.json `towers`, engine.clip.tune.load_recorded) are loaded, never compiled."""
+    else `choice.default_clip_dir` when it exists, else the folder the index records when its
+    digest matches). A CLIP other than the index's is a ClipLoadError ending in
+    `choice.mismatch_hint`, unless `choice.allow_model_mismatch` (then a warning through
+    `choice.say`). The towers the index records (meta.json `towers`,
+    engine.clip.tune.load_recorded) are loaded, never compiled."""
     from engine import threads
     from engine.clip.load import ClipLoadError, load_clip
     from engine.clip.towers import ClipTowers
     from engine.retrieval.index_clip import mismatch, resolve
 
-    say = say or _say
-    model, spec, info = load_clip(resolve(clip_dir, index.meta, default_clip_dir, model_name, say), model_name)
+    say, model_name = choice.say or _say, choice.model_name
+    model, spec, info = load_clip(resolve(clip_dir, index.meta, choice.default_clip_dir, model_name, say), model_name)
     msg = mismatch(index.meta, info)
-    if msg and not allow_model_mismatch:
-        raise ClipLoadError(f"{msg}; {mismatch_hint}")
+    if msg and not choice.allow_model_mismatch:
+        raise ClipLoadError(f"{msg}; {choice.mismatch_hint}")
     if msg:
         say(f"warning: {msg}")
-    towers = ClipTowers(model, spec, device, precision)
+    towers = ClipTowers(model, spec, choice.device, choice.precision)
     threads.apply_torch(threads.budget(towers.device.type))
     if not msg:   # the recorded towers hold the build's weights: only for the CLIP that built the index
         from engine.clip.tune import load_recorded
@@ -138,19 +166,31 @@ def _say(msg: str) -> None:
     print(f"[retrieval] {msg}", file=sys.stderr, flush=True)
 
 
-def open_index(index_dir: str | os.PathLike, clip_dir: str | os.PathLike | None = None, *,
-               device: str | None = None, precision: str | None = None, model_name: str | None = None,
-               corpus: str | os.PathLike | None = None, confine_to_corpus: bool = False,
-               allow_model_mismatch: bool = False, batch_size: int = RETRIEVAL.query_batch) -> Searcher:
+@dataclass(frozen=True)
+class OpenOptions:
+    """open_index's keyword arguments (a name it does not know is a TypeError, as for any function)."""
+    device: str | None = None
+    precision: str | None = None
+    model_name: str | None = None
+    corpus: str | os.PathLike | None = None
+    confine_to_corpus: bool = False
+    allow_model_mismatch: bool = False
+    batch_size: int = RETRIEVAL.query_batch
+
+
+def open_index(index_dir: str | os.PathLike, clip_dir: str | os.PathLike | None = None, **options) -> Searcher:
     """The index in `index_dir` with its CLIP loaded (clip_for: `clip_dir`, else CLIP_MODEL_DIR,
-    else the folder the index records when its digest matches). `device` / `precision` as
-    CLIP_DEVICE / CLIP_PRECISION; `corpus`: image files for re-inspecting methods (default: the
-    index's). IndexLoadError / ClipLoadError say what is missing; a CLIP other than the index's
-    is a ClipLoadError unless `allow_model_mismatch`."""
+    else the folder the index records when its digest matches). Keyword options (OpenOptions):
+    `device` / `precision` as CLIP_DEVICE / CLIP_PRECISION; `model_name` for a bare state dict;
+    `corpus`: image files for re-inspecting methods (default: the index's), `confine_to_corpus`;
+    `batch_size`: requests per batch. IndexLoadError / ClipLoadError say what is missing; a CLIP
+    other than the index's is a ClipLoadError unless `allow_model_mismatch=True`."""
     from engine.retrieval.index import load_index
 
+    o = OpenOptions(**options)
     index = load_index(index_dir)
-    towers, info = clip_for(index, clip_dir, device=device, precision=precision, model_name=model_name,
-                            allow_model_mismatch=allow_model_mismatch)
-    return Searcher(index, towers, info, Path(corpus) if corpus is not None else None, confine_to_corpus,
-                    batch_size)
+    towers, info = clip_for(index, clip_dir, ClipChoice(device=o.device, precision=o.precision,
+                                                        model_name=o.model_name,
+                                                        allow_model_mismatch=o.allow_model_mismatch))
+    corpus = Path(o.corpus) if o.corpus is not None else None
+    return Searcher(index, towers, info, SearchSettings(corpus, o.confine_to_corpus, o.batch_size))

@@ -89,36 +89,15 @@ def parse_args(argv: list[str] | None) -> AblateConfig:
 
 
 def unsupported(name: str, meta: dict, corpus: Path | None) -> str | None:
-    """Why the index (its meta.json) cannot run method `name`, or None. A name that does not
-    parse is left to the run, which reports it."""
-    from engine.retrieval.compose import Method, parse_options
+    """Why the index (its meta.json) cannot run method `name`, or None (each option says what it
+    needs: engine.retrieval.options). A name that does not parse is left to the run, which reports it."""
+    from engine.retrieval.compose import make_method
 
     try:
-        fields = parse_options(name)
+        method = make_method(name)
     except ValueError:
         return None
-    if fields["name"] == "pic2word" and not meta.get("pic2word"):
-        return "the index has no Pic2Word mapping (scripts/build.sh --mapping pic2word trains one)"
-    bank = fields.get("bank", Method.bank) if fields.get("hubness") else None
-    if bank in ("gallery", "both") and not meta.get("text_bank"):
-        return (f"hubness scoring with bank={bank} (the default) needs a query bank of gallery-derived texts, and "
-                f"{_no_text_bank(meta)}; :bank=requests uses the call's own requests instead")
-    if fields.get("gap") in ("bank", "both") and not meta.get("text_bank"):
-        return f"gap with text={fields['gap']} needs the gallery-derived texts' mean, and {_no_text_bank(meta)}"
-    if fields.get("reinspect"):
-        root = corpus or (Path(meta["corpus"]) if meta.get("corpus") else None)
-        if root is None or not (root / "records.jsonl").is_file():
-            return f"no corpus records for re-inspection at {root} (pass --corpus DIR)"
-    return None
-
-
-def _no_text_bank(meta: dict) -> str:
-    """Why the index (its meta.json) stores no gallery-derived texts: they are the Pic2Word
-    mapping's pseudo-words of gallery rows, so only a build with a mapping writes them."""
-    if meta.get("pic2word"):
-        return "the index has a Pic2Word mapping but was built with --text-bank 0 (rebuild with --text-bank N)"
-    return ("the index has none: they are written from a Pic2Word mapping (scripts/build.sh --mapping pic2word "
-            "trains one and stores 4096 texts)")
+    return next((why for o in method.steps for why in [o.missing(meta, corpus)] if why), None)
 
 
 def _row(name: str, report: dict | None, run: dict) -> dict:

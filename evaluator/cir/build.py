@@ -27,6 +27,7 @@ from pathlib import Path
 from engine.cli import MAX_DEADLINE_S, device_name
 from engine.decoders.registry import DECODERS
 from engine.presets.retrieval import RETRIEVAL
+from engine.retrieval.options import trained
 from evaluator import settings as evaluator_settings
 from evaluator.cir import task
 from evaluator.cir.flags import add_flags, flag
@@ -77,7 +78,7 @@ class BuildConfig:
     prompt: str | None = flag("prompt recorded with the method (default: the method's own)", None)
     force: bool = flag("rebuild even if the index is up to date", False)
     mapping: str = flag("learn a Pic2Word image-to-word mapping on the gallery (method pic2word)", "none",
-                        choices=("none", "pic2word"), group=_EXTRAS)
+                        choices=("none", *trained()), group=_EXTRAS)
     p2w_epochs: int = flag("passes over the gallery (when --p2w-steps is 0)", _R.p2w_epochs, group=_EXTRAS,
                            span=(1, 100_000))
     p2w_steps: int = flag("optimiser steps (0: epochs x N / batch)", 0, group=_EXTRAS, span=(0, _MAX_COUNT))
@@ -241,10 +242,11 @@ def _main(argv: list[str] | None, stop_after_chunks: int, p2w_stop_after: int) -
     from engine.retrieval import gallery
     from engine.retrieval.index import IndexLoadError
 
-    args = dict(corpus=cfg.corpus, index_dir=cfg.index_dir, extras=cfg.extras(), decoder=cfg.decoder,
-                batch_size=cfg.batch_size, chunk_size=cfg.chunk_size, readers=cfg.readers,
-                confine_to_corpus=cfg.confine_to_corpus, force=cfg.force, stop_after_chunks=cfg.stop_after_chunks,
-                t_start=t_start, t_loaded=t_loaded)
+    job = gallery.BuildJob(records, records_sha, towers, info, method.to_dict(), corpus=cfg.corpus,
+                           index_dir=cfg.index_dir, extras=cfg.extras(), decoder=cfg.decoder,
+                           batch_size=cfg.batch_size, chunk_size=cfg.chunk_size, readers=cfg.readers,
+                           confine_to_corpus=cfg.confine_to_corpus, force=cfg.force,
+                           stop_after_chunks=cfg.stop_after_chunks, t_start=t_start, t_loaded=t_loaded)
     build = _ray_build(cfg, towers, info) if cfg.ray else gallery.build
     errors = (IndexLoadError,)
     if cfg.ray:
@@ -252,7 +254,7 @@ def _main(argv: list[str] | None, stop_after_chunks: int, p2w_stop_after: int) -
 
         errors = (IndexLoadError, RayBuildError)
     try:
-        done = build(records, records_sha, towers, info, method.to_dict(), **args)
+        done = build(job)
     except errors as e:
         _error(f"{e}")
         return getattr(e, "status", 2)

@@ -274,22 +274,22 @@ def chosen_method(cfg: RunConfig, recorded: dict):
     from evaluator.cir import task
 
     if cfg.method is None and cfg.text_weight is None and cfg.prompt is None and recorded:
-        return task.check_method(Method(**recorded))   # the method recorded at build time
-    return task.method(cfg.method or (Method(**recorded).label if recorded else RETRIEVAL.method),
+        return task.check_method(Method.from_dict(recorded))   # the method recorded at build time
+    return task.method(cfg.method or (Method.from_dict(recorded).label if recorded else RETRIEVAL.method),
                        cfg.text_weight, cfg.prompt)
 
 
 def open_searcher(cfg: RunConfig, index, warn):
     """engine.retrieval.search.Searcher over `index` with its CLIP (the task's folder as the default)."""
-    from engine.retrieval.search import Searcher, clip_for
+    from engine.retrieval.search import ClipChoice, Searcher, SearchSettings, clip_for
     from evaluator.cir import task
 
-    towers, info = clip_for(index, cfg.model_dir, default_clip_dir=task.CLIP_DIR, device=cfg.device,
-                            precision=cfg.precision, model_name=cfg.model_name,
-                            allow_model_mismatch=cfg.allow_model_mismatch, say=_log,
-                            mismatch_hint="pass --allow-model-mismatch to run anyway")
-    return Searcher(index, towers, info, cfg.corpus, cfg.confine_to_corpus, cfg.batch_size, cfg.bank_chunk,
-                    warn, task.MAX_REINSPECT, cfg.queries)
+    towers, info = clip_for(index, cfg.model_dir, ClipChoice(
+        default_clip_dir=task.CLIP_DIR, device=cfg.device, precision=cfg.precision, model_name=cfg.model_name,
+        allow_model_mismatch=cfg.allow_model_mismatch, say=_log,
+        mismatch_hint="pass --allow-model-mismatch to run anyway"))
+    return Searcher(index, towers, info, SearchSettings(cfg.corpus, cfg.confine_to_corpus, cfg.batch_size,
+                                                        cfg.bank_chunk, warn, task.MAX_REINSPECT, cfg.queries))
 
 
 def report(cfg: RunConfig, counts: dict, method, searcher, pipe, times: tuple[float, float, float],

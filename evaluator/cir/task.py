@@ -31,6 +31,7 @@ def method(name: str = RETRIEVAL.method, text_weight: float | None = None, promp
 
 def check_method(m):
     """`m` unchanged if it keeps to the task's limits, else ValueError."""
-    if m.reinspect > MAX_REINSPECT:
-        raise ValueError(f"reinspect must lie in 0..{MAX_REINSPECT} candidates per request, got {m.reinspect}")
+    n = max((o.inspected() for o in m.options), default=0)
+    if n > MAX_REINSPECT:
+        raise ValueError(f"reinspect must lie in 0..{MAX_REINSPECT} candidates per request, got {n}")
     return m

@@ -113,7 +113,7 @@ def one_call(index_dir: Path, queries: Path, towers: GeneratedTowers, name: str,
     """One call of the query path (scripts/run.sh after the CLIP load); seconds per stage."""
     from engine.retrieval.index import load_index
     from engine.retrieval.jsonl import read_requests
-    from engine.retrieval.query import QueryPipeline
+    from engine.retrieval.query import QueryPipeline, QuerySettings
     from evaluator.cir import task
     from evaluator.cir.run import answer
 
@@ -126,8 +126,8 @@ def one_call(index_dir: Path, queries: Path, towers: GeneratedTowers, name: str,
     index = load_index(index_dir)
     requests = read_requests(queries, lambda msg: print(msg, file=sys.stderr))
     method = task.method(name)
-    pipe = QueryPipeline(index, towers, method, lambda msg: print(msg, file=sys.stderr), queries, None, 50,
-                         max_reinspect=task.MAX_REINSPECT)
+    pipe = QueryPipeline(index, towers, method, lambda msg: print(msg, file=sys.stderr), queries, 50,
+                         QuerySettings(max_reinspect=task.MAX_REINSPECT))
     pipe.prepare(requests)
     t1 = sync()
     with open(output, "wb") as out:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from engine.core.spec import Spec
-from engine.retrieval.reinspect import ReinspectBudget, Reinspector, view_groups
+from engine.retrieval.reinspect import ReinspectBudget, Reinspector, ViewDecoding, view_groups
 
 pytest.importorskip("pytest_benchmark")
 pytest.importorskip("nvidia.dali")
@@ -45,7 +45,7 @@ def blobs() -> list[bytes]:
 def test_bench_reinspect_decode(benchmark, blobs, crops):
     spec = Spec(model="clip-vit-l-14", input_size=224, crop_pct=1.0)   # open_clip's ViT-L/14 geometry
     r = Reinspector(lambda row: blobs[row], lambda px: torch.zeros(len(px), 8), spec, crops,
-                    ReinspectBudget(IMAGES), "dali-cpu", batch_size=64, isolate=False)
+                    ReinspectBudget(IMAGES), ViewDecoding("dali-cpu", batch_size=64, isolate=False))
     rows = list(range(IMAGES))
     r.view_sums(rows[:8])                       # warm-up: the decoders' pipelines are built here
 
