@@ -116,7 +116,7 @@ DOCUMENTED: dict[str, str] = {
     "sorted(glob.glob('device_carry/*.whl'))]\" /tmp/device_carry && PYTHONPATH=/tmp/device_carry "
     "scripts/device_check.sh \"$OUT\" --limit-s 500": "skip: the lent device machine's command (a GPU)",
     "python3 -m pip download --no-deps -d device_carry timm==1.0.31 nvidia-cuda-crt==13.0.88 "
-    "nvidia-cuda-cccl==13.0.85": "skip: downloads from PyPI",
+    "nvidia-cuda-cccl==13.0.85 torchao==0.18.0": "skip: downloads from PyPI",
     "python3 -m venv --system-site-packages /tmp/gpucheck-venv": "skip: the torch 2.11 rehearsal's environment "
     "(minutes, a 530 MB download); its result is docs/perf/2026-12-05-device-check-torch211-cpu.md",
     "/tmp/gpucheck-venv/bin/python -m pip download --no-deps -d /tmp/gpucheck-dl torch==2.11.0 torchvision==0.26.0":
