@@ -486,14 +486,21 @@ def main(argv: list[str] | None = None) -> int:
     from engine.cli import ArgumentParser, whole_number
 
     p = ArgumentParser(prog="scripts/device_probes.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("probe", choices=("packages", "fp8", "graph_capture", "decoder_race", "attention"))
-    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    p.add_argument("--rows", type=whole_number(1, 10**7), default=1025 * 64, help="fp8: GEMM rows (tokens x batch)")
-    p.add_argument("--mode", default="global", choices=("global", "thread_local"))
-    p.add_argument("--batch", type=whole_number(1, 4096), default=32)
-    p.add_argument("--rounds", type=whole_number(1, 10_000), default=24)
-    p.add_argument("--size", type=whole_number(1, 8192), default=448)
-    p.add_argument("--tokens", type=whole_number(1, 65_536), default=1025)
+    p.add_argument("probe", choices=("packages", "fp8", "graph_capture", "decoder_race", "attention"),
+                   help="which probe to run")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="the device probed (default: %(default)s)")
+    p.add_argument("--rows", type=whole_number(1, 10**7), default=1025 * 64,
+                   help="fp8: GEMM rows (tokens x batch) (default: %(default)s)")
+    p.add_argument("--mode", default="global", choices=("global", "thread_local"),
+                   help="graph_capture: the capture mode (default: %(default)s)")
+    p.add_argument("--batch", type=whole_number(1, 4096), default=32,
+                   help="images per batch of the probe (default: %(default)s)")
+    p.add_argument("--rounds", type=whole_number(1, 10_000), default=24,
+                   help="decoder_race: rounds raced (default: %(default)s)")
+    p.add_argument("--size", type=whole_number(1, 8192), default=448,
+                   help="the input side in pixels (default: %(default)s)")
+    p.add_argument("--tokens", type=whole_number(1, 65_536), default=1025,
+                   help="attention: tokens per image (default: %(default)s)")
     a = p.parse_args(argv)
     if a.probe == "packages":
         res = packages(a.device)

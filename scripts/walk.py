@@ -231,7 +231,7 @@ def run(needle: str, module: str, args: list[str]) -> tuple[Walk, int]:
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="walk", description=__doc__.split("\n\n")[0])
     ap.add_argument("--follow", required=True, help="the distinctive string to follow (e.g. an output path)")
-    ap.add_argument("--json", type=Path, help="write the walk here")
+    ap.add_argument("--json", type=Path, help="write the walk here as JSON (default: none, the counts on stderr only)")
     ap.add_argument("command", nargs=argparse.REMAINDER, help="-- MODULE [ARG ...]")
     a = ap.parse_args(argv)
     cmd = a.command[1:] if a.command[:1] == ["--"] else a.command

@@ -31,7 +31,8 @@ ENTRY_POINTS: list[tuple[str, ...]] = [
     (PY, "-m", "evaluator.cir.run"), (PY, "-m", "evaluator.cir.build"), (PY, "-m", "kernels.topk"),
     ("./build.sh",), ("scripts/run",), ("scripts/build.sh",), ("scripts/run.sh",), ("scripts/rehearse",),
     ("scripts/device_check.sh",), (PY, "scripts/device_check.py"), (PY, "scripts/device_aot.py"),
-    (PY, "scripts/lock.py"), (PY, "scripts/mutate.py"), ("scripts/test.sh",),
+    (PY, "scripts/lock.py"), (PY, "scripts/mutate.py"), ("scripts/test.sh",), (PY, "scripts/device_probes.py"),
+    (PY, "scripts/walk.py"),
 ]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 

@@ -82,6 +82,7 @@ PARSERS: dict[str, tuple | None] = {
                               {"driver": ["driver"], "cuda_home": ["cuda_home"], "build": ["build", "--phases", F]}),
     "scripts/lock.py": ("scripts/lock.py", "main", {"": []}),
     "scripts/mutate.py": ("scripts/mutate.py", "main", {"": []}),
+    "scripts/walk.py": ("scripts/walk.py", "main", {"": ["--follow", "x"]}),
 }
 WALKED = [k for k, v in PARSERS.items() if v is not None]
 

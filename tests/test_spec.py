@@ -80,7 +80,7 @@ def test_none_overrides_are_ignored():
 @pytest.mark.parametrize("field_name, value", [
     ("crop_mode", "border"),
     ("crop_mode", "Center"),
-    ("precision", "int8"),
+    ("precision", "int4"),
     ("precision", "float32"),
     ("crop_pct", 0.0),
     ("crop_pct", -0.5),
