@@ -14,6 +14,7 @@ import pytest
 from conftest import REPO
 
 from evaluator.rehearsal import emulated, image
+from evaluator.rehearsal import emulated_plan as plan
 
 LOCKS = {lock: (REPO / lock).read_text()
          for lock in image.pip_locks(image.instructions((REPO / "Dockerfile").read_text()))}
@@ -35,8 +36,8 @@ def test_arch_defaults_to_x86_64_and_aarch64_refuses_the_venv_options(capsys):
 
 
 def test_pins_follow_the_target_architecture_not_this_machine():
-    arm = emulated.arch_pins(LOCKS, "aarch64")
-    x86 = emulated.arch_pins(LOCKS, "x86_64")
+    arm = plan.arch_pins(LOCKS, "aarch64")
+    x86 = plan.arch_pins(LOCKS, "x86_64")
     arm_pins, x86_pins = [p for _, p in arm], [p for _, p in x86]
     # torch-tensorrt's aarch64 wheel needs the `tensorrt` metapackage: only the aarch64 plan has it
     assert "tensorrt==11.1.0.106" in arm_pins and "tensorrt==11.1.0.106" not in x86_pins
@@ -54,12 +55,12 @@ b[x,y]==2; platform_machine == "aarch64"
 c==3; platform_machine == "x86_64"
 d==4; sys_platform == "darwin"
 """
-    assert emulated.arch_pins({"l.txt": text}, "aarch64") == [("l.txt", "a==1"), ("l.txt", "b[x,y]==2")]
-    assert emulated.arch_pins({"l.txt": text}, "x86_64") == [("l.txt", "a==1"), ("l.txt", "c==3")]
+    assert plan.arch_pins({"l.txt": text}, "aarch64") == [("l.txt", "a==1"), ("l.txt", "b[x,y]==2")]
+    assert plan.arch_pins({"l.txt": text}, "x86_64") == [("l.txt", "a==1"), ("l.txt", "c==3")]
 
 
 def test_download_command_asks_for_aarch64_wheels_up_to_bookworms_glibc(tmp_path):
-    cmd = emulated.download_command(["torch==2.14.1", "numpy==2.4.6"], tmp_path, python="py")
+    cmd = plan.download_command(["torch==2.14.1", "numpy==2.4.6"], tmp_path, python="py")
     assert cmd[:3] == ["py", "-m", "pip"] and cmd[3] == "download"
     for flag in ("--no-deps", "--only-binary=:all:"):
         assert flag in cmd
@@ -68,58 +69,58 @@ def test_download_command_asks_for_aarch64_wheels_up_to_bookworms_glibc(tmp_path
     assert plats[0] == "manylinux2014_aarch64" and plats[-1] == "manylinux_2_36_aarch64"
     assert "manylinux_2_28_aarch64" in plats and not [p for p in plats if "x86_64" in p or "2_37" in p]
     assert cmd[-2:] == ["torch==2.14.1", "numpy==2.4.6"]
-    assert emulated.sdist_command("tensorrt==11.1.0.106", tmp_path, python="py")[-1] == "tensorrt==11.1.0.106"
-    assert "--no-binary=:all:" in emulated.sdist_command("x==1", tmp_path)
+    assert plan.sdist_command("tensorrt==11.1.0.106", tmp_path, python="py")[-1] == "tensorrt==11.1.0.106"
+    assert "--no-binary=:all:" in plan.sdist_command("x==1", tmp_path)
 
 
 def test_root_and_install_commands(tmp_path):
-    stage1, stage2 = emulated.debootstrap_commands(tmp_path / "root")
+    stage1, stage2 = plan.debootstrap_commands(tmp_path / "root")
     assert stage1[:4] == ["debootstrap", "--foreign", "--arch=arm64", "--variant=minbase"]
     assert "--include=python3,python3-venv,python3-pip,g++" in stage1 and stage1[-3:-1] == ["bookworm", str(tmp_path / "root")]
     assert stage2 == ["chroot", str(tmp_path / "root"), "/debootstrap/debootstrap", "--second-stage"]
-    venv, wheels, sdist = emulated.install_commands(["a==1", "b==2"], ["tensorrt==11.1.0.106"])
+    venv, wheels, sdist = plan.install_commands(["a==1", "b==2"], ["tensorrt==11.1.0.106"])
     assert venv == ["python3", "-m", "venv", "--clear", "/opt/venv"]
     assert "--no-deps" in wheels and "--no-index" in wheels and wheels[-2:] == ["a==1", "b==2"]
     assert "--no-deps" in sdist and "--no-index" not in sdist and sdist[-1] == "tensorrt==11.1.0.106"
-    cmd = emulated.in_root(tmp_path, ["python", "-c", "x"], {"A": "1"}, cwd="/submission")
-    assert cmd[:5] == ["chroot", str(tmp_path), "/usr/bin/env", "-i", f"PATH={emulated.BASE_ENV['PATH']}"]
+    cmd = plan.in_root(tmp_path, ["python", "-c", "x"], {"A": "1"}, cwd="/submission")
+    assert cmd[:5] == ["chroot", str(tmp_path), "/usr/bin/env", "-i", f"PATH={plan.BASE_ENV['PATH']}"]
     assert "A=1" in cmd and "HOME=/root" in cmd
     assert cmd[-4:] == ["/submission", "python", "-c", "x"]
 
 
 def test_missing_tools_are_named_in_one_line():
-    none = emulated.host_refusal(which=lambda tool: None, euid=0, machine="x86_64")
+    none = plan.host_refusal(which=lambda tool: None, euid=0, machine="x86_64")
     assert none.startswith("missing on this machine: debootstrap (debootstrap)") and "qemu-user-static" in none
     assert "\n" not in none
-    assert emulated.host_refusal(which=lambda tool: "/bin/" + tool, euid=1000, machine="x86_64").startswith(
+    assert plan.host_refusal(which=lambda tool: "/bin/" + tool, euid=1000, machine="x86_64").startswith(
         "debootstrap, chroot and mount need root")
-    assert emulated.host_refusal(which=lambda tool: "/bin/" + tool, euid=0, machine="x86_64") is None
+    assert plan.host_refusal(which=lambda tool: "/bin/" + tool, euid=0, machine="x86_64") is None
     # an arm64 host runs the root without qemu
-    no_qemu = lambda tool: None if tool == emulated.QEMU else "/bin/" + tool  # noqa: E731
-    assert emulated.host_refusal(which=no_qemu, euid=0, machine="aarch64") is None
+    no_qemu = lambda tool: None if tool == plan.QEMU else "/bin/" + tool  # noqa: E731
+    assert plan.host_refusal(which=no_qemu, euid=0, machine="aarch64") is None
 
 
 def test_binfmt_entry_is_found_or_its_absence_said_in_one_line(tmp_path):
     (tmp_path / "register").write_text("")
     (tmp_path / "qemu-aarch64").write_text("enabled\ninterpreter /usr/libexec/qemu-binfmt/aarch64-binfmt-P\n"
                                            "flags: PF\noffset 0\nmagic 7f454c460201010000000000000000000200b700\n")
-    assert emulated.ensure_binfmt("x86_64", tmp_path) is None
+    assert plan.ensure_binfmt("x86_64", tmp_path) is None
     (tmp_path / "qemu-aarch64").write_text("disabled\n")
-    unregistered = emulated.ensure_binfmt("x86_64", tmp_path, run=lambda *a, **k: subprocess.CompletedProcess(a, 1, "", "no"))
+    unregistered = plan.ensure_binfmt("x86_64", tmp_path, run=lambda *a, **k: subprocess.CompletedProcess(a, 1, "", "no"))
     assert unregistered.startswith("no aarch64 entry in") and "\n" not in unregistered
     unmounted = tmp_path / "absent"
-    failed = emulated.ensure_binfmt("x86_64", unmounted,
+    failed = plan.ensure_binfmt("x86_64", unmounted,
                                     run=lambda *a, **k: subprocess.CompletedProcess(a, 32, "", "permission denied\n"))
     assert failed == f"binfmt_misc is not mounted at {unmounted} and mounting it failed: permission denied"
 
 
 def test_a_host_without_the_tools_ends_in_one_line_and_exit_1(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(emulated.shutil, "which", lambda tool: None)
+    monkeypatch.setattr(plan.shutil, "which", lambda tool: None)
     monkeypatch.setattr(emulated, "build_root", lambda ctx: pytest.fail("went past the host check"))
     rc = image.main(["--arch", "aarch64", "--cache", str(tmp_path / "cache")])
     err = capsys.readouterr().err
     assert rc == 1 and "Traceback" not in err
-    assert err.splitlines() == [f"python -m evaluator.rehearsal.image: error: {emulated.host_refusal(which=lambda t: None)}"]
+    assert err.splitlines() == [f"python -m evaluator.rehearsal.image: error: {plan.host_refusal(which=lambda t: None)}"]
     assert "debootstrap" in err
 
 

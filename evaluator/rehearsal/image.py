@@ -405,19 +405,19 @@ def aarch64(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
     """The emulated arm64 rehearsal: one line and exit 1 when this host cannot run it, else its verdict."""
     from engine.io import folder_refusal, mark_owned, marked
     from evaluator import settings
-    from evaluator.rehearsal import emulated
+    from evaluator.rehearsal import emulated, emulated_plan
 
     if a.quick or a.venv or a.codegen:
         p.error("--quick, --venv and --codegen are the x86_64 rehearsal's; --arch aarch64 runs its own steps")
-    cache = a.cache or emulated.cache_dir(settings.user_cache_home())
-    why = folder_refusal(cache, "--cache", lambda d: marked(d, emulated.KIND))
+    cache = a.cache or emulated_plan.cache_dir(settings.user_cache_home())
+    why = folder_refusal(cache, "--cache", lambda d: marked(d, emulated_plan.KIND))
     if why:
         p.error(why)
     cache.mkdir(parents=True, exist_ok=True)
-    mark_owned(cache, emulated.KIND)
+    mark_owned(cache, emulated_plan.KIND)
     try:
         steps = emulated.rehearse(cache, a.dockerfile)
-    except emulated.Refused as e:
+    except emulated_plan.Refused as e:
         print(f"{p.prog}: error: {e}", file=sys.stderr)
         return 1
     doc = emulated.record(steps, cache)
