@@ -153,3 +153,13 @@ def test_the_emulated_arm64_rehearsal_passes(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert doc["ok"] and [s["name"] for s in doc["steps"]][-1] == "agree"
+
+
+def test_the_emulated_root_sees_an_arm64_cpu_in_sys(tmp_path):
+    """torch's oneDNN reads MIDR_EL1 from sysfs when torch loads and crashed (SIGSEGV) under qemu-user on an
+    x86_64 kernel, which has no such entry: the root's /sys is a stand-in that has it for every CPU."""
+    sys_dir = emulated.arm64_sys(tmp_path / "sys", 3)
+    cpu = sys_dir / "devices" / "system" / "cpu"
+    midrs = sorted((cpu / f"cpu{i}" / "regs" / "identification" / "midr_el1").read_text() for i in range(3))
+    assert midrs == ["0x00000000410fd4f0\n"] * 3            # Neoverse V2: implementer 0x41 (Arm), part 0xd4f
+    assert (cpu / "possible").read_text() == "0-2\n" and (cpu / "online").read_text() == "0-2\n"

@@ -41,6 +41,7 @@ from evaluator.rehearsal.emulated_plan import (
     ARCH,
     DEBIAN_ARCH,
     MIRROR,
+    NEOVERSE_V2_MIDR,
     PACKAGES,
     PYTHON,
     QEMU,
@@ -177,17 +178,36 @@ def fetch_wheels(ctx: Ctx, pins: list[tuple[str, str]]) -> tuple[Step, list[str]
             served, sdists, skipped)
 
 
+def arm64_sys(folder: Path, cpus: int) -> Path:
+    """A stand-in for an arm64 kernel's /sys: the CPU list and each CPU's identification registers.
+
+    torch's oneDNN (xbyak_aarch64) reads MIDR_EL1 from /sys/devices/system/cpu/cpuN/regs/identification
+    when torch loads, and crashes the process (SIGSEGV) where the entry is missing, as under qemu-user
+    on an x86_64 kernel. Every arm64 Linux kernel has it; here it names a Neoverse V2 (Grace's core).
+    """
+    cpu = folder / "devices" / "system" / "cpu"
+    for i in range(cpus):
+        ident = cpu / f"cpu{i}" / "regs" / "identification"
+        ident.mkdir(parents=True, exist_ok=True)
+        (ident / "midr_el1").write_text(f"0x{NEOVERSE_V2_MIDR:016x}\n")
+        (ident / "revidr_el1").write_text(f"0x{0:016x}\n")
+    for name in ("online", "possible", "present"):
+        (cpu / name).write_text(f"0-{cpus - 1}\n")
+    return folder
+
+
 class Mounted:
     """/proc, /dev, /sys and the wheel folder mounted into the root for the steps inside it; unmounted
-    (lazily, in reverse) however the steps end."""
+    (lazily, in reverse) however the steps end. Emulated, /sys is arm64_sys's stand-in, not this kernel's."""
 
     def __init__(self, ctx: Ctx):
         self.ctx, self.points = ctx, []
 
     def __enter__(self) -> Mounted:
         root = self.ctx.root
+        sys_dir = "/sys" if not emulated() else str(arm64_sys(self.ctx.cache / "sys", os.cpu_count() or 1))
         for src, dst, opts in (("proc", "proc", ["-t", "proc"]), ("/dev", "dev", ["--rbind"]),
-                               ("/sys", "sys", ["--rbind"]), (str(self.ctx.wheels), WHEELS.lstrip("/"), ["--bind"])):
+                               (sys_dir, "sys", ["--rbind"]), (str(self.ctx.wheels), WHEELS.lstrip("/"), ["--bind"])):
             target = root / dst
             target.mkdir(parents=True, exist_ok=True)
             if str(target) in mounts_under(target):
@@ -203,6 +223,10 @@ class Mounted:
         for target in reversed(self.points):
             sh(["umount", "-l", str(target)])
         self.points = []
+
+
+def emulated() -> bool:
+    return platform.machine() not in ("aarch64", "arm64")
 
 
 def copy_repo(root: Path) -> int:
@@ -268,8 +292,18 @@ def rehearse(cache: Path, dockerfile: Path, log=print) -> list[Step]:
         def install() -> Step:
             """The venv and the wheels must install; an sdist whose build needs NVIDIA's index (TensorRT's
             libraries) is skipped like an unserved pin, any other sdist failure fails the step only."""
+            done, want = ctx.cache / "install.json", {"served": served, "sdists": sdists}
+            if done.is_file() and json.loads(done.read_text()).get("pins") == want \
+                    and (ctx.root / VENV.lstrip("/") / "bin" / "python").exists():
+                prior = json.loads(done.read_text())
+                skipped.extend(prior.get("skipped_sdists", []))
+                wheels_in["ok"] = True
+                return Step("install", True, f"cached: {VENV} in the root holds these {len(served) + len(sdists)} "
+                                             f"pins (installed --no-deps in {prior.get('seconds', '?')} s)")
+            done.unlink(missing_ok=True)
+            t0 = time.monotonic()
             cmds = install_commands(served, sdists)
-            built, failed = [], []
+            built, failed, skipped0 = [], [], list(skipped)
             for cmd in cmds:
                 r = sh(in_root(ctx.root, cmd))
                 pin = cmd[-1] if cmd[-1] in sdists else None
@@ -283,6 +317,9 @@ def rehearse(cache: Path, dockerfile: Path, log=print) -> list[Step]:
                 else:
                     return Step("install", False, f"{' '.join(cmd[:6])} ...: {pip_error(r.stderr) or tail(r)}")
             wheels_in["ok"] = True
+            if not failed:
+                done.write_text(json.dumps({"pins": want, "skipped_sdists": [p for p in skipped if p not in skipped0],
+                                            "seconds": round(time.monotonic() - t0)}) + "\n")
             return Step("install", not failed, f"{len(served)} wheels + {len(built)} sdists installed --no-deps in {VENV} "
                                                f"inside the root" + (f" (built there: {', '.join(built)})" if built else "")
                         + (f"; sdist builds FAILED: {'; '.join(failed)}" if failed else ""))
@@ -305,7 +342,7 @@ def rehearse(cache: Path, dockerfile: Path, log=print) -> list[Step]:
                 return import_step(f"imports[{i}]", chk, r)
             add(timed(one))
         add(timed(lambda: inside(ctx, "headers", ["python", "-m", "evaluator.rehearsal.image", "--quick"],
-                                 ok_detail=lambda out: out.splitlines()[-1].removeprefix("ok").strip())))
+                                 ok_detail=lambda out: out.splitlines()[-1].partition(": ")[2])))
         if not add(timed(lambda: tiny_checkpoint(ctx, env))):
             return steps
         if not add(timed(lambda: tiny_build(ctx, env))):
@@ -387,7 +424,7 @@ def host_agrees(ctx: Ctx) -> Step:
 
 def record(steps: list[Step], cache: Path) -> dict:
     """The JSON the command writes: the verdict, each step with its seconds, and where it ran."""
-    return {"arch": ARCH, "emulated": platform.machine() not in ("aarch64", "arm64"), "ok": all(s.ok for s in steps),
+    return {"arch": ARCH, "emulated": emulated(), "ok": all(s.ok for s in steps),
             "host": {"machine": platform.machine(), "python": platform.python_version(), "kernel": platform.release()},
             "cache": str(cache), "total_s": round(sum(s.seconds or 0 for s in steps), 1),
             "steps": [{"name": s.name, "ok": s.ok, "seconds": s.seconds, "detail": s.detail} for s in steps]}

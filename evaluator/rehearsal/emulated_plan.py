@@ -22,6 +22,7 @@ GLIBC = (2, 36)                          # bookworm's: the newest manylinux tag 
 PYTHON = "3.11"
 KIND = "arm64-rehearsal"                 # the cache folder's mark (engine.io.mark_owned)
 QEMU = "qemu-aarch64-static"
+NEOVERSE_V2_MIDR = 0x410FD4F0              # MIDR_EL1 of Arm Neoverse V2 (implementer 0x41, part 0xd4f), Grace's core
 BINFMT = Path("/proc/sys/fs/binfmt_misc")
 # inside the root: where the venv, the wheels, the repository copy and the work go
 VENV, WHEELS, SUBMISSION, WORK = "/opt/venv", "/var/cache/wheels", "/submission", "/tmp/rehearsal"
