@@ -12,6 +12,7 @@
 | CIR_PROMPT | auto | scripts/run.sh --prompt |
 | CIR_CORPUS | the index's | scripts/run.sh --corpus (records for re-inspection) |
 | REHEARSE_RUN_CMD | scripts/run | the command scripts/rehearse runs as the entry point |
+| XDG_CACHE_HOME | ~/.cache | python -m evaluator.rehearsal.image --arch aarch64: the user's cache, where its emulated root and wheels are kept |
 | ENGINE_CHECKPOINT | /checkpoint/model.safetensors | ./build.sh: the checkpoint file |
 | ENGINE_MODEL | the checkpoint's record, else evaluator/contest/task.py's | ./build.sh: timm name, decides the spec |
 | ENGINE_PRECISION | the device's preset (engine/presets/classification.py) | ./build.sh: auto, fp32, bf16, fp16 or fp8 (auto: the fastest native precision here that holds the guard's budget, measured) |
@@ -71,6 +72,10 @@ def cir_corpus() -> Path | None:
 
 def rehearse_run_cmd() -> str | None:
     return read("REHEARSE_RUN_CMD", text, None)
+
+
+def user_cache_home() -> Path:
+    return read("XDG_CACHE_HOME", path, Path.home() / ".cache")
 
 
 def build_checkpoint() -> Path:

@@ -1,7 +1,8 @@
 """Shared fixtures: generated cohorts, the tiny EVA-02 checkpoint and built artifacts.
 
 Everything is made here from generated images (no downloads, no real data) once per
-session. GPU tests carry the `gpu` marker and skip cleanly without CUDA.
+session. GPU tests carry the `gpu` marker and skip cleanly without CUDA; the `emulated` ones (the
+ARM64 image rehearsed under qemu) run only when selected with `-m emulated`.
 """
 from __future__ import annotations
 
@@ -57,6 +58,11 @@ def pytest_benchmark_update_machine_info(config, machine_info):
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    # the emulated ARM64 rehearsal takes an hour and root: only when asked for by name (-m emulated)
+    if "emulated" not in (config.getoption("markexpr") or ""):
+        for item in items:
+            if "emulated" in item.keywords:
+                item.add_marker(pytest.mark.skip(reason="emulated ARM64 rehearsal: run with -m emulated (root, ~1 h)"))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

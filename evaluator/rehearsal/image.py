@@ -1,6 +1,10 @@
 """Rehearse the contest image without Docker: what the Dockerfile assembles, checked on a CPU machine.
 
     python -m evaluator.rehearsal.image [--venv DIR] [--quick] [--codegen] [--json FILE]
+    python -m evaluator.rehearsal.image --arch aarch64 [--cache DIR] [--json FILE]   # as root
+
+`--arch aarch64` rehearses the arm64 image under emulation instead (qemu-user, an arm64 Debian root;
+evaluator/rehearsal/emulated.py says its steps); the default, x86_64, is the venv rehearsal below.
 
 Steps, one line each (`ok` or `FAILED` with the reason); exit 0 only when every step passed:
   venv     a fresh Python venv (the base image's Python version, read from FROM);
@@ -21,7 +25,7 @@ Steps, one line each (`ok` or `FAILED` with the reason); exit 0 only when every 
 `--quick` runs only `headers` (and `codegen` when asked), against the Python running this (its
 site-packages, where CI installs the lock): the check the test suite runs. Not rehearsed: Docker
 itself (the base image, apt's g++, the user, the read-only root), a GPU and its driver, NVIDIA's
-index (its pins are skipped), the other platform (arm64 on an x86_64 machine).
+index (its pins are skipped), the other platform (arm64 on an x86_64 machine: `--arch aarch64`).
 """
 from __future__ import annotations
 
@@ -49,6 +53,7 @@ CUDA_HEADERS = ("torch/csrc/inductor/aoti_include/cuda.h", "torch/csrc/inductor/
 # real wheel from NVIDIA's index (tensorrt-cu13-libs) and fails to build without it
 NOT_SERVED = re.compile(r"No matching distribution found|Could not find a version that satisfies|pypi\.nvidia\.com")
 DOCKER_ARCH = {"x86_64": "amd64", "aarch64": "arm64", "arm64": "arm64"}
+ARCHES = ("x86_64", "aarch64")        # --arch: the default first
 
 
 @dataclass
@@ -56,9 +61,11 @@ class Step:
     name: str
     ok: bool
     detail: str
+    seconds: float | None = None    # wall time, where the step was timed (the emulated rehearsal's)
 
     def line(self) -> str:
-        return f"{'ok' if self.ok else 'FAILED':<7} {self.name}: {self.detail}"
+        took = f" [{self.seconds:.1f} s]" if self.seconds is not None else ""
+        return f"{'ok' if self.ok else 'FAILED':<7} {self.name}: {self.detail}{took}"
 
 
 # ---- the Dockerfile, parsed --------------------------------------------------------------------
@@ -263,9 +270,14 @@ def pip_error(stderr: str) -> str:
 def pip_check(venv: Path, skipped: list[str]) -> Step:
     """`pip check`, less the 'X requires Y, which is not installed' lines of skipped pins."""
     r = subprocess.run([str(venv_python(venv)), "-m", "pip", "check"], capture_output=True, text=True)
+    return pip_check_step(r.stdout, skipped)
+
+
+def pip_check_step(stdout: str, skipped: list[str]) -> Step:
+    """The pip-check step of `pip check`'s output, less the lines only the skipped pins explain."""
     norm = lambda s: re.sub(r"[-_.]+", "-", s.lower())  # noqa: E731
     gone = {norm(s) for s in skipped}
-    lines = [ln for ln in r.stdout.splitlines() if ln.strip() and "No broken requirements" not in ln]
+    lines = [ln for ln in stdout.splitlines() if ln.strip() and "No broken requirements" not in ln]
     rest = [ln for ln in lines
             if not (m := re.search(r"requires ([\w.\-]+), which is not installed", ln)) or norm(m[1]) not in gone]
     if rest:
@@ -289,14 +301,17 @@ def run_imports(venv: Path, checks: list[ImportCheck], env: dict[str, str], args
         code = expand(check.code, args)       # the shell expands ${TARGETARCH} inside the double quotes
         r = subprocess.run([str(venv_python(venv)), "-c", code], capture_output=True, text=True,
                            env={**os.environ, **env}, timeout=600)
-        name = f"imports[{i}]"
-        if r.returncode == 0:
-            steps.append(Step(name, True, r.stdout.strip().splitlines()[-1] if r.stdout.strip() else "imported"))
-        elif check.fallback is not None:
-            steps.append(Step(name, True, f"{check.fallback} [{raised(r.stderr)[:200]}]"))
-        else:
-            steps.append(Step(name, False, raised(r.stderr)))
+        steps.append(import_step(f"imports[{i}]", check, r))
     return steps
+
+
+def import_step(name: str, check: ImportCheck, r: subprocess.CompletedProcess) -> Step:
+    """The step of one import program's finished process (its `|| echo` fallback honoured)."""
+    if r.returncode == 0:
+        return Step(name, True, r.stdout.strip().splitlines()[-1] if r.stdout.strip() else "imported")
+    if check.fallback is not None:
+        return Step(name, True, f"{check.fallback} [{raised(r.stderr)[:200]}]")
+    return Step(name, False, raised(r.stderr))
 
 
 # ---- the rehearsal -----------------------------------------------------------------------------
@@ -359,7 +374,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--codegen", action="store_true", help="also Inductor's CUDA codegen and an sm_90 cubin")
     p.add_argument("--dockerfile", type=Path, default=DOCKERFILE, help="the Dockerfile whose image is rehearsed")
     p.add_argument("--json", type=Path, help="write a JSON summary here (default: not written)")
+    p.add_argument("--arch", choices=ARCHES, default=ARCHES[0],
+                   help="the image platform: x86_64 in a venv here, aarch64 in an emulated arm64 root (needs root)")
+    p.add_argument("--cache", type=Path, help="with --arch aarch64: the folder its root and wheels are kept in "
+                   "(default: eva-engine/arm64-rehearsal in the user's cache, $XDG_CACHE_HOME or ~/.cache)")
     a = p.parse_args(argv)
+    if a.arch == "aarch64":
+        return aarch64(p, a)
     if a.quick:
         steps = [quick(a.dockerfile)]
         if a.codegen:
@@ -378,6 +399,35 @@ def main(argv: list[str] | None = None) -> int:
         a.json.write_text(json.dumps({"ok": ok, "steps": [asdict(s) for s in steps]}, indent=1) + "\n")
     print("image rehearsal:", "PASS" if ok else "FAIL", file=sys.stderr)
     return 0 if ok else 1
+
+
+def aarch64(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
+    """The emulated arm64 rehearsal: one line and exit 1 when this host cannot run it, else its verdict."""
+    from engine.io import folder_refusal, mark_owned, marked
+    from evaluator import settings
+    from evaluator.rehearsal import emulated, emulated_plan
+
+    if a.quick or a.venv or a.codegen:
+        p.error("--quick, --venv and --codegen are the x86_64 rehearsal's; --arch aarch64 runs its own steps")
+    cache = a.cache or emulated_plan.cache_dir(settings.user_cache_home())
+    why = folder_refusal(cache, "--cache", lambda d: marked(d, emulated_plan.KIND))
+    if why:
+        p.error(why)
+    cache.mkdir(parents=True, exist_ok=True)
+    mark_owned(cache, emulated_plan.KIND)
+    try:
+        steps = emulated.rehearse(cache, a.dockerfile)
+    except emulated_plan.Refused as e:
+        print(f"{p.prog}: error: {e}", file=sys.stderr)
+        return 1
+    doc = emulated.record(steps, cache)
+    if a.json:
+        a.json.write_text(json.dumps(doc, indent=1) + "\n")
+    failed = [s.name for s in steps if not s.ok]
+    print(f"image rehearsal (aarch64, {'emulated' if doc['emulated'] else 'native'}): "
+          f"{'PASS' if doc['ok'] else 'FAIL at ' + ', '.join(failed)} ({len(steps)} steps, {doc['total_s']:.0f} s)",
+          file=sys.stderr)
+    return 0 if doc["ok"] else 1
 
 
 if __name__ == "__main__":
