@@ -13,11 +13,11 @@ import sys
 import pytest
 from conftest import REPO
 
-from evaluator.rehearsal import emulated, image
+from evaluator.rehearsal import emulated, image, image_steps
 from evaluator.rehearsal import emulated_plan as plan
 
 LOCKS = {lock: (REPO / lock).read_text()
-         for lock in image.pip_locks(image.instructions((REPO / "Dockerfile").read_text()))}
+         for lock in image_steps.pip_locks(image_steps.instructions((REPO / "Dockerfile").read_text()))}
 
 
 def test_arch_is_validated_in_one_line(capsys):
@@ -133,7 +133,7 @@ def test_a_cache_folder_this_kit_did_not_make_is_refused(tmp_path, capsys):
 
 
 def test_record_has_the_verdict_and_each_steps_seconds(tmp_path):
-    steps = [image.Step("host", True, "x", 0.5), image.Step("root", False, "y", 2.25)]
+    steps = [image_steps.Step("host", True, "x", 0.5), image_steps.Step("root", False, "y", 2.25)]
     doc = emulated.record(steps, tmp_path)
     assert doc["ok"] is False and doc["arch"] == "aarch64" and doc["total_s"] == 2.8
     assert [(s["name"], s["seconds"]) for s in doc["steps"]] == [("host", 0.5), ("root", 2.25)]

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-from evaluator.rehearsal import image
+from evaluator.rehearsal import image, image_steps
 
 SP = sysconfig.get_paths()["purelib"]
 
 
 def _cuda_home() -> Path:
-    env = image.mapped_env(image.instructions((REPO / "Dockerfile").read_text()), SP)
+    env = image_steps.mapped_env(image_steps.instructions((REPO / "Dockerfile").read_text()), SP)
     return Path(env["CUDA_HOME"])
 
 
@@ -28,13 +28,13 @@ def _need_toolchain() -> Path:
 
 
 def test_dockerfile_env_of_the_real_dockerfile():
-    instrs = image.instructions((REPO / "Dockerfile").read_text())
-    env = image.dockerfile_env(instrs)
+    instrs = image_steps.instructions((REPO / "Dockerfile").read_text())
+    env = image_steps.dockerfile_env(instrs)
     assert env["CUDA_HOME"] == "/usr/local/lib/python3.11/site-packages/nvidia/cu13"
     assert env["TMPDIR"] == "/tmp" and env["HF_HUB_OFFLINE"] == "1"
-    assert image.mapped_env(instrs, "/venv/sp")["CUDA_HOME"] == "/venv/sp/nvidia/cu13"
-    assert image.pip_locks(instrs) == ["requirements/lock.txt", "requirements/gpu.txt"]
-    checks = image.import_checks(instrs)
+    assert image_steps.mapped_env(instrs, "/venv/sp")["CUDA_HOME"] == "/venv/sp/nvidia/cu13"
+    assert image_steps.pip_locks(instrs) == ["requirements/lock.txt", "requirements/gpu.txt"]
+    checks = image_steps.import_checks(instrs)
     assert [c.fallback is None for c in checks] == [True, False], checks
     assert "import sys, torch" in checks[0].code and "cupy" in checks[0].code and "${TARGETARCH}" in checks[0].code
     assert "torch_tensorrt" in checks[1].code and "no GPU" in checks[1].fallback
@@ -53,19 +53,19 @@ ENV LEGACY some value
 ENV D=${C}/d E=$A${MISSING} F=${MISSING:-dflt} G=${A:+set} H=${MISSING:+set}
 RUN python -c "import os; print('${A}')" || echo "fell back"
 """
-    instrs = image.instructions(text)
-    env = image.dockerfile_env(instrs)
+    instrs = image_steps.instructions(text)
+    env = image_steps.dockerfile_env(instrs)
     assert env == {"A": "1", "B": "two words", "C": "/opt/c", "LEGACY": "some value", "D": "/opt/c/d",
                    "E": "1", "F": "dflt", "G": "set", "H": ""}
-    assert image.image_site_packages(instrs) == "/usr/local/lib/python3.12/site-packages"
-    assert image.import_checks(instrs)[0].fallback == "fell back"
+    assert image_steps.image_site_packages(instrs) == "/usr/local/lib/python3.12/site-packages"
+    assert image_steps.import_checks(instrs)[0].fallback == "fell back"
     with pytest.raises(ValueError, match="continuation"):
-        image.instructions("FROM x\nENV A=1 \\\n")
+        image_steps.instructions("FROM x\nENV A=1 \\\n")
 
 
 def test_cuda_headers_compile_against_the_installed_lock():
     cuda_home = _need_toolchain()
-    step = image.quick(REPO / "Dockerfile", SP)
+    step = image_steps.quick(REPO / "Dockerfile", SP)
     assert step.ok, step.line()
     assert str(cuda_home) in step.detail
 
@@ -75,7 +75,7 @@ def test_header_compile_fails_without_crt(tmp_path):
     cuda_home = _need_toolchain()
     copy = tmp_path / "cu13"
     shutil.copytree(cuda_home / "include", copy / "include", ignore=shutil.ignore_patterns("crt"))
-    step = image.compile_headers(SP, str(copy), headers=("cuda_fp16.h",))
+    step = image_steps.compile_headers(SP, str(copy), headers=("cuda_fp16.h",))
     assert not step.ok
     assert "fatal error: crt/host_defines.h: No such file or directory" in step.detail, step.detail
     assert step.line().startswith("FAILED  headers: <cuda_fp16.h>")
@@ -95,8 +95,8 @@ def test_quick_cli_fails_and_writes_the_summary(tmp_path, capsys):
 
 def test_missing_header_line():
     err = "In file included from x.h:1:\n/p/cuda_runtime.h:82:10: fatal error: crt/host_config.h: No such file or directory\n"
-    assert image.missing_header(err) == "/p/cuda_runtime.h:82:10: fatal error: crt/host_config.h: No such file or directory"
-    assert image.missing_header("x.cc:1: error: expected ';'") is None
+    assert image_steps.missing_header(err) == "/p/cuda_runtime.h:82:10: fatal error: crt/host_config.h: No such file or directory"
+    assert image_steps.missing_header("x.cc:1: error: expected ';'") is None
 
 
 @pytest.mark.slow
@@ -132,13 +132,13 @@ def test_install_skips_only_pins_no_index_serves(tmp_path):
 esac
 """)
     lines = []
-    step, skipped = image.install_locks(venv, [str(lock)], log=lines.append)
+    step, skipped = image_steps.install_locks(venv, [str(lock)], log=lines.append)
     assert step.ok and skipped == ["nvonly"], (step, skipped)
     assert "1 of 2 pins" in step.detail and lines == [
         f"skipped nvonly ({lock}): nvonly==2 is not installable from the indexes configured here "
         "(the image gets it from NVIDIA's index)"]
     lock.write_text("served==1\nbroken==3\n")
-    step, _ = image.install_locks(venv, [str(lock)], log=lines.append)
+    step, _ = image_steps.install_locks(venv, [str(lock)], log=lines.append)
     assert not step.ok and step.detail.endswith("broken==3: ERROR: Could not install packages due to an OSError: disk full")
 
 
@@ -147,6 +147,6 @@ def test_pip_check_forgives_only_the_skipped_pins(tmp_path):
 echo "timm 1.0 requires huggingface-hub, which is not installed."
 exit 1
 """)
-    step = image.pip_check(venv, ["tensorrt_cu13_libs"])
+    step = image_steps.pip_check(venv, ["tensorrt_cu13_libs"])
     assert not step.ok and step.detail == "timm 1.0 requires huggingface-hub, which is not installed.", step
-    assert image.pip_check(venv, ["tensorrt-cu13-libs", "huggingface-hub"]).ok
+    assert image_steps.pip_check(venv, ["tensorrt-cu13-libs", "huggingface-hub"]).ok

@@ -62,7 +62,7 @@ from evaluator.rehearsal.emulated_plan import (
     install_commands,
     sdist_command,
 )
-from evaluator.rehearsal.image import (
+from evaluator.rehearsal.image_steps import (
     DOCKER_ARCH,
     NOT_SERVED,
     REPO,
@@ -374,11 +374,12 @@ def tiny_checkpoint(ctx: Ctx, env: dict[str, str]) -> Step:
 
 
 def build_args() -> list[str]:
+    from engine.backends import eager
     from evaluator.synthetic.cohort import TINY_INPUT, TINY_KWARGS, TINY_MODEL
 
     return ["--model", TINY_MODEL, "--input-size", str(TINY_INPUT), "--crop-mode", "squash", "--crop-pct", "1.0",
             "--model-kwargs", json.dumps(TINY_KWARGS), "--checkpoint", f"{WORK}/tiny.safetensors",
-            "--out", f"{WORK}/artifact", "--backend", "eager", "--precision", "fp32", "--batch-size", "4",
+            "--out", f"{WORK}/artifact", "--backend", eager.NAME, "--precision", "fp32", "--batch-size", "4",
             "--device", "cpu"]
 
 
