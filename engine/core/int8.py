@@ -26,7 +26,8 @@ import numpy as np
 NAME = "int8"
 KEEP_FP32 = ("net.head", "net.patch_embed")   # module names (inside Top1Model) left unquantized
 DOT_PRODUCT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")   # /proc/cpuinfo flags of INT8 dot products
-DOT_PRODUCT_ISAS = ("VNNI", "AVX512_CORE_BF16", "AVX512_CORE_FP16", "AMX", "AVX10", "ALL")  # oneDNN ISAs with them
+INT8_FLAGS = ("avx2", *DOT_PRODUCT_FLAGS)   # oneDNN's u8s8 GEMMs: AVX2's vpmaddubsw pairs, or the dot products
+INT8_ISAS = ("AVX2", "AVX512", "AMX", "AVX10", "ALL")   # oneDNN ISA limits that leave it those kernels
 
 
 def describe() -> dict:
@@ -50,7 +51,9 @@ def cpu_flags() -> set[str] | None:
 
 def unavailable(device: str, flags: set[str] | None = None) -> str | None:
     """Why an int8 candidate cannot be built here (None: it can): the off switch, the device, the
-    CPU's INT8 dot products (and oneDNN's ISA limit), torchao importing. `flags`: the CPU's
+    CPU's int8 GEMMs (AVX2's vpmaddubsw at least: VNNI and AMX-INT8 are faster, and where only AVX2
+    has them the candidate is measured all the same, its row showing whether it pays), oneDNN's ISA
+    limit, torchao importing. `flags`: the CPU's
     (default: read from /proc/cpuinfo)."""
     from engine import settings
 
@@ -58,13 +61,12 @@ def unavailable(device: str, flags: set[str] | None = None) -> str | None:
     if why:
         return why
     flags = cpu_flags() if flags is None else flags
-    have = sorted(set(DOT_PRODUCT_FLAGS) & (flags or set()))
+    have = sorted(set(INT8_FLAGS) & (flags or set()))
     if flags is not None and not have:
-        return ("no INT8 dot products on this CPU (no avx512_vnni, avx_vnni or amx_int8): emulated, measure it "
-                "with --search-precisions")
+        return "no AVX2 on this CPU: oneDNN has no int8 GEMMs here (emulated; measure it with --search-precisions)"
     isa = settings.onednn_max_cpu_isa().upper()
-    if isa and not any(k in isa for k in DOT_PRODUCT_ISAS):
-        return f"ONEDNN_MAX_CPU_ISA={isa} leaves oneDNN no INT8 dot products: measure it with --search-precisions"
+    if isa and not any(k in isa for k in INT8_ISAS):
+        return f"ONEDNN_MAX_CPU_ISA={isa} leaves oneDNN no int8 GEMMs (below AVX2): measure it with --search-precisions"
     return None
 
 
