@@ -95,6 +95,7 @@ PLAN = (
     ("gpu_tests", 0.3, "pytest -m gpu -rA, interrupted with SIGINT at --gpu-tests-s"),
     ("eager_fp16", 0.25, "the eager fp16 build, end to end guarded and raw"),
     ("eager_fp8", 0.25, "the eager fp8 build, end to end guarded and raw"),
+    ("eager_fp8-torchao", 0.25, "torchao's fp8 recipe, eager, end to end guarded and raw (beside the engine's)"),
     ("batch_sweep", 0.15, "policy bf16 inference alone at the device preset's batch sizes"),
 )
 

@@ -29,7 +29,8 @@ pytestmark = pytest.mark.abi   # scripts/device_check.sh / .py as whole processe
 
 ORDER = ["driver", "env", "cuda_home", "cohort", "checkpoint", "aot_bf16", "eager_bf16", "abi_eager_bf16", "reference",
          "abi_aot_bf16", "search", "packages", "fp8_gemm", "graph_capture", "decoder_race", "attention", "topk",
-         "abi_aot_bf16_no_graphs", "abi_aot_bf16_raw", "gpu_tests", "eager_fp16", "eager_fp8", "batch_sweep"]
+         "abi_aot_bf16_no_graphs", "abi_aot_bf16_raw", "gpu_tests", "eager_fp16", "eager_fp8", "eager_fp8-torchao",
+         "batch_sweep"]
 OUTPUTS = ["aot_phases.json", "device_check.json", "device_check.log", "results.jsonl"]
 TINY = ["--tiny", "--device", "cpu", "--count", "24", "--ref-count", "24", "--batch-size", "8",
         "--gpu-tests-s", "60", "--calibration-count", "32", "--search-budget-s", "5"]
