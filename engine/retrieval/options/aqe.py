@@ -4,32 +4,14 @@ cosines relative to the best one's, and is scored again (engine.retrieval.rescor
 from __future__ import annotations
 
 from engine.presets.retrieval import RETRIEVAL
-from engine.retrieval.options.base import Key, Option
+from engine.retrieval.options.base import Key, NeighbourMean
 
 
-class AlphaQE(Option):
+class AlphaQE(NeighbourMean):
     name = "aqe"
     source = "alpha-QE (Radenovic et al., TPAMI 2018) with scale-free weights: this kit's variant"
     keys = {"n": Key("n", RETRIEVAL.aqe_neighbours, int), "alpha": Key("alpha", RETRIEVAL.aqe_alpha, float)}
     record_defaults = {"aqe": 0, "aqe_alpha": RETRIEVAL.aqe_alpha}
-
-    def validate(self) -> None:
-        if self.n < 0:
-            raise ValueError("aqe / dba neighbours must be >= 0")
-        if self.alpha < 0:
-            raise ValueError("alpha must be >= 0")
-
-    @property
-    def active(self) -> bool:
-        return self.n > 0
-
-    def record(self) -> dict:
-        return {"aqe": self.n, "aqe_alpha": self.alpha}
-
-    @classmethod
-    def from_record(cls, flat: dict):
-        n = flat.get("aqe", 0)
-        return cls(n=n, alpha=flat.get("aqe_alpha", RETRIEVAL.aqe_alpha)) if n else None
 
     def expand(self, pipe, scored, ref_t, topk):
         from engine.retrieval.rescore import alpha_qe

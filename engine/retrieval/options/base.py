@@ -197,3 +197,28 @@ class Option:
         """(meta.json additions, {extra file name: (suffix, bytes)}) the build stores for it
         (engine.retrieval.index_extras.ExtrasContext: the build's extras settings, the gallery rows)."""
         return {}, {}
+
+
+class NeighbourMean(Option):
+    """An option that moves a row toward its `n` nearest rows weighted by `alpha` (aqe on the query
+    side, dba on the gallery's): the keys `n` and `alpha`, recorded flat as NAME and NAME_alpha."""
+    n: int
+    alpha: float
+
+    def validate(self) -> None:
+        if self.n < 0:
+            raise ValueError("aqe / dba neighbours must be >= 0")
+        if self.alpha < 0:
+            raise ValueError("alpha must be >= 0")
+
+    @property
+    def active(self) -> bool:
+        return self.n > 0
+
+    def record(self) -> dict:
+        return {self.name: self.n, f"{self.name}_alpha": self.alpha}
+
+    @classmethod
+    def from_record(cls, flat: dict):
+        n = flat.get(cls.name, 0)
+        return cls(n=n, alpha=flat.get(f"{cls.name}_alpha", cls.keys["alpha"].default)) if n else None

@@ -7,33 +7,15 @@ from __future__ import annotations
 import time
 
 from engine.presets.retrieval import RETRIEVAL
-from engine.retrieval.options.base import Key, Option
+from engine.retrieval.options.base import Key, NeighbourMean
 
 
-class DBA(Option):
+class DBA(NeighbourMean):
     name = "dba"
     source = "published: database-side augmentation (Arandjelovic & Zisserman, CVPR 2012)"
     keys = {"n": Key("n", RETRIEVAL.dba_neighbours, int), "alpha": Key("alpha", RETRIEVAL.dba_alpha, float)}
     record_defaults = {"dba": 0, "dba_alpha": RETRIEVAL.dba_alpha}
     extra_files = ("dba",)
-
-    def validate(self) -> None:
-        if self.n < 0:
-            raise ValueError("aqe / dba neighbours must be >= 0")
-        if self.alpha < 0:
-            raise ValueError("alpha must be >= 0")
-
-    @property
-    def active(self) -> bool:
-        return self.n > 0
-
-    def record(self) -> dict:
-        return {"dba": self.n, "dba_alpha": self.alpha}
-
-    @classmethod
-    def from_record(cls, flat: dict):
-        n = flat.get("dba", 0)
-        return cls(n=n, alpha=flat.get("dba_alpha", RETRIEVAL.dba_alpha)) if n else None
 
     def gallery_rows(self, pipe, rows):
         from engine.retrieval.rescore import dba
