@@ -99,6 +99,24 @@ def resolve_inside(root: str | os.PathLike, rel: str, what: str = "the root", re
     return real
 
 
+class FilesUnder:
+    """`reader(i)`: the bytes of the i-th of the relative paths `rels` under `root`, as
+    resolve_relative and read_regular give them: trusted (`confine` False: symlinks followed, as a
+    staged symlink farm needs) or confined (the real path inside the root, no final link). `what`
+    names the root in messages, `max_bytes` caps each file (ENGINE_MAX_FILE_BYTES)."""
+
+    def __init__(self, root: str | os.PathLike, rels: list[str], what: str, confine: bool, max_bytes: int):
+        self.root, self.rels, self.what, self.confine, self.max_bytes = root, rels, what, confine, max_bytes
+        self.real_root = os.path.realpath(root)
+
+    def __len__(self) -> int:
+        return len(self.rels)
+
+    def __call__(self, i: int) -> bytes:
+        path = resolve_relative(self.root, self.rels[i], self.what, self.confine, self.real_root)
+        return read_regular(path, self.max_bytes, follow=not self.confine)
+
+
 def tree_bytes(root: str | os.PathLike, since: float | None = None) -> int:
     """Bytes of the files under `root` (only those modified at or after `since`, a time.time() value)."""
     total = 0
@@ -111,6 +129,16 @@ def tree_bytes(root: str | os.PathLike, since: float | None = None) -> int:
             if since is None or st.st_mtime >= since:
                 total += st.st_size
     return total
+
+
+def path_bytes(path: str | os.PathLike) -> int:
+    """Bytes of a file, or of the files under a folder; 0 for a path that is not there."""
+    try:
+        if os.path.isfile(path):
+            return os.path.getsize(path)
+    except OSError:
+        return 0
+    return tree_bytes(path) if os.path.isdir(path) else 0
 
 
 def share_tree_like_root(root: str | os.PathLike) -> None:

@@ -46,7 +46,6 @@ and oneDNN to AVX2 (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA) left the classifica
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
 
 MiB = 1 << 20
 MARGIN = 48 * MiB               # run-to-run noise of the thresholds (about 12 MiB quiet, more on a busy machine)
@@ -63,18 +62,6 @@ OPENBLAS_THREAD = 41 * MiB      # each thread numpy's OpenBLAS starts past its f
 # (fixed part, per thread of ENGINE_THREADS, at least 2 counted): the retrieval calls
 RETRIEVAL_BUILD = (4120 * MiB, 51 * MiB)   # torch, the CLIP towers, DALI's CPU decoder in the process
 RETRIEVAL_RUN = (3542 * MiB, 21 * MiB)     # torch, the CLIP towers, the query pipeline
-
-
-def tree_or_file_bytes(path: str | os.PathLike) -> int:
-    """Bytes of a file, or of the files under a folder; 0 for a path that is not there."""
-    from engine.io import tree_bytes
-
-    try:
-        if os.path.isfile(path):
-            return os.path.getsize(path)
-    except OSError:
-        return 0
-    return tree_bytes(path) if os.path.isdir(path) else 0
 
 
 def thread_bytes(threads: int, cpus: int | None = None) -> int:
@@ -104,14 +91,15 @@ def blas_thread_bytes(openblas_threads: int) -> int:
     return max(0, openblas_threads - 1) * OPENBLAS_THREAD
 
 
-def need_bytes(files: Iterable[str | os.PathLike], fixed: int, threads: int = 0) -> int:
-    """The address space a run maps: `fixed` + `threads` (its threads' part, in bytes) + the bytes
-    of `files` (files or folders it maps, such as an artifact, an index, a CLIP) + the OpenBLAS
-    threads past the first (engine.settings.openblas_threads) + MARGIN."""
+def need_bytes(mapped: int, fixed: int, threads: int = 0) -> int:
+    """The address space a run maps: `fixed` + `threads` (its threads' part, in bytes) + `mapped`
+    (the bytes of the files or folders it maps, such as an artifact, an index, a CLIP:
+    engine.io.path_bytes of each) + the OpenBLAS threads past the first
+    (engine.settings.openblas_threads) + MARGIN."""
     from engine import settings
 
     blas = blas_thread_bytes(settings.openblas_threads())
-    return fixed + threads + sum(tree_or_file_bytes(f) for f in files) + blas + MARGIN
+    return fixed + threads + mapped + blas + MARGIN
 
 
 class AddressSpaceError(RuntimeError):

@@ -10,10 +10,12 @@ from engine.core.spec import Spec
 
 
 class FakeIndex:
-    """emb [N, D] float16 unit rows, ids, meta.json as a dict, the index folder."""
+    """emb [N, D] float16 unit rows, ids, meta.json as a dict, the index folder (no extras)."""
 
     def __init__(self, emb, ids, meta, d):
         self.emb, self.ids, self.meta, self.dir = emb, ids, {"decoder": "pil", **meta}, d
+        self.row_of = {str(i): r for r, i in enumerate(ids)}
+        self.extras: dict[str, bytes] = {}
 
     def rows(self):
         return {str(i): r for r, i in enumerate(self.ids)}

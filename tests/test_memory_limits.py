@@ -67,10 +67,13 @@ def test_the_need_is_fixed_plus_threads_plus_files(tmp_path, monkeypatch):
     (tmp_path / "a").write_bytes(bytes(3 * MiB))
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "b").write_bytes(bytes(MiB))
-    base = memory.need_bytes([], 100 * MiB)
+    from engine.io import path_bytes
+
+    base = memory.need_bytes(0, 100 * MiB)
     assert base == 100 * MiB + memory.MARGIN
-    assert memory.need_bytes([tmp_path / "a", tmp_path / "d", tmp_path / "none"], 100 * MiB) == base + 4 * MiB
-    assert memory.need_bytes([], 100 * MiB, 5 * MiB) == base + 5 * MiB
+    assert [path_bytes(tmp_path / n) for n in ("a", "d", "none")] == [3 * MiB, MiB, 0]
+    assert memory.need_bytes(4 * MiB, 100 * MiB) == base + 4 * MiB
+    assert memory.need_bytes(0, 100 * MiB, 5 * MiB) == base + 5 * MiB
     one = memory.THREAD_STACK + memory.MALLOC_ARENA          # a classification thread: stack and arena
     assert memory.thread_bytes(3, cpus=4) == 3 * one
     assert memory.thread_bytes(10, cpus=1) == 8 * one + 2 * memory.THREAD_PAST_ARENAS   # 8 arenas per CPU
@@ -91,7 +94,7 @@ def test_the_need_counts_each_openblas_thread_past_the_first(monkeypatch):
         else:
             monkeypatch.setenv("OPENBLAS_NUM_THREADS", value)
         settings.reload()
-        return memory.need_bytes([], 100 * MiB)
+        return memory.need_bytes(0, 100 * MiB)
 
     base = 100 * MiB + memory.MARGIN
     assert need(None) == need("1") == base

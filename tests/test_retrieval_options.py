@@ -95,8 +95,8 @@ class PassThrough(Option):
     def record(self) -> dict:
         return {}
 
-    def rescore(self, pipe, batch, scored, vals, idx):
-        pipe.info["passthrough_rows"] = pipe.info.get("passthrough_rows", 0) + len(batch)
+    def rescore(self, space, batch, scored, vals, idx):
+        space.info["passthrough_rows"] = space.info.get("passthrough_rows", 0) + len(batch)
         return vals, idx
 
     @classmethod

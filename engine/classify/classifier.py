@@ -75,9 +75,10 @@ def check_address_space(artifact: Path, threads: int, decoder_here: str | None =
 
 def need_bytes_for(artifact: Path, threads: int, decoder_here: str | None = None) -> int:
     """The address space a classification run of `artifact` with `threads` threads maps."""
+    from engine.io import path_bytes
     from engine.memory import CLASSIFY_FIXED, decoder_bytes, need_bytes, thread_bytes
 
-    return need_bytes([artifact], CLASSIFY_FIXED + decoder_bytes(decoder_here), thread_bytes(threads))
+    return need_bytes(path_bytes(artifact), CLASSIFY_FIXED + decoder_bytes(decoder_here), thread_bytes(threads))
 
 
 def decoder_in_process(artifact: Path, name: str | None, isolate: bool) -> str | None:

@@ -129,6 +129,11 @@ class Index:
     # the extras' bytes as read and verified when the index was opened: a commit that switches
     # the index later (and deletes these files) changes nothing for this reader
     extras: dict[str, bytes] = field(default_factory=dict, repr=False)
+    # str(image_id) -> row (ids compare as strings: CIRCO ids are ints, CIRR ids strings)
+    row_of: dict[str, int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.row_of = {str(i): r for r, i in enumerate(self.ids)}
 
     def extra(self, name: str) -> Path | None:
         """Path of an optional build-time data file (EXTRA_FILES), or None when this build has none."""
@@ -140,8 +145,8 @@ class Index:
         return self.extras.get(name)
 
     def rows(self) -> dict[str, int]:
-        """str(image_id) -> row (ids compare as strings: CIRCO ids are ints, CIRR ids strings)."""
-        return {str(i): r for r, i in enumerate(self.ids)}
+        """str(image_id) -> row (a copy of `row_of`)."""
+        return dict(self.row_of)
 
 
 def _plain_name(v) -> bool:
@@ -150,9 +155,10 @@ def _plain_name(v) -> bool:
 
 
 def _read_json_file(path: Path):
-    from engine.retrieval.jsonl import parse_line, read_input
+    from engine.io import read_regular
+    from engine.retrieval.jsonl import MAX_BYTES, parse_line
 
-    return parse_line(read_input(path).decode("utf-8"))
+    return parse_line(read_regular(path, MAX_BYTES, "the input-list limit").decode("utf-8"))
 
 
 def _read_meta_checked(d: Path) -> dict:

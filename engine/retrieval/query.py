@@ -10,20 +10,24 @@
     reinspect: the top R candidates re-scored with multi-view rows (views of every request of a
                batch decoded and embedded together)
 
-The pipeline itself knows no option: it holds the rows and the call, and asks each option of the
-method (`Method.steps`) at its hooks (engine/retrieval/options/base.py lists them). Methods that
-need the call's own requests (gap-centre with the requests' text mean, a hubness scorer with a
-requests bank) encode every request of the call first (`prepare`), so the answers do not depend
-on batching or on where a killed call resumed. Plain methods encode batch by batch, as before.
-`report()` says what was used (bank source and size, means, re-inspection counts) for the run's
-summary. `results` gives each request's rows as {"image_id", "score"} dicts, the rows a run writes.
+The pipeline itself knows no option. It reads the index once, at set-up: its rows, its meta.json,
+and the stored files each option asks for (`Option.reads`) or the text bank one needs. The
+options never see the index: their hooks get a `Workspace` (the rows, that data, the towers and
+what the hooks set), and the pipeline calls only the hooks an option defines (`Hooks`), in the
+table's order (engine/retrieval/options/base.py lists them). Methods that need the call's own
+requests (gap-centre with the requests' text mean, a hubness scorer with a requests bank) encode
+every request of the call first (`prepare`), so the answers do not depend on batching or on
+where a killed call resumed. Plain methods encode batch by batch, as before. `report()` says
+what was used (bank source and size, means, re-inspection counts) for the run's summary.
+`results` gives each request's rows as {"image_id", "score"} dicts, the rows a run writes.
 """
 from __future__ import annotations
 
 import math
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -73,6 +77,106 @@ class Scored:
     state: object
 
 
+class Hooks:
+    """The options of a method that define each hook (engine/retrieval/options/base.py), in the
+    table's order, found once: `hooks.prepare` is the list of options with their own `prepare`."""
+
+    def __init__(self, steps) -> None:
+        from engine.retrieval.options.base import HOOKS, defines
+
+        for name in HOOKS:
+            setattr(self, name, [o for o in steps if defines(type(o), name)])
+
+
+@dataclass
+class Workspace:
+    """What a method's options read and set for one pipeline, without the index itself: the
+    index's meta.json and ids, the stored files the options asked for (`stored`: name -> bytes or
+    None), the gallery rows at each stage (`raw` [N, D] as stored, `base` after `gallery_rows`
+    (DBA), `gallery` in the comparison space (gap)), the towers, and what the hooks set (a
+    mapping, means and the gap vector, bank statistics, a re-inspector). `info` feeds the report."""
+    towers: object
+    meta: dict
+    ids: list
+    raw: torch.Tensor
+    k: int
+    settings: QuerySettings
+    warn: Callable[[str], None]
+    hooks: Hooks
+    scorer: object = None                 # the option that scores rows (row_state and scores: a hubness scorer)
+    stored: dict = field(default_factory=dict)
+    text_bank: torch.Tensor | None = None
+    base: torch.Tensor | None = None
+    gallery: torch.Tensor | None = None
+    info: dict = field(default_factory=dict)
+    mapping: object = None
+    image_mean: torch.Tensor | None = None
+    text_mean: torch.Tensor | None = None
+    delta: torch.Tensor | None = None
+    stats: object = None
+    reinspector: object = None
+
+    Error = PipelineError
+
+    @property
+    def corpus(self) -> Path | None:
+        return self.settings.corpus
+
+    @property
+    def bank_chunk(self) -> int:
+        return self.settings.bank_chunk
+
+    @property
+    def allow_outside_corpus(self) -> bool:
+        return self.settings.allow_outside_corpus
+
+    @property
+    def max_reinspect(self) -> int | None:
+        return self.settings.max_reinspect
+
+    @staticmethod
+    def log(msg: str) -> None:
+        _log(msg)
+
+    def stored_rows(self, name: str) -> torch.Tensor | None:
+        """The stored array file `name` (read at set-up) as FP32 rows on the towers' device, or None."""
+        data = self.stored.get(name)
+        if data is None:
+            return None
+        return torch.from_numpy(npy_from_bytes(data).astype(np.float32)).to(self.towers.device)
+
+    def image_side(self, x: torch.Tensor) -> torch.Tensor:
+        """Image rows [*, D] as the method compares them (gap-corrected when asked)."""
+        for o in self.hooks.image_side:
+            x = o.image_side(self, x)
+        return x
+
+    def text_side(self, t: torch.Tensor) -> torch.Tensor:
+        """Text rows [*, D] as the method compares them (gap-corrected when asked)."""
+        for o in self.hooks.text_side:
+            t = o.text_side(self, t)
+        return t
+
+    def score(self, q: torch.Tensor, ref_t: torch.Tensor) -> Scored:
+        """Queries q [B, D] scored against the gallery by the method's scorer (cosines without one)."""
+        from engine.retrieval.rescore import RowState
+
+        cos = q @ self.gallery.T                                           # [B, N] cosine similarities
+        if self.scorer is None:
+            return Scored(q, cos, cos, RowState())
+        state = self.scorer.row_state(self, cos, ref_t)
+        return Scored(q, cos, self.scorer.scores(self, cos, state), state)
+
+    def scores_of_row(self, state, b: int, cos: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        """Scores [1, C] of batch row `b` from its cosines [1, C] with gallery columns cols [1, C]."""
+        from engine.retrieval.rescore import RowState
+
+        if self.scorer is None:
+            return cos
+        st = RowState(*(None if t is None else t[b:b + 1] for t in (state.normalised, state.r_q)))
+        return self.scorer.scores(self, cos, st, cols)
+
+
 class QueryPipeline:
     """`queries` names the requests' source in messages (`source:line: query ...`); `k`: results
     per request; `settings`: QuerySettings."""
@@ -82,61 +186,58 @@ class QueryPipeline:
     def __init__(self, index, towers, method, warn, queries: Path | str, k: int,
                  settings: QuerySettings = QuerySettings()):
         self.index, self.towers, self.method, self.warn, self.queries = index, towers, method, warn, queries
-        self.k = min(k, len(index.ids))
-        self.corpus, self.bank_chunk = settings.corpus, settings.bank_chunk
-        self.allow_outside_corpus = settings.allow_outside_corpus   # records paths may leave the corpus folder
-        self.max_reinspect = settings.max_reinspect
-        self.steps = method.steps                                     # the options, in the table's order
-        # the method's scorer: the option that scores rows (row_state and scores: a hubness scorer)
-        self.scorer = next((o for o in self.steps if hasattr(o, "row_state")), None)
-        dev = towers.device
+        steps = method.steps                                          # the options, in the table's order
+        self.hooks = hooks = Hooks(steps)
         # [N, D] unit rows; FP16 on disk, FP32 for scoring (ties and order as the reference computes them)
-        self.raw = torch.from_numpy(np.array(index.emb)).to(dev).float()   # copy: the mmap is read-only
-        self.rows_of = index.rows()
+        raw = torch.from_numpy(np.array(index.emb)).to(towers.device).float()   # copy: the mmap is read-only
+        self.space = space = Workspace(towers, index.meta, index.ids, raw, min(k, len(index.ids)), settings, warn,
+                                       hooks, scorer=next((o for o in steps if hasattr(o, "row_state")), None),
+                                       info={"method_label": method.label})
+        self.rows_of = index.row_of
         self.unreadable = {str(u.get("image_id")) for u in index.meta.get("unreadable", [])}
-        self.info: dict = {"method_label": method.label}
         self.cached: dict[str, torch.Tensor] = {}     # query_id -> [D] composed query (prepare)
-        # what the options' hooks set: the mapping, the means and gap vector, bank statistics, re-inspector
-        self.mapping = self.image_mean = self.text_mean = self.delta = self.stats = self.reinspector = None
-        for o in self.steps:
-            o.load(self)
-        self.text_bank = self._load_text_bank() if any(o.needs_text_bank() for o in self.steps) else None
-        base = self.raw
-        for o in self.steps:
-            base = o.gallery_rows(self, base)
-        self.base = self.gallery = base            # gallery before / after the comparison space (gap)
-        for o in self.steps:
-            o.setup(self)
+        # the index read once: each option's stored files, the gallery-derived text bank if one needs it
+        # (Index.extras: the bytes read and verified when the index was opened)
+        space.stored = {name: index.extras.get(name) for o in hooks.reads for name in o.reads(index.meta)}
+        if any(o.needs_text_bank() for o in hooks.needs_text_bank):
+            space.stored["text_bank"] = index.extras.get("text_bank")
+            space.text_bank = space.stored_rows("text_bank")
+            if space.text_bank is None:
+                _log("the index has no gallery-derived text bank (build with --mapping pic2word)")
+        with self._naming_index():
+            for o in hooks.load:
+                o.load(space)
+            base = raw
+            for o in hooks.gallery_rows:
+                base = o.gallery_rows(space, base)
+            space.base = space.gallery = base       # gallery before / after the comparison space (gap)
+            for o in hooks.setup:
+                o.setup(space)
+
+    def _naming_index(self):
+        """Where an option cannot run on this index, its one line names the index folder."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def naming():
+            try:
+                yield
+            except PipelineError as e:
+                raise PipelineError(f"{self.index.dir}: {e}") from None
+        return naming()
 
     # ------------------------------------------------------------ set-up
+    @property
+    def k(self) -> int:
+        return self.space.k
+
+    @property
+    def info(self) -> dict:
+        return self.space.info
+
     @staticmethod
     def log(msg: str) -> None:
         _log(msg)
-
-    def extra_rows(self, name: str) -> torch.Tensor | None:
-        """The index's extra array file `name` (text_bank, dba) as FP32 rows on the towers' device, or None."""
-        data = self.index.extra_bytes(name)
-        if data is None:
-            return None
-        return torch.from_numpy(npy_from_bytes(data).astype(np.float32)).to(self.towers.device)
-
-    def _load_text_bank(self) -> torch.Tensor | None:
-        bank = self.extra_rows("text_bank")
-        if bank is None:
-            _log("the index has no gallery-derived text bank (build with --mapping pic2word)")
-        return bank
-
-    def image_side(self, x: torch.Tensor) -> torch.Tensor:
-        """Image rows [*, D] as the method compares them (gap-corrected when asked)."""
-        for o in self.steps:
-            x = o.image_side(self, x)
-        return x
-
-    def text_side(self, t: torch.Tensor) -> torch.Tensor:
-        """Text rows [*, D] as the method compares them (gap-corrected when asked)."""
-        for o in self.steps:
-            t = o.text_side(self, t)
-        return t
 
     # ------------------------------------------------------------ encoding
     def _refs(self, batch) -> torch.Tensor:
@@ -161,8 +262,8 @@ class QueryPipeline:
             if c:
                 self.warn(f"{self.queries}:{r.line}: query {r.query_id!r}: prompt longer than "
                           f"{towers.spec.context_length} tokens; truncated")
-        for o in self.steps:
-            out = o.encode_texts(self, batch, texts, ref_t)
+        for o in self.hooks.encode_texts:
+            out = o.encode_texts(self.space, batch, texts, ref_t)
             if out is not None:
                 return out
         return towers.encode_tokens(tokens)
@@ -170,19 +271,22 @@ class QueryPipeline:
     def _compose(self, batch, text: torch.Tensor, ref_t: torch.Tensor) -> torch.Tensor:
         from engine.retrieval.compose import compose, text_weight
 
-        image = self.raw[ref_t.clamp(min=0)] if len(self.raw) else torch.zeros_like(text)
-        image, text = self.image_side(image), self.text_side(text)
+        raw, space = self.space.raw, self.space
+        image = raw[ref_t.clamp(min=0)] if len(raw) else torch.zeros_like(text)
+        image, text = space.image_side(image), space.text_side(text)
         weights = torch.tensor([text_weight(self.method, r.shared_concept) for r in batch], device=text.device)
         return compose(self.method, image, ref_t >= 0, text, weights)          # [B, D] unit rows
 
     def prepare(self, requests) -> None:
         """Per-call statistics (the options' `prepare` hooks), encoding every request first when an
         option needs them. Each call's prepare replaces the one before, so one pipeline serves call after call."""
+        space, hooks = self.space, self.hooks
         self.cached = {}
-        for o in self.steps:
-            o.begin_call(self)
+        with self._naming_index():
+            for o in hooks.begin_call:
+                o.begin_call(space)
         call = Call(list(requests))
-        if any(o.needs_requests(self) for o in self.steps) and requests:
+        if any(o.needs_requests(space) for o in hooks.needs_requests) and requests:
             t0 = time.perf_counter()
             texts, refs = [], []
             step = RETRIEVAL.query_batch
@@ -190,47 +294,33 @@ class QueryPipeline:
                 refs.append(self._refs(requests[lo:lo + step]))
                 texts.append(self._texts(requests[lo:lo + step], refs[-1]))
             call.texts, call.refs = torch.cat(texts), torch.cat(refs)    # [M, D], [M]
-            self.info["prepare_s"] = round(time.perf_counter() - t0, 3)
-        for o in self.steps:
-            o.prepare_texts(self, call)
+            space.info["prepare_s"] = round(time.perf_counter() - t0, 3)
+        for o in hooks.prepare_texts:
+            o.prepare_texts(space, call)
         if call.texts is not None:
             call.queries = self._compose(requests, call.texts, call.refs)   # [M, D]
             self.cached = {str(r.query_id): q for r, q in zip(requests, call.queries)}
-        for o in self.steps:
-            o.prepare(self, call)
+        for o in hooks.prepare:
+            o.prepare(space, call)
 
     # ------------------------------------------------------------ answering
     def score(self, q: torch.Tensor, ref_t: torch.Tensor) -> Scored:
         """Queries q [B, D] scored against the gallery by the method's scorer (cosines without one)."""
-        from engine.retrieval.rescore import RowState
-
-        cos = q @ self.gallery.T                                           # [B, N] cosine similarities
-        if self.scorer is None:
-            return Scored(q, cos, cos, RowState())
-        state = self.scorer.row_state(self, cos, ref_t)
-        return Scored(q, cos, self.scorer.scores(self, cos, state), state)
-
-    def scores_of_row(self, state, b: int, cos: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-        """Scores [1, C] of batch row `b` from its cosines [1, C] with gallery columns cols [1, C]."""
-        from engine.retrieval.rescore import RowState
-
-        if self.scorer is None:
-            return cos
-        st = RowState(*(None if t is None else t[b:b + 1] for t in (state.normalised, state.r_q)))
-        return self.scorer.scores(self, cos, st, cols)
+        return self.space.score(q, ref_t)
 
     def answer(self, batch) -> list[list[tuple[int, float]]]:
         """[(gallery row, score), ...] per request: at most k, best first, the reference excluded."""
+        import functools
+
         from engine import settings as engine_settings
         from engine.retrieval.index import KERNEL_DIR
         from kernels.topk import to_host
         from kernels.topk import topk as kernel_topk
 
-        stored = self.index.dir / KERNEL_DIR                               # compiled at build time, if any
-        backend = engine_settings.topk_backend()                           # KERNELS_TOPK: auto, cupy or torch
-
-        def topk(scores, k, exclude):
-            return kernel_topk(scores, k, exclude, backend=backend, stored=stored, backend_from="KERNELS_TOPK")
+        space, hooks, k = self.space, self.hooks, self.space.k
+        # topk(scores, k, exclude): the stored kernel compiled at build time, if any; KERNELS_TOPK: auto, cupy or torch
+        topk = functools.partial(kernel_topk, backend=engine_settings.topk_backend(),
+                                 stored=self.index.dir / KERNEL_DIR, backend_from="KERNELS_TOPK")
 
         ref_t = self._refs(batch) if not self.cached else torch.tensor(
             [self.rows_of.get(r.reference, -1) if r.reference is not None else -1 for r in batch],
@@ -239,28 +329,27 @@ class QueryPipeline:
             q = torch.stack([self.cached[str(r.query_id)] for r in batch])
         else:
             q = self._compose(batch, self._texts(batch, ref_t), ref_t)
-        scored = self.score(q, ref_t)
-        for o in self.steps:
-            scored = o.expand(self, scored, ref_t, topk)
-        depth = min(max(self.k, *(o.depth(self) for o in self.steps), 0), len(self.index.ids))
+        scored = space.score(q, ref_t)
+        for o in hooks.expand:
+            scored = o.expand(space, scored, ref_t, topk)
+        depth = min(max(k, *(o.depth(space) for o in hooks.depth), 0), len(space.ids))
         vals, idx = topk(scored.scores, depth, ref_t)                      # [B, depth] each
-        for o in self.steps:
-            vals, idx = o.rescore(self, batch, scored, vals, idx)
+        for o in hooks.rescore:
+            vals, idx = o.rescore(space, batch, scored, vals, idx)
         out = []
-        vals, idx = to_host(vals[:, :self.k], idx[:, :self.k])             # one host sync for both
+        vals, idx = to_host(vals[:, :k], idx[:, :k])                       # one host sync for both
         for vs, js in zip(vals.tolist(), idx.tolist()):
             out.append([(j, v) for v, j in zip(vs, js) if j >= 0 and np.isfinite(v)])
         return out
 
     def results(self, batch) -> list[list[dict]]:
         """Each request's rows as a run writes them: {"image_id" (as the index holds it), "score"}, best first."""
-        ids = self.index.ids
+        ids = self.space.ids
         return [[{"image_id": ids[j], "score": v} for j, v in hits if math.isfinite(v)] for hits in self.answer(batch)]
 
     def report(self) -> dict:
-        from engine.retrieval.options import OPTIONS
+        from engine.retrieval.options import summaries
 
-        out = dict(self.info)
-        for cls in OPTIONS.values():
-            out.update(cls.summary(self))
+        out = dict(self.space.info)
+        out.update(summaries(self.space))
         return out

@@ -160,6 +160,13 @@ def clip_for(index, clip_dir: str | os.PathLike | None = None, choice: ClipChoic
     return towers, info
 
 
+def searcher_for(index, clip_dir: str | os.PathLike | None, choice: ClipChoice,
+                 settings: SearchSettings = SearchSettings()) -> Searcher:
+    """A Searcher over the loaded `index` with its CLIP (clip_for's `clip_dir` and `choice`)."""
+    towers, info = clip_for(index, clip_dir, choice)
+    return Searcher(index, towers, info, settings)
+
+
 def _say(msg: str) -> None:
     import sys
 
@@ -188,9 +195,8 @@ def open_index(index_dir: str | os.PathLike, clip_dir: str | os.PathLike | None 
     from engine.retrieval.index import load_index
 
     o = OpenOptions(**options)
-    index = load_index(index_dir)
-    towers, info = clip_for(index, clip_dir, ClipChoice(device=o.device, precision=o.precision,
-                                                        model_name=o.model_name,
-                                                        allow_model_mismatch=o.allow_model_mismatch))
+    choice = ClipChoice(device=o.device, precision=o.precision, model_name=o.model_name,
+                        allow_model_mismatch=o.allow_model_mismatch)
     corpus = Path(o.corpus) if o.corpus is not None else None
-    return Searcher(index, towers, info, SearchSettings(corpus, o.confine_to_corpus, o.batch_size))
+    return searcher_for(load_index(index_dir), clip_dir, choice, SearchSettings(corpus, o.confine_to_corpus,
+                                                                                   o.batch_size))

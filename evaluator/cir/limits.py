@@ -39,11 +39,13 @@ def need(parts: tuple[int, int], *paths: Path | None) -> tuple[int, int]:
     """(bytes, threads): the address space a call whose measured `parts` are (fixed, per thread)
     maps with the thread budget's threads and the files under `paths` (engine.memory)."""
     from engine import threads
+    from engine.io import path_bytes
     from engine.memory import need_bytes, retrieval_thread_bytes
 
     fixed, per_thread = parts
     n = threads.budget("cpu").total
-    return need_bytes([p for p in paths if p is not None], fixed, retrieval_thread_bytes(per_thread, n)), n
+    mapped = sum(path_bytes(p) for p in paths if p is not None)
+    return need_bytes(mapped, fixed, retrieval_thread_bytes(per_thread, n)), n
 
 
 def address_space_problem(parts: tuple[int, int], what: str, *paths: Path | None) -> str | None:
@@ -57,6 +59,13 @@ def address_space_problem(parts: tuple[int, int], what: str, *paths: Path | None
     except AddressSpaceError as e:
         return str(e)
     return None
+
+
+def query_run_problem(index_dir: Path, model_dir: Path | None) -> str | None:
+    """`address_space_problem` of a query run over `index_dir` with the CLIP it will most likely load."""
+    from engine.memory import RETRIEVAL_RUN
+
+    return address_space_problem(RETRIEVAL_RUN, "a query run", index_dir, clip_folder_guess(model_dir, index_dir))
 
 
 def exhaustion_guarded(prog: str, body: Callable[[], int], debug: bool = False) -> int:

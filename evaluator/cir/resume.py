@@ -1,7 +1,7 @@
 """Whether an earlier output of scripts/run.sh may be resumed, and opening it for the rows to come.
 
-An output resumes only if the same requests, method, index and CLIP wrote it: its identity
-(`run_identity`) is recorded beside it (FILE.run.json; in a read-only folder, under the index
+An output resumes only if the same requests, method, index and CLIP wrote it: `open_run` opens
+it for a run; its identity (`run_identity`) is recorded beside it (FILE.run.json; in a read-only folder, under the index
 dir's .runs/) before any row is written, and compared (`resume_mismatch`) before it is reused.
 Which of its rows stay is the output rules' work (evaluator.cir.jsonl.resume_rows).
 
@@ -171,6 +171,18 @@ def kept_rows(output: Path, index_dir: Path, ident: dict, requests, gallery_ids,
         return resume_rows(output, requests, {str(i): i for i in gallery_ids}, TOP_K, warn)
     except (OSError, ValueError) as e:
         raise ResumeError(f"cannot read {output} to resume it: {e}; pass --fresh to overwrite it") from e
+
+
+def open_run(held: HeldOutput, cfg, searcher, method, requests, warn, say) -> tuple[BinaryIO, Resumed | None]:
+    """The held output of a run of `method` over `searcher`'s index (engine.retrieval.search.Searcher)
+    opened for its rows, and the rows it keeps: those an earlier call with the same identity wrote
+    (`kept_rows`, when `cfg.resume`), else none. The run's identity is recorded before any row is
+    written, so a killed call keeps it too. ResumeError (one line) when it cannot be resumed or written."""
+    ident = run_identity(method, searcher.index, searcher.info, requests)
+    kept = kept_rows(cfg.output, cfg.index_dir, ident, requests, searcher.index.ids, warn) if cfg.resume else None
+    out = open_output(held, kept)
+    write_identity(cfg.output, cfg.index_dir, ident, say)
+    return out, kept
 
 
 def open_output(held: HeldOutput, kept: Resumed | None) -> BinaryIO:

@@ -230,14 +230,10 @@ def _main(argv: list[str] | None, on_row, log_summary: bool = True) -> int:
         except (ClipLoadError, OSError, PipelineError) as e:
             return _error(f"{e}")
 
-        ident = resume.run_identity(method, index, searcher.info, requests)
         try:
-            kept = (resume.kept_rows(cfg.output, cfg.index_dir, ident, requests, index.ids, warn)
-                    if cfg.resume else None)
-            out = resume.open_output(held, kept)
+            out, kept = resume.open_run(held, cfg, searcher, method, requests, warn, _log)
         except resume.ResumeError as e:
             return _error(f"{e}")
-        resume.write_identity(cfg.output, cfg.index_dir, ident, _log)   # before any row: a killed call keeps it too
         with out:
             done = resume.cut_to_kept(out, kept)
             if done:
@@ -254,16 +250,14 @@ def limits_problem(cfg: RunConfig) -> str | None:
     """Why the run cannot start in this process (a bad ENGINE_THREADS / ENGINE_READERS, too little
     address space), checked before torch loads; sets the thread libraries' environment first."""
     from engine import threads
-    from engine.memory import RETRIEVAL_RUN
-    from evaluator.cir.limits import address_space_problem, clip_folder_guess
+    from evaluator.cir.limits import query_run_problem
 
     try:
         threads.apply_library_env(threads.budget("cpu"))   # before numpy / torch size their pools
     except ValueError as e:
         return f"{e}"
     # before torch loads: without room, glibc may abort a thread with nothing to catch
-    return address_space_problem(RETRIEVAL_RUN, "a query run", cfg.index_dir,
-                                 clip_folder_guess(cfg.model_dir, cfg.index_dir))
+    return query_run_problem(cfg.index_dir, cfg.model_dir)
 
 
 def chosen_method(cfg: RunConfig, recorded: dict):
@@ -281,15 +275,14 @@ def chosen_method(cfg: RunConfig, recorded: dict):
 
 def open_searcher(cfg: RunConfig, index, warn):
     """engine.retrieval.search.Searcher over `index` with its CLIP (the task's folder as the default)."""
-    from engine.retrieval.search import ClipChoice, Searcher, SearchSettings, clip_for
+    from engine.retrieval.search import ClipChoice, SearchSettings, searcher_for
     from evaluator.cir import task
 
-    towers, info = clip_for(index, cfg.model_dir, ClipChoice(
-        default_clip_dir=task.CLIP_DIR, device=cfg.device, precision=cfg.precision, model_name=cfg.model_name,
-        allow_model_mismatch=cfg.allow_model_mismatch, say=_log,
-        mismatch_hint="pass --allow-model-mismatch to run anyway"))
-    return Searcher(index, towers, info, SearchSettings(cfg.corpus, cfg.confine_to_corpus, cfg.batch_size,
-                                                        cfg.bank_chunk, warn, task.MAX_REINSPECT, cfg.queries))
+    choice = ClipChoice(default_clip_dir=task.CLIP_DIR, device=cfg.device, precision=cfg.precision,
+                        model_name=cfg.model_name, allow_model_mismatch=cfg.allow_model_mismatch, say=_log,
+                        mismatch_hint="pass --allow-model-mismatch to run anyway")
+    return searcher_for(index, cfg.model_dir, choice, SearchSettings(
+        cfg.corpus, cfg.confine_to_corpus, cfg.batch_size, cfg.bank_chunk, warn, task.MAX_REINSPECT, cfg.queries))
 
 
 def report(cfg: RunConfig, counts: dict, method, searcher, pipe, times: tuple[float, float, float],

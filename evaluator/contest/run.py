@@ -29,7 +29,7 @@ from pathlib import Path
 
 import engine
 from engine.classify.classifier import LoadError
-from engine.io import read_regular, resolve_relative
+from engine.io import FilesUnder
 from engine.memory import exhaustion_line, import_failure, sigint_origin
 from engine.process_stats import process_start, start_offset
 from evaluator.contest.exits import Held, Signalled, exit_now, private_tmpdir, signals_exit
@@ -152,12 +152,8 @@ def _run(argv, wall0: float, held: Held) -> int:
         no_scratch = e.stage == "runtime" and held.scratch is None
         raise RunError(f"{e}" + (f" (TMPDIR {settings.tmpdir()} is not writable)" if no_scratch else "")
                        + _disk_full_where(e.__context__, settings.tmpdir())) from None
-    root, real_root, confine = a.image_root, os.path.realpath(a.image_root), a.confine
-
-    def read(i: int) -> bytes:   # trusted: symlinks followed; confined: real path inside the root, no final link
-        path = resolve_relative(root, rows[i].path, "IMAGE_ROOT", confine, real_root)
-        return read_regular(path, cap, follow=not confine)
-
+    # row i's bytes: trusted, symlinks followed; confined (--confine), the real path inside the root, no final link
+    read = FilesUnder(a.image_root, [r.path for r in rows], "IMAGE_ROOT", a.confine, cap)
     from engine.classify.artifact import ArtifactError
 
     try:   # joins the full SHA-256 of the artifact's files first: damaged weights answer nothing

@@ -11,7 +11,7 @@ Adding one: a new file with its `Option` subclass, and its line here.
 from __future__ import annotations
 
 from engine.retrieval.options.aqe import AlphaQE
-from engine.retrieval.options.base import Key, Option
+from engine.retrieval.options.base import Key, Option, defines
 from engine.retrieval.options.csls import CSLS
 from engine.retrieval.options.dba import DBA
 from engine.retrieval.options.dual_softmax import DualSoftmax
@@ -35,7 +35,8 @@ OPTIONS: dict[str, type[Option]] = {cls.name: cls for cls in (
     Reinspect,
 )}
 
-__all__ = ["OPTIONS", "Key", "Option", "named", "implied", "trained", "extra_files", "record_defaults"]
+__all__ = ["OPTIONS", "Key", "Option", "named", "implied", "trained", "extra_files", "record_defaults",
+           "summaries"]
 
 
 def named() -> dict[str, type[Option]]:
@@ -64,4 +65,13 @@ def record_defaults() -> dict:
     for cls in OPTIONS.values():
         for field, value in cls.record_defaults.items():
             out.setdefault(field, value)
+    return out
+
+
+def summaries(space) -> dict:
+    """The keys every run's summary holds for the options that report (named in the method or not)."""
+    out: dict = {}
+    for cls in OPTIONS.values():
+        if defines(cls, "summary"):
+            out.update(cls.summary(space))
     return out

@@ -13,10 +13,10 @@ class AlphaQE(NeighbourMean):
     keys = {"n": Key("n", RETRIEVAL.aqe_neighbours, int), "alpha": Key("alpha", RETRIEVAL.aqe_alpha, float)}
     record_defaults = {"aqe": 0, "aqe_alpha": RETRIEVAL.aqe_alpha}
 
-    def expand(self, pipe, scored, ref_t, topk):
+    def expand(self, space, scored, ref_t, topk):
         from engine.retrieval.rescore import alpha_qe
 
-        _, nb = topk(scored.scores, min(self.n, pipe.k), ref_t)           # [B, n] (-1 padded)
+        _, nb = topk(scored.scores, min(self.n, space.k), ref_t)           # [B, n] (-1 padded)
         ok = (nb >= 0).unsqueeze(-1)
         sims = scored.cos.gather(1, nb.clamp(min=0)).clamp(min=0) * ok.squeeze(-1)
         # scale-free weights: each neighbour's cosine relative to the best one's. alpha-QE's raw
@@ -24,5 +24,5 @@ class AlphaQE(NeighbourMean):
         # (cross-modal) cosines ~0.2-0.5 (0.3^3 = 0.027); relative, the best neighbour weighs as
         # much as the query and one at 0.3 against a best of 0.5 weighs (0.6)^3 = 0.22
         sims = sims / sims.amax(1, keepdim=True).clamp(min=1e-6)
-        q = alpha_qe(scored.q, pipe.gallery[nb.clamp(min=0)] * ok, sims, self.alpha)
-        return pipe.score(q, ref_t)
+        q = alpha_qe(scored.q, space.gallery[nb.clamp(min=0)] * ok, sims, self.alpha)
+        return space.score(q, ref_t)

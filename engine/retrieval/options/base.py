@@ -2,31 +2,37 @@
 
 An option is one file of engine/retrieval/options/ holding one `Option` subclass, and one line
 of the `OPTIONS` table (engine/retrieval/options/__init__.py). A method name adds it after `+`
-(`slerp+NAME:key=value`); the query pipeline (engine.retrieval.query.QueryPipeline) calls its
-hooks in the table's order, and the index build (engine.retrieval.index_extras) asks it what
-to store. Nothing else names it.
+(`slerp+NAME:key=value`); the query pipeline (engine.retrieval.query.QueryPipeline) calls the
+hooks it defines in the table's order, and the index build (engine.retrieval.index_extras) asks
+it what to store. Nothing else names it.
 
 An instance is a value (its keys' values, compared and hashed as such); what a hook computes
-for one pipeline lives on that pipeline (`pipe`), never on the option.
+for one pipeline lives on that pipeline's `Workspace` (`space`: engine.retrieval.query), never on
+the option. The workspace holds the index's data (meta.json, ids, the stored files the option
+`reads`), not the index.
 
-Hooks, each a no-op here, in the order the pipeline calls them:
+Hooks, each a no-op here (the pipeline calls only those a subclass defines), in the order the
+pipeline calls them:
 
-    set-up    load(pipe)                      read what the build stored (a trained mapping)
-              gallery_rows(pipe, rows) -> rows the gallery rows before comparison (DBA)
-              setup(pipe)                     the comparison space, helpers (gap, re-inspection)
-    per call  begin_call(pipe)                reset per-call state, refuse what cannot run
-              prepare_texts(pipe, call)       statistics of the call's texts (a text mean)
-              prepare(pipe, call)             statistics of the call's composed queries (a bank)
-    answer    encode_texts(pipe, batch, texts, ref_t) -> rows | None   the text side (pic2word)
-              image_side / text_side(pipe, rows) -> rows               the comparison space (gap)
-              expand(pipe, scored, ref_t, topk) -> Scored              a second look (alpha-QE)
-              depth(pipe) -> int                                       candidates the top-k keeps
-              rescore(pipe, batch, scored, vals, idx) -> (vals, idx)   the final list (re-inspection)
+    set-up    reads(meta) -> names            the index's stored files it needs (read once, space.stored)
+              load(space)                     read what the build stored (a trained mapping)
+              gallery_rows(space, rows) -> rows the gallery rows before comparison (DBA)
+              setup(space)                    the comparison space, helpers (gap, re-inspection)
+    per call  begin_call(space)               reset per-call state, refuse what cannot run
+              prepare_texts(space, call)      statistics of the call's texts (a text mean)
+              prepare(space, call)            statistics of the call's composed queries (a bank)
+    answer    encode_texts(space, batch, texts, ref_t) -> rows | None   the text side (pic2word)
+              image_side / text_side(space, rows) -> rows               the comparison space (gap)
+              expand(space, scored, ref_t, topk) -> Scored              a second look (alpha-QE)
+              depth(space) -> int                                       candidates the top-k keeps
+              rescore(space, batch, scored, vals, idx) -> (vals, idx)   the final list (re-inspection)
+    report    summary(space) -> dict          (classmethod) keys every run's summary holds
     build     extras(ctx) -> (meta, files)    (classmethod) what the index stores for it
 
 A scorer (a hubness scorer, engine/retrieval/options/hubness.py) also gives
-`row_state(pipe, cos, ref_t)` and `scores(pipe, cos, state, cols)`; the pipeline scores with the
-one option of the method that has them (cosines alone without one).
+`row_state(space, cos, ref_t)` and `scores(space, cos, state, cols)`; the pipeline scores with the
+one option of the method that has them (cosines alone without one). A set-up or per-call hook
+that cannot run raises `space.Error` (one line; the pipeline adds the index folder).
 """
 from __future__ import annotations
 
@@ -141,7 +147,7 @@ class Option:
         """Whether the pipeline loads the index's gallery-derived texts for it."""
         return False
 
-    def needs_requests(self, pipe) -> bool:
+    def needs_requests(self, space) -> bool:
         """Whether every request of a call is encoded before any is answered (transductive)."""
         return False
 
@@ -151,44 +157,47 @@ class Option:
         return False
 
     # ------------------------------------------------------------ hooks (see the module docstring)
-    def load(self, pipe) -> None:
+    def reads(self, meta: dict) -> tuple[str, ...]:
+        return ()
+
+    def load(self, space) -> None:
         pass
 
-    def gallery_rows(self, pipe, rows):
+    def gallery_rows(self, space, rows):
         return rows
 
-    def setup(self, pipe) -> None:
+    def setup(self, space) -> None:
         pass
 
-    def begin_call(self, pipe) -> None:
+    def begin_call(self, space) -> None:
         pass
 
-    def prepare_texts(self, pipe, call) -> None:
+    def prepare_texts(self, space, call) -> None:
         pass
 
-    def prepare(self, pipe, call) -> None:
+    def prepare(self, space, call) -> None:
         pass
 
-    def encode_texts(self, pipe, batch, texts: list[str], ref_t):
+    def encode_texts(self, space, batch, texts: list[str], ref_t):
         return None
 
-    def image_side(self, pipe, rows):
+    def image_side(self, space, rows):
         return rows
 
-    def text_side(self, pipe, rows):
+    def text_side(self, space, rows):
         return rows
 
-    def expand(self, pipe, scored, ref_t, topk):
+    def expand(self, space, scored, ref_t, topk):
         return scored
 
-    def depth(self, pipe) -> int:
+    def depth(self, space) -> int:
         return 0
 
-    def rescore(self, pipe, batch, scored, vals, idx):
+    def rescore(self, space, batch, scored, vals, idx):
         return vals, idx
 
     @classmethod
-    def summary(cls, pipe) -> dict:
+    def summary(cls, space) -> dict:
         """Keys every run's summary holds for this option, named in the method or not."""
         return {}
 
@@ -197,6 +206,18 @@ class Option:
         """(meta.json additions, {extra file name: (suffix, bytes)}) the build stores for it
         (engine.retrieval.index_extras.ExtrasContext: the build's extras settings, the gallery rows)."""
         return {}, {}
+
+
+# the hooks the pipeline asks each option of a method for once (engine.retrieval.query.Hooks)
+HOOKS = ("reads", "load", "gallery_rows", "setup", "needs_text_bank", "begin_call", "needs_requests",
+         "prepare_texts", "prepare", "encode_texts", "image_side", "text_side", "expand", "depth", "rescore",
+         "summary")
+
+
+def defines(cls: type, hook: str) -> bool:
+    """Whether option class `cls` has its own `hook` (not Option's no-op)."""
+    own, default = getattr(cls, hook), getattr(Option, hook)
+    return getattr(own, "__func__", own) is not getattr(default, "__func__", default)
 
 
 class NeighbourMean(Option):

@@ -17,20 +17,26 @@ class DBA(NeighbourMean):
     record_defaults = {"dba": 0, "dba_alpha": RETRIEVAL.dba_alpha}
     extra_files = ("dba",)
 
-    def gallery_rows(self, pipe, rows):
+    def _stored_here(self, meta: dict) -> bool:
+        """Whether the build stored the rows of these (n, alpha)."""
+        stored = meta.get("dba") or {}
+        return stored.get("n") == self.n and stored.get("alpha") == self.alpha
+
+    def reads(self, meta: dict) -> tuple[str, ...]:
+        return ("dba",) if self._stored_here(meta) else ()
+
+    def gallery_rows(self, space, rows):
         from engine.retrieval.rescore import dba
 
-        stored = pipe.index.meta.get("dba") or {}
-        if stored.get("n") == self.n and stored.get("alpha") == self.alpha:
-            kept = pipe.extra_rows("dba")
-            if kept is not None:
-                pipe.info["dba"] = "stored at build time"
-                return kept
+        kept = space.stored_rows("dba")
+        if kept is not None:
+            space.info["dba"] = "stored at build time"
+            return kept
         t0 = time.perf_counter()
-        out = dba(rows, self.n, self.alpha, chunk=RETRIEVAL.dba_chunk if pipe.bank_chunk else 0)
-        pipe.log(f"DBA n={self.n} alpha={self.alpha:g} is not stored in the index (build --dba {self.n} "
+        out = dba(rows, self.n, self.alpha, chunk=RETRIEVAL.dba_chunk if space.bank_chunk else 0)
+        space.log(f"DBA n={self.n} alpha={self.alpha:g} is not stored in the index (build --dba {self.n} "
                  f"--dba-alpha {self.alpha:g} stores it): computed here in {time.perf_counter() - t0:.2f} s")
-        pipe.info["dba"] = "computed at query time"
+        space.info["dba"] = "computed at query time"
         return out
 
     @classmethod

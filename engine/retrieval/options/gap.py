@@ -13,27 +13,27 @@ from engine.retrieval.options.base import Key, Option
 GAP_TEXT = ("captions", "bank")              # text-mean sources of the gap shift (none depends on the call)
 
 
-def image_mean(pipe):
+def image_mean(space):
     """[D] the image mean of the gallery rows the pipeline compares (stored at build time when
     the rows are the stored ones)."""
     import torch
 
-    stored = pipe.index.meta.get("gallery_mean")
-    if stored and pipe.base is pipe.raw:
-        pipe.info["image_mean"] = "stored at build time"
-        return torch.tensor(stored, dtype=torch.float32, device=pipe.raw.device)
-    pipe.info["image_mean"] = "computed from the gallery rows" + (" (DBA)" if pipe.base is not pipe.raw else "")
-    if not stored and pipe.base is pipe.raw:
-        pipe.log("the index has no stored gallery mean (built before it was recorded): computing it")
-    return pipe.base.mean(0)
+    stored = space.meta.get("gallery_mean")
+    if stored and space.base is space.raw:
+        space.info["image_mean"] = "stored at build time"
+        return torch.tensor(stored, dtype=torch.float32, device=space.raw.device)
+    space.info["image_mean"] = "computed from the gallery rows" + (" (DBA)" if space.base is not space.raw else "")
+    if not stored and space.base is space.raw:
+        space.log("the index has no stored gallery mean (built before it was recorded): computing it")
+    return space.base.mean(0)
 
 
-def caption_mean(pipe):
+def caption_mean(space):
     """[D] the text mean of engine.retrieval.gap's fixed captions, encoded by the pipeline's towers."""
     from engine.retrieval.gap import CAPTIONS
 
-    tokens, _ = pipe.towers.tokenize(list(CAPTIONS))
-    return pipe.towers.encode_tokens(tokens).float().mean(0)
+    tokens, _ = space.towers.tokenize(list(CAPTIONS))
+    return space.towers.encode_tokens(tokens).float().mean(0)
 
 
 class Gap(Option):
@@ -68,31 +68,31 @@ class Gap(Option):
     def needs_text_bank(self) -> bool:
         return self.text == "bank"
 
-    def setup(self, pipe) -> None:
+    def setup(self, space) -> None:
         from engine.retrieval.gap import CAPTIONS, gap_vector
 
-        pipe.image_mean = image_mean(pipe)
-        if self.text == "bank" and pipe.text_bank is not None:
-            pipe.text_mean = pipe.text_bank.mean(0)
-            pipe.info["text_mean"] = f"{len(pipe.text_bank)} gallery-derived texts"
+        space.image_mean = image_mean(space)
+        if self.text == "bank" and space.text_bank is not None:
+            space.text_mean = space.text_bank.mean(0)
+            space.info["text_mean"] = f"{len(space.text_bank)} gallery-derived texts"
         else:
             if self.text == "bank":
-                pipe.log("gap shift: no gallery-derived text bank; using the fixed caption set's text mean")
-            pipe.text_mean = caption_mean(pipe)
-            pipe.info["text_mean"] = f"{len(CAPTIONS)} fixed captions (engine.retrieval.gap)"
-        pipe.delta = gap_vector(pipe.image_mean, pipe.text_mean)       # [D] image mean - text mean
-        pipe.info["gap_norm"] = round(float(pipe.delta.norm()), 4)
-        pipe.gallery = self.image_side(pipe, pipe.base)
+                space.log("gap shift: no gallery-derived text bank; using the fixed caption set's text mean")
+            space.text_mean = caption_mean(space)
+            space.info["text_mean"] = f"{len(CAPTIONS)} fixed captions (engine.retrieval.gap)"
+        space.delta = gap_vector(space.image_mean, space.text_mean)       # [D] image mean - text mean
+        space.info["gap_norm"] = round(float(space.delta.norm()), 4)
+        space.gallery = self.image_side(space, space.base)
 
-    def image_side(self, pipe, rows):
+    def image_side(self, space, rows):
         from engine.retrieval.gap import shift
 
-        return shift(rows, pipe.delta, toward_text=True, lam=self.shift)
+        return shift(rows, space.delta, toward_text=True, lam=self.shift)
 
-    def text_side(self, pipe, rows):
+    def text_side(self, space, rows):
         from engine.retrieval.gap import shift
 
-        return shift(rows, pipe.delta, toward_text=False, lam=self.shift)
+        return shift(rows, space.delta, toward_text=False, lam=self.shift)
 
     @classmethod
     def extras(cls, ctx) -> tuple[dict, dict]:

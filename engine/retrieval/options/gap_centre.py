@@ -42,47 +42,47 @@ class GapCentre(Option):
     def needs_text_bank(self) -> bool:
         return self.text in ("bank", "both")
 
-    def _requests_mean(self, pipe) -> bool:
-        return self.uses_requests or (self.text == "bank" and pipe.text_bank is None)
+    def _requests_mean(self, space) -> bool:
+        return self.uses_requests or (self.text == "bank" and space.text_bank is None)
 
-    def needs_requests(self, pipe) -> bool:
-        return self._requests_mean(pipe)
+    def needs_requests(self, space) -> bool:
+        return self._requests_mean(space)
 
-    def setup(self, pipe) -> None:
+    def setup(self, space) -> None:
         from engine.retrieval.rescore import center
 
-        pipe.image_mean = image_mean(pipe)
-        pipe.gallery = center(pipe.base, pipe.image_mean)
+        space.image_mean = image_mean(space)
+        space.gallery = center(space.base, space.image_mean)
 
-    def prepare_texts(self, pipe, call) -> None:
+    def prepare_texts(self, space, call) -> None:
         """The text mean: the call's request texts, the gallery-derived texts and/or the captions."""
         import torch
 
         from engine.retrieval.gap import CAPTIONS
 
         means, src = [], []
-        use_requests = self._requests_mean(pipe)
+        use_requests = self._requests_mean(space)
         if use_requests and call.texts is not None and len(call.texts) >= GAP_MIN_TEXTS:
             means.append(call.texts.mean(0))
             src.append(f"{len(call.texts)} request texts")
         elif use_requests:
-            pipe.log(f"gap correction: {len(call.requests)} request texts are too few for a text mean "
+            space.log(f"gap correction: {len(call.requests)} request texts are too few for a text mean "
                      f"(< {GAP_MIN_TEXTS}); texts are not centred")
-        if self.text in ("bank", "both") and pipe.text_bank is not None:
-            means.append(pipe.text_bank.mean(0))
-            src.append(f"{len(pipe.text_bank)} gallery-derived texts")
+        if self.text in ("bank", "both") and space.text_bank is not None:
+            means.append(space.text_bank.mean(0))
+            src.append(f"{len(space.text_bank)} gallery-derived texts")
         if self.text == "captions":
-            means.append(caption_mean(pipe))
+            means.append(caption_mean(space))
             src.append(f"{len(CAPTIONS)} fixed captions (engine.retrieval.gap)")
-        pipe.text_mean = torch.stack(means).mean(0) if means else None
-        pipe.info["text_mean"] = " + ".join(src) or "none"
+        space.text_mean = torch.stack(means).mean(0) if means else None
+        space.info["text_mean"] = " + ".join(src) or "none"
 
-    def image_side(self, pipe, rows):
+    def image_side(self, space, rows):
         from engine.retrieval.rescore import center
 
-        return center(rows, pipe.image_mean)
+        return center(rows, space.image_mean)
 
-    def text_side(self, pipe, rows):
+    def text_side(self, space, rows):
         from engine.retrieval.rescore import center
 
-        return center(rows, pipe.text_mean) if pipe.text_mean is not None else rows
+        return center(rows, space.text_mean) if space.text_mean is not None else rows

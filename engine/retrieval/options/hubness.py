@@ -48,7 +48,7 @@ class HubnessScorer(Option):
     def needs_text_bank(self) -> bool:
         return self.bank in ("gallery", "both")
 
-    def needs_requests(self, pipe) -> bool:
+    def needs_requests(self, space) -> bool:
         return self.uses_requests
 
     def missing(self, meta: dict, corpus) -> str | None:
@@ -59,13 +59,13 @@ class HubnessScorer(Option):
                     f"texts, and {no_text_bank(meta)}; :bank=requests uses the call's own requests instead")
         return None
 
-    def begin_call(self, pipe) -> None:
-        if self.bank in ("gallery", "both") and pipe.text_bank is None:
-            raise pipe.Error(f"{self.name}: bank={self.bank} needs the index's gallery-derived text bank, which "
-                             f"{pipe.index.dir} lacks (build it with --mapping pic2word), or name bank=requests "
-                             "(transductive: each answer then depends on the call's other requests)")
+    def begin_call(self, space) -> None:
+        if self.bank in ("gallery", "both") and space.text_bank is None:
+            raise space.Error(f"{self.name}: bank={self.bank} needs the index's gallery-derived text bank, which "
+                              "it lacks (build it with --mapping pic2word), or name bank=requests "
+                              "(transductive: each answer then depends on the call's other requests)")
 
-    def prepare(self, pipe, call) -> None:
+    def prepare(self, space, call) -> None:
         """The bank's per-item statistics over the pipeline's gallery: the call's composed queries
         and/or the gallery-derived texts, each bank query's own gallery row masked."""
         import torch
@@ -77,32 +77,32 @@ class HubnessScorer(Option):
             parts.append(call.queries)
             ex.append(call.refs)
             src.append(f"{len(call.queries)} request queries")
-        bank = pipe.text_bank
+        bank = space.text_bank
         if bank is not None and self.bank in ("gallery", "both"):
-            tb = pipe.text_side(bank)
+            tb = space.text_side(bank)
             parts.append(tb)
-            rows = (pipe.index.meta.get("text_bank") or {}).get("rows")   # each text's own gallery row
+            rows = (space.meta.get("text_bank") or {}).get("rows")   # each text's own gallery row
             if not isinstance(rows, list) or len(rows) != len(tb):
-                pipe.log("the gallery text bank does not record its gallery rows (an older build: rebuild "
+                space.log("the gallery text bank does not record its gallery rows (an older build: rebuild "
                          "the extras to mask them); its self-matches are not masked")
                 rows = [-1] * len(tb)
             ex.append(torch.tensor(rows, dtype=torch.int64, device=tb.device))
             src.append(f"{len(tb)} gallery-derived texts")
         if not parts:
-            raise pipe.Error(f"{self.name}: no query bank (no requests and no stored text bank)")
+            raise space.Error(f"{self.name}: no query bank (no requests and no stored text bank)")
         params = ScorerParams(self.beta, self.temp, self.k)
-        pipe.stats = bank_stats(self.name, torch.cat(parts), pipe.gallery, params, torch.cat(ex),
-                                has_queries=self.uses_requests, chunk=pipe.bank_chunk)
-        pipe.info["bank"] = " + ".join(src)
+        space.stats = bank_stats(self.name, torch.cat(parts), space.gallery, params, torch.cat(ex),
+                                has_queries=self.uses_requests, chunk=space.bank_chunk)
+        space.info["bank"] = " + ".join(src)
 
-    def row_state(self, pipe, cos, ref_t):
+    def row_state(self, space, cos, ref_t):
         """What the scorer decides per row from its cosines [B, N] (rescore.row_state)."""
         from engine.retrieval.rescore import row_state
 
-        return row_state(self.name, cos, pipe.stats, self.k, ref_t)
+        return row_state(self.name, cos, space.stats, self.k, ref_t)
 
-    def scores(self, pipe, cos, state, cols=None):
+    def scores(self, space, cos, state, cols=None):
         """Scores [B, C] from cosines [B, C] of gallery columns `cols` (None: all)."""
         from engine.retrieval.rescore import score_cos
 
-        return score_cos(self.name, cos, pipe.stats, state, cols, self.beta, self.temp)
+        return score_cos(self.name, cos, space.stats, state, cols, self.beta, self.temp)

@@ -30,30 +30,33 @@ class Pic2WordMapping(Option):
             return "the index has no Pic2Word mapping (scripts/build.sh --mapping pic2word trains one)"
         return None
 
-    def load(self, pipe) -> None:
+    def reads(self, meta: dict) -> tuple[str, ...]:
+        return ("pic2word",)
+
+    def load(self, space) -> None:
         from safetensors.torch import load
 
         from engine.retrieval.pic2word import load_mapping
 
-        data, meta = pipe.index.extra_bytes("pic2word"), pipe.index.meta.get("pic2word")
+        data, meta = space.stored.get("pic2word"), space.meta.get("pic2word")
         if data is None or meta is None:
-            raise pipe.Error(f"method pic2word: the index in {pipe.index.dir} has no mapping; "
+            raise space.Error("method pic2word: the index has no mapping; "
                              "build it with scripts/build.sh ... --mapping pic2word")
-        pipe.info["pic2word"] = {k: meta.get(k) for k in ("steps", "final_loss", "seed", "stopped_early")}
-        pipe.mapping = load_mapping(load(data), meta).to(pipe.towers.device)
+        space.info["pic2word"] = {k: meta.get(k) for k in ("steps", "final_loss", "seed", "stopped_early")}
+        space.mapping = load_mapping(load(data), meta).to(space.towers.device)
 
-    def encode_texts(self, pipe, batch, texts: list[str], ref_t):
+    def encode_texts(self, space, batch, texts: list[str], ref_t):
         """[B, D] the prompts with the reference's pseudo-word; the bare modification where there is none."""
         import torch
 
         from engine.retrieval.pic2word import encode_prompts
 
-        towers = pipe.towers
+        towers = space.towers
         has = (ref_t >= 0).tolist()
         out = torch.empty(len(batch), towers.spec.embed_dim, device=towers.device)
         if any(has):
             sel = [i for i, h in enumerate(has) if h]
-            out[sel] = encode_prompts(towers, pipe.mapping, pipe.raw[ref_t[sel]], [texts[i] for i in sel])
+            out[sel] = encode_prompts(towers, space.mapping, space.raw[ref_t[sel]], [texts[i] for i in sel])
         if not all(has):             # no image for the pseudo-word: the bare modification alone (text-only's prompt)
             sel = [i for i, h in enumerate(has) if not h]
             out[sel] = towers.encode_texts([batch[i].modification for i in sel])

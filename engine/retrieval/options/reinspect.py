@@ -59,12 +59,12 @@ class Reinspect(Option):
             return f"no corpus records for re-inspection at {root} (pass --corpus DIR)"
         return None
 
-    def _budget(self, pipe):
+    def _budget(self, space):
         from engine.retrieval.reinspect import ReinspectBudget
 
-        return ReinspectBudget(self.n, pipe.max_reinspect)
+        return ReinspectBudget(self.n, space.max_reinspect)
 
-    def setup(self, pipe) -> None:
+    def setup(self, space) -> None:
         """The re-inspector over the corpus's records (none, said, when the records cannot be found)."""
         from engine import settings as engine_settings
         from engine import threads
@@ -72,42 +72,42 @@ class Reinspect(Option):
         from engine.retrieval.jsonl import read_records, record_reader
         from engine.retrieval.reinspect import Reinspector, ViewDecoding
 
-        meta = pipe.index.meta
-        root = pipe.corpus or (Path(meta["corpus"]) if meta.get("corpus") else
+        meta = space.meta
+        root = space.corpus or (Path(meta["corpus"]) if meta.get("corpus") else
                                Path(meta["records"]["path"]).parent if meta.get("records", {}).get("path") else None)
         records = root / "records.jsonl" if root else None
         if records is None or not records.is_file():
-            pipe.log(f"re-inspection off: no corpus records at {records} (pass --corpus DIR)")
-            pipe.info["reinspection"] = f"off: no records.jsonl at {records}"
+            space.log(f"re-inspection off: no corpus records at {records} (pass --corpus DIR)")
+            space.info["reinspection"] = f"off: no records.jsonl at {records}"
             return
         try:
-            paths = {str(r.image_id): r.path for r in read_records(records, pipe.warn)}
+            paths = {str(r.image_id): r.path for r in read_records(records, space.warn)}
         except (OSError, ValueError) as e:
-            raise pipe.Error(f"re-inspection: cannot read {records}: {e}") from None
-        ids = pipe.index.ids
+            raise space.Error(f"re-inspection: cannot read {records}: {e}") from None
+        ids = space.ids
         # the same rule as the build: regular files where the records lead, unless confined to the corpus
-        read_path = record_reader(root, _Lookup(paths), confine=not pipe.allow_outside_corpus)
+        read_path = record_reader(root, _Lookup(paths), confine=not space.allow_outside_corpus)
 
         def read(row: int) -> bytes:
             return read_path(str(ids[row]))
 
         # the decoder that built the gallery, so a view and a stored row come from the same pixels
-        decoder = meta.get("decoder") or default_decoder(pipe.towers.device.type)
-        budget = threads.budget(pipe.towers.device.type)
-        pipe.info["reinspection"] = f"{self.n} candidates x {self.crops} views, decoder {decoder}, corpus {root}"
-        decoding = ViewDecoding(decoder, RETRIEVAL.image_batch_for(pipe.towers.device.type), budget.readers,
+        decoder = meta.get("decoder") or default_decoder(space.towers.device.type)
+        budget = threads.budget(space.towers.device.type)
+        space.info["reinspection"] = f"{self.n} candidates x {self.crops} views, decoder {decoder}, corpus {root}"
+        decoding = ViewDecoding(decoder, RETRIEVAL.image_batch_for(space.towers.device.type), budget.readers,
                                 engine_settings.decoder_isolate())
-        pipe.reinspector = Reinspector(read, pipe.towers.encode_images, pipe.towers.spec.image, self.crops,
-                                       self._budget(pipe), decoding)
+        space.reinspector = Reinspector(read, space.towers.encode_images, space.towers.spec.image, self.crops,
+                                       self._budget(space), decoding)
 
-    def begin_call(self, pipe) -> None:
-        if pipe.reinspector is not None:           # each call's requests start with their whole budget
-            pipe.reinspector.budget = self._budget(pipe)
+    def begin_call(self, space) -> None:
+        if space.reinspector is not None:           # each call's requests start with their whole budget
+            space.reinspector.budget = self._budget(space)
 
-    def depth(self, pipe) -> int:
-        return self.n if pipe.reinspector is not None else 0
+    def depth(self, space) -> int:
+        return self.n if space.reinspector is not None else 0
 
-    def rescore(self, pipe, batch, scored, vals, idx):
+    def rescore(self, space, batch, scored, vals, idx):
         """Re-score each row's top n candidates with multi-view rows (the method's scorer).
 
         Mixing rule: the n re-inspected candidates keep their rank block (ranks 1..n), re-ordered
@@ -116,21 +116,21 @@ class Reinspect(Option):
         Every request's views are decoded and embedded together (Reinspector.embed_many)."""
         import torch
 
-        if pipe.reinspector is None:
+        if space.reinspector is None:
             return vals, idx
         q = scored.q
         vals, idx = vals.clone(), idx.clone()
         cands = [[j for j in idx[b, :self.n].tolist() if j >= 0] for b in range(len(batch))]
         cols = [torch.tensor(c, dtype=torch.int64, device=idx.device) for c in cands]
-        rows = pipe.reinspector.embed_many([(str(r.query_id), c) for r, c in zip(batch, cands)],
-                                           [pipe.base[c] for c in cols])          # [C_b, D] each
+        rows = space.reinspector.embed_many([(str(r.query_id), c) for r, c in zip(batch, cands)],
+                                           [space.base[c] for c in cols])          # [C_b, D] each
         for b, (c, v) in enumerate(zip(cols, rows)):
             n = len(c)
             if not n:
                 continue
-            v = pipe.image_side(v.to(q.device))
+            v = space.image_side(v.to(q.device))
             cos = (v.to(q.device) @ q[b]).unsqueeze(0)                      # [1, C]
-            new = pipe.scores_of_row(scored.state, b, cos, c.unsqueeze(0))[0]
+            new = space.scores_of_row(scored.state, b, cos, c.unsqueeze(0))[0]
             order = torch.sort(new, descending=True, stable=True).indices
             vals[b, :n], idx[b, :n] = new[order], idx[b, :n][order]
             if n < vals.shape[1]:
@@ -139,8 +139,8 @@ class Reinspect(Option):
         return vals, idx
 
     @classmethod
-    def summary(cls, pipe) -> dict:
-        r = getattr(pipe, "reinspector", None)
+    def summary(cls, space) -> dict:
+        r = getattr(space, "reinspector", None)
         return {"reinspected_per_request_max": r.budget.max_used if r else 0,
                 "reinspected_total": r.budget.total if r else 0,
                 "reinspect_limit": r.budget.per_request if r else 0,
