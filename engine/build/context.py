@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 @dataclasses.dataclass
 class GuardConfig:
     """The margin guard's settings; a None of calibration_count, safety, recheck_batch or budget is
-    the device preset's (engine/presets/classification.py), filled in by `for_device` when the build starts."""
+    the device preset's (engine/presets/classification.py), filled in when the build's context is made."""
     enabled: bool = True                  # below fp32: re-check near-ties in FP32
     calibration_images: Path | None = None  # a folder of the user's images; None: calibration_source
     calibration_count: int | None = None  # calibration images tau is chosen on
