@@ -245,6 +245,16 @@ class _BuildFake(FakeMeasurer):
         self._real.discard(h)
 
 
+def _context(net, spec, pixels, ref, budget=10.0, safety=2.0, recheck_batch=None):
+    """A build's context on the CPU for a Measurer: the network, its calibration pixels and FP32 (top-1, margins)."""
+    from engine.build.assemble import GuardConfig
+    from engine.build.context import BuildContext
+    from engine.build.reference import Reference
+
+    return BuildContext(spec, "cpu", GuardConfig(budget=budget, safety=safety, recheck_batch=recheck_batch), net=net,
+                        calibration=Reference(pixels, *ref, origin={}))
+
+
 def _auto_build(tmp_path, tiny_checkpoint, monkeypatch, verify_ok=lambda name: True, **plant):
     from engine.build import AutoConfig, GuardConfig, build
     from engine.build import auto as build_auto
@@ -255,7 +265,7 @@ def _auto_build(tmp_path, tiny_checkpoint, monkeypatch, verify_ok=lambda name: T
     monkeypatch.setattr(autotune_measure, "importable_backends", lambda device: (["eager"], {}))
     seen = []
 
-    def verify(artifact, net, spec, device, count, alpha, decoder, timeout=1800.0):
+    def verify(ctx, spec, timeout=1800.0):
         name = f"eager/{spec.precision}/b{spec.batch_size}"
         seen.append(name)
         return {"ok": verify_ok(name), "images": 16, "agreement": 1.0 if verify_ok(name) else 0.5,
@@ -318,10 +328,10 @@ def test_the_re_check_rate_is_the_fp32_network_at_the_re_check_batch_measured_on
         return 123.0
 
     monkeypatch.setattr(autotune_measure, "rate", rate)
-    m = autotune_measure.Measurer(net, spec, "cpu", pixels, ref, tmp_path, 10.0, 2.0, 4)
+    m = autotune_measure.Measurer(_context(net, spec, pixels, ref, recheck_batch=4), tmp_path)
     assert m.recheck_rate() == m.recheck_rate() == 123.0
     assert timed == [(4, {torch.float32}, torch.int32)]     # once, FP32 weights, top-1 only, at the re-check batch
-    assert autotune_measure.Measurer(net, spec, "cpu", pixels, ref, tmp_path, 10.0, 2.0, "auto").recheck_batch \
+    assert autotune_measure.Measurer(_context(net, spec, pixels, ref, recheck_batch="auto"), tmp_path).recheck_batch \
         == preset("cpu").recheck_batch
 
 

@@ -28,14 +28,13 @@ class TimedFake(FakeMeasurer):
     """Planted rates (fp32 faster, larger batches faster), real eager compiles into the search's work
     folder, and the build's fake clock advanced by what each step is said to cost."""
 
-    def __init__(self, clock, real, net, spec, device, pixels, ref, workdir, budget, safety, recheck_batch=None,
-                 compile_s=1.0, env_fail=False):
+    def __init__(self, clock, real, ctx, workdir, compile_s=1.0, env_fail=False):
         screen = {(p, b): 30.0 for p in ("fp32", "bf16") for b in (8, 16, 32)}
         graph = {(p, b, "eager", "default"): 40.0 + b + (5 if p == "fp32" else -20) for p in ("fp32", "bf16")
                  for b in (8, 16, 32)}
         super().__init__(clock, screen, graph, compile_s=compile_s)
         self.env_fail = env_fail
-        self._real = real(net, spec, device, pixels, ref, workdir, budget, safety, recheck_batch)
+        self._real = real(ctx, workdir)
 
     def compile(self, c):
         self.clock.t += self.compile_s
@@ -88,7 +87,7 @@ def _build(tmp_path, ckpt, monkeypatch, deadline, compile_s=1.0, verify_s=1.0, v
     monkeypatch.setattr(calibrate, "classify", slow_classify)
     seen = []
 
-    def verify(artifact, net, spec, device, count, alpha, decoder, timeout=1800.0):
+    def verify(ctx, spec, timeout=1800.0):
         name = f"eager/{spec.precision}/b{spec.batch_size}"
         seen.append(name)
         clock.t += verify_s
@@ -98,7 +97,7 @@ def _build(tmp_path, ckpt, monkeypatch, deadline, compile_s=1.0, verify_s=1.0, v
     monkeypatch.setattr(build_auto, "verify_artifact", verify)
     meta = build(tiny_spec("squash", 16), ckpt, tmp_path / "art", backend="eager", device="cpu",
                  guard=GuardConfig(calibration_source="renders", calibration_count=count),
-                 auto=AutoConfig(precisions=("fp32", "bf16"), deadline_s=deadline), clock=clock)
+                 auto=AutoConfig(precisions=("fp32", "bf16"), deadline_s=deadline, clock=clock))
     return meta, clock, made[0], seen
 
 

@@ -149,12 +149,15 @@ def flipping_decoder(monkeypatch):
 def test_a_decoder_kept_leaves_precision_the_rest_of_the_budget(tiny_checkpoint, flipping_decoder, monkeypatch):
     from engine.build import auto as build_auto
     from engine.build.assemble import GuardConfig
+    from engine.build.context import BuildContext
     from engine.core.checkpoint import load_model
 
     monkeypatch.setattr(sys.modules[__name__], "EVERY", 1000)     # the first of 100 images only: 100 basis points
     spec = tiny_spec("squash", 16)
-    guard, extra = build_auto._choose_decoder(load_model(spec, tiny_checkpoint), spec, "cpu",
-                                              GuardConfig(budget=500.0), {"build": {}}, 100)
+    ctx = BuildContext(spec, "cpu", GuardConfig(budget=500.0), net=load_model(spec, tiny_checkpoint),
+                       extra={"build": {}})
+    build_auto._choose_decoder(ctx, 100)
+    guard, extra = ctx.guard, ctx.extra
     rec = extra["build"]["decoder"]
     assert rec["tried"][0]["flips"] == 1 and extra["decoder"] == rec["name"] == "flip-2pc"
     assert guard.budget == rec["precision_budget_per_10k"] == 400.0 and rec["budget_per_10k"] == 500.0
@@ -230,12 +233,21 @@ def test_the_check_images_come_at_natural_sizes_larger_and_smaller_than_the_inpu
     assert (spec.input_size, spec.input_size) not in sizes
 
 
+def _decoder_chosen(net, spec, budget: float) -> dict:
+    """The manifest extras after the build's decoder choice on 256 natural-size JPEGs, on the CPU."""
+    from engine.build import auto as build_auto
+    from engine.build.assemble import GuardConfig
+    from engine.build.context import BuildContext
+
+    ctx = BuildContext(spec, "cpu", GuardConfig(budget=budget), net=net, extra={"build": {}})
+    build_auto._choose_decoder(ctx, 256)
+    return ctx.extra
+
+
 @pytest.mark.abi   # slow: the FP32 graph over 256 images per decoder
 def test_a_decoder_that_resizes_differently_is_refused_and_dali_still_holds(tiny_checkpoint, monkeypatch):
     """Decoders are compared where they differ: through their own resize of natural-size JPEGs. A planted
     decoder whose only fault is its resize (nearest neighbour) is refused; DALI's resize holds."""
-    from engine.build import auto as build_auto
-    from engine.build.assemble import GuardConfig
     from engine.core.checkpoint import load_model
     from engine.decoders import registry, start_problem
 
@@ -247,12 +259,12 @@ def test_a_decoder_that_resizes_differently_is_refused_and_dali_still_holds(tiny
     spec = tiny_spec("squash", 16)
     net = load_model(spec, tiny_checkpoint)
     budget = 100.0                                   # 2 flips in 256 images: DALI's rounding, not a wrong resize
-    _, extra = build_auto._choose_decoder(net, spec, "cpu", GuardConfig(budget=budget), {"build": {}}, 256)
+    extra = _decoder_chosen(net, spec, budget)
     rec = extra["build"]["decoder"]
     near = rec["tried"][0]
     assert near["decoder"] == "nearest" and not near["holds"] and near["per_10k"] > budget, rec
     assert extra["decoder"] == "pil" and rec["images"]["larger_than_input"] > 0
     if start_problem("dali-cpu") is None:
         monkeypatch.setenv("ENGINE_DECODER", "dali-cpu")
-        _, extra = build_auto._choose_decoder(net, spec, "cpu", GuardConfig(budget=budget), {"build": {}}, 256)
+        extra = _decoder_chosen(net, spec, budget)
         assert extra["decoder"] == "dali-cpu" and extra["build"]["decoder"]["tried"][0]["per_10k"] < budget

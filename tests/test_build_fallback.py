@@ -5,6 +5,7 @@ compiled is verified the build takes the measured eager bf16 (guarded) rather th
 end-to-end check can run in the build's own process (as it does on CUDA)."""
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -157,7 +158,7 @@ def test_when_every_verification_fails_the_fallback_is_the_measured_eager_bf16_w
     monkeypatch.setattr(autotune_measure, "importable_backends", lambda device: (["eager"], {}))
     seen = []
 
-    def verify(artifact, net, spec, device, count, alpha, decoder, timeout=1800.0):
+    def verify(ctx, spec, timeout=1800.0):
         seen.append(f"eager/{spec.precision}/b{spec.batch_size}")
         return {"ok": False, "images": 16,
                 "why": "scripts/run exited 1: CUDA error: all CUDA-capable devices are busy or unavailable"}
@@ -184,7 +185,9 @@ def test_the_end_to_end_check_can_run_in_the_builds_process_without_a_child(tmp_
     from engine import build as engine_build
     from engine import children
     from engine.build import auto as build_auto
+    from engine.build.context import BuildContext
     from engine.core.checkpoint import load_model
+    from engine.presets import preset
 
     spec = tiny_spec("squash", 16)
     engine_build.build(spec, tiny_checkpoint, tmp_path / "art", backend="eager", device="cpu")
@@ -194,8 +197,10 @@ def test_the_end_to_end_check_can_run_in_the_builds_process_without_a_child(tmp_
 
     monkeypatch.setattr(children, "run", no_child)
     net = load_model(spec, tiny_checkpoint)
-    v = build_auto.verify_artifact(tmp_path / "art", net, spec, "cpu", 16, 0.05,
-                                   {"name": "pil", "budget_per_10k": 10.0}, in_process=True)
+    pre = dataclasses.replace(preset("cpu"), verify_images=16, verify_alpha=0.05)
+    ctx = BuildContext(spec, "cpu", work=tmp_path / "art", net=net, preset=pre,
+                       decoder={"name": "pil", "budget_per_10k": 10.0})
+    v = build_auto.verify_artifact(ctx, spec, in_process=True)
     assert v["ok"] and v["images"] == 16 and v["disagreements"] == 0 and v["where"] == "in the build's process"
 
 
@@ -237,7 +242,7 @@ def test_a_first_compile_slower_than_the_time_left_falls_back_to_the_eager_bf16_
     monkeypatch.setattr(build_auto, "verify_artifact", lambda *a, **k: seen.append(a) or {"ok": True})
     meta = build(tiny_spec("squash", 16), tiny_checkpoint, tmp_path / "art", backend="eager", device="cpu",
                  guard=GuardConfig(calibration_source="renders", calibration_count=16),
-                 auto=AutoConfig(precisions=("fp32", "bf16"), deadline_s=1500), clock=clock)
+                 auto=AutoConfig(precisions=("fp32", "bf16"), deadline_s=1500, clock=clock))
     assert clock.t <= 1500 and seen == []                                # no time to verify anything
     assert (meta["precision"], meta["backend"], meta["batch_size"]) == ("bf16", "eager", 8)
     assert meta["guard"]["recheck_backend"] == "eager"

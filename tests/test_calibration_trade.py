@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from engine.build import calibration_trade as trade
-from engine.build.calibrate import choose_tau
+from engine.build.calibrate import TauRule, choose_tau
 from engine.presets import preset
 
 
@@ -19,19 +19,23 @@ def _pilot(n: int = 256, seed: int = 0) -> trade.Pilot:
     return trade.Pilot(low, margins, low.copy(), (margins + np.abs(rng.normal(0, 0.03, n))).astype(np.float32))
 
 
-def _kw(device: str = "cpu") -> dict:
+def _rule(device: str = "cpu") -> TauRule:
     pre = preset(device)
-    return {"budget": pre.guard_budget, "safety": pre.guard_safety, "confidence": pre.guard_confidence}
+    return TauRule(pre.guard_budget, pre.guard_safety, pre.guard_confidence)
+
+
+def _count(pilot, rates, run_images, cap, device="cpu", **kw) -> dict:
+    return trade.choose_count(pilot, rates, trade.Trade(run_images, cap, _rule(device), **kw))
 
 
 def test_the_tail_bound_tightens_with_the_sample_and_tau_with_it():
     p = _pilot(256)
-    args = (p.low_top1, p.low_margins, p.ref_top1, p.ref_margins, 10.0, 2.0)
-    point = choose_tau(*args)
-    taus = [choose_tau(*args, 0.95, bound_images=n)["tau"] for n in (256, 1024, 4096, 10 ** 6)]
+    args = (p.low_top1, p.low_margins, p.ref_top1, p.ref_margins)
+    point = choose_tau(*args, TauRule(10.0, 2.0))
+    taus = [choose_tau(*args, TauRule(10.0, 2.0, 0.95), bound_images=n)["tau"] for n in (256, 1024, 4096, 10 ** 6)]
     assert taus == sorted(taus, reverse=True) and taus[0] > taus[-1]        # more images, smaller tau
     assert taus[-1] == pytest.approx(point["tau"], rel=0.05)                 # the bound closes on the estimate
-    g = choose_tau(*args, 0.95)
+    g = choose_tau(*args, TauRule(10.0, 2.0, 0.95))
     assert g["tau"] == taus[0] and g["margin_error"]["tail"]["scale_factor"] > 1.3
 
 
@@ -39,7 +43,7 @@ def test_the_tail_bound_tightens_with_the_sample_and_tau_with_it():
 def test_the_count_is_the_least_calibration_plus_recheck_time(device):
     p = _pilot()
     rates = trade.Rates(fp32_s=0.02, low_s=0.002, recheck_s=0.015)     # fake seconds per image
-    t = trade.choose_count(p, rates, 10_000, 4096, **_kw(device))
+    t = _count(p, rates, 10_000, 4096, device)
     rows = t["table"]
     assert rows[0]["count"] == len(p) and rows[-1]["count"] == 4096
     for r in rows:   # each row's times follow from the rates and its projected fraction
@@ -54,17 +58,16 @@ def test_the_count_is_the_least_calibration_plus_recheck_time(device):
 
 def test_cheaper_calibration_or_a_longer_run_takes_more_images_and_a_cap_binds():
     p = _pilot()
-    kw = _kw()
     slow, cheap = trade.Rates(0.2, 0.05, 0.015), trade.Rates(0.0005, 0.0001, 0.015)
-    assert trade.choose_count(p, slow, 10_000, 4096, **kw)["count"] == len(p)        # the pilot is enough
-    fast = trade.choose_count(p, cheap, 10_000, 4096, **kw)["count"]
-    longer = trade.choose_count(p, slow, 10 ** 8, 4096, **kw)["count"]
+    assert _count(p, slow, 10_000, 4096)["count"] == len(p)        # the pilot is enough
+    fast = _count(p, cheap, 10_000, 4096)["count"]
+    longer = _count(p, slow, 10 ** 8, 4096)["count"]
     assert fast > len(p) and longer > len(p)
-    assert trade.choose_count(p, cheap, 0, 4096, **kw)["count"] == len(p)            # no run: nothing to save
-    capped = trade.choose_count(p, cheap, 10_000, 300, **kw, cap_why="share")
+    assert _count(p, cheap, 0, 4096)["count"] == len(p)            # no run: nothing to save
+    capped = _count(p, cheap, 10_000, 300, cap_why="share")
     assert capped["count"] <= 300 and capped["cap"] == 300 and capped["cap_why"] == "share"
     with pytest.raises(ValueError):
-        trade.choose_count(p, trade.Rates(-1, 0, 0), 10, 300, **kw)
+        _count(p, trade.Rates(-1, 0, 0), 10, 300)
 
 
 @pytest.mark.abi   # slow: a measured build of the tiny model

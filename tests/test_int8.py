@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import REPO, tiny_spec
-from test_autotune import Clock, FakeMeasurer
+from test_autotune import Clock, FakeMeasurer, _context
 
 from engine.build.autotune import Candidate, SearchConfig, search
 
@@ -68,10 +68,12 @@ def test_int8_is_skipped_with_its_reason(monkeypatch, request, case, reason):
     assert "\n" not in skipped["int8"]
 
 
-def _auto(**k):
+def _ctx(spec, **auto):
+    """A CPU build's context asking `auto` (AutoConfig's fields) to measure."""
     from engine.build.command import AutoConfig
+    from engine.build.context import BuildContext
 
-    return AutoConfig(**k)
+    return BuildContext(spec, "cpu", auto=AutoConfig(**auto))
 
 
 def test_int8_is_measured_on_the_quantizing_backend_only(monkeypatch):
@@ -81,10 +83,10 @@ def test_int8_is_measured_on_the_quantizing_backend_only(monkeypatch):
 
     monkeypatch.delenv("ENGINE_INT8", raising=False)
     spec = tiny_spec()
-    cfg, skipped = search_config(spec, "eager", "cpu", _auto(precisions=("fp32", "int8"), backend=False))
+    cfg, skipped = search_config(_ctx(spec, precisions=("fp32", "int8"), backend=False), "eager")
     assert cfg.precisions == ("fp32",) and "not eager" in skipped["int8"]
     monkeypatch.setattr("engine.build.measure.importable_backends", lambda device: (["aot", "eager"], {}))
-    cfg, skipped = search_config(spec, "aot", "cpu", _auto(precisions=("fp32", "int8")))
+    cfg, skipped = search_config(_ctx(spec, precisions=("fp32", "int8")), "aot")
     assert cfg.precisions == ("fp32", "int8") and cfg.only == {"int8": ("aot",)} and "int8" not in skipped
     clock = Clock()
     screen = {(p, b): 50.0 for p in ("fp32", "int8") for b in (8, 16)}
@@ -102,7 +104,7 @@ def test_int8_is_measured_on_the_quantizing_backend_only(monkeypatch):
     from engine import settings
 
     settings.reload()
-    cfg, skipped = search_config(spec, "aot", "cpu", _auto(precisions=("fp32", "int8")))
+    cfg, skipped = search_config(_ctx(spec, precisions=("fp32", "int8")), "aot")
     assert cfg.precisions == ("fp32",) and skipped["int8"] == "off (ENGINE_INT8=0)"
 
 
@@ -192,7 +194,7 @@ def test_the_int8_graph_runs_onednn_int8_gemms_and_holds_the_guard(tmp_path, tin
     net = load_model(spec, tiny_checkpoint)
     pixels = calibrate.photo_stream(spec).take(64)
     ref = calibrate.classify(wrap(net, spec, "cpu", margin=True), pixels, 16, margin=True, device="cpu")
-    m = Measurer(net, spec, "cpu", pixels, ref, tmp_path / "work", 10.0, 2.0)
+    m = Measurer(_context(net, spec, pixels, ref), tmp_path / "work")
     c = Candidate("int8", 8, "aot")
     h = m.compile(c)
     assert "qlinear_pointwise" in h.extras["aot"]["quantized_kernels"], h.extras

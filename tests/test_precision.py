@@ -9,7 +9,7 @@ import torch
 from conftest import tiny_spec
 from torch import nn
 
-from engine.build.calibrate import choose_tau, folder_pixels, generated_pixels
+from engine.build.calibrate import TauRule, choose_tau, folder_pixels, generated_pixels
 from engine.classify.guard import Guard
 from engine.core.checkpoint import load_model
 from engine.core.model import Top1Model, wrap
@@ -101,8 +101,8 @@ def test_guard_restores_fp32_answers_on_planted_near_ties():
         calib = torch.from_numpy(np.random.default_rng(2).integers(0, 256, (64, size, size, 3), dtype=np.uint8))
         c_low, c_margin = low(calib)
         r_top1, r_margin = ref(calib)
-        chosen = choose_tau(c_low.numpy(), c_margin.numpy(), r_top1.numpy(), r_margin.numpy(), budget=10,
-                            safety=preset("cpu").guard_safety)
+        chosen = choose_tau(c_low.numpy(), c_margin.numpy(), r_top1.numpy(), r_margin.numpy(),
+                            TauRule(budget=10, safety=preset("cpu").guard_safety))
         # every calibration disagreement is re-checked (one left would be 1,560 per 10,000)
         assert chosen["disagreements"] >= 1 and chosen["tau"] > chosen["largest_disagreeing_margin"]
         assert chosen["estimated_per_10k"] <= 10
@@ -120,7 +120,7 @@ def test_guard_restores_fp32_answers_on_planted_near_ties():
 def _choose(low, margins, ref, ref_margins=None, **kw):
     kw = {"budget": preset("cpu").guard_budget, "safety": preset("cpu").guard_safety, **kw}   # the build's defaults
     ref_margins = np.asarray(margins if ref_margins is None else ref_margins, np.float32)
-    return choose_tau(np.asarray(low), np.asarray(margins, np.float32), np.asarray(ref), ref_margins, **kw)
+    return choose_tau(np.asarray(low), np.asarray(margins, np.float32), np.asarray(ref), ref_margins, TauRule(**kw))
 
 
 def test_choose_tau_keeps_the_estimate_under_the_budget():
@@ -273,7 +273,7 @@ def test_tau_from_natural_photos_for_a_budget_is_below_the_worst_case_rule_on_re
     assert "scikit-image" in rec["origin"] and len(rec["photos"]) >= 8
     assert photo_pixels(spec, 32)[1]["pixels_sha256"] == rec["pixels_sha256"]      # deterministic
     renders, _ = generated_pixels(spec, 32)
-    natural = choose_tau(*measure(photos), budget=10, safety=2)
+    natural = choose_tau(*measure(photos), TauRule(budget=10, safety=2))
     worst_case = 2 * float(margin_errors(*measure(renders)).max())
     assert worst_case > 0 and natural["tau"] < worst_case
     assert natural["estimated_per_10k"] <= 10 and natural["images"] == 32

@@ -3,6 +3,7 @@
     python -m engine.build ...          the command (engine.build.command: parse, plan, build, report)
 
     command.py        the flags and `build()`: one spec, or the measured choice, written atomically
+    context.py        the build's state (BuildContext), made once by `build()` and handed down
     auto.py           the measured build: decoder, search, assembly, end-to-end verification
     autotune.py       the search: candidates, their timings and checks, the ranked table
     measure.py, retime.py, table.py     one candidate timed; close ones retimed interleaved; the table

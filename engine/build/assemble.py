@@ -2,7 +2,9 @@
 chosen on the calibration images, the FP32 re-check graph), then the manifest.
 
 engine.build decides what to build (a fixed spec, or the measured choice of
-engine.build.auto) and calls `assemble`; the timing helpers for the batch sizes live here too.
+engine.build.auto) and calls `assemble` with the build's context (engine.build.context.BuildContext:
+the network, device, guard, work folder and manifest extras); the timing helpers for the batch sizes
+live here too.
 """
 from __future__ import annotations
 
@@ -10,69 +12,48 @@ import dataclasses
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine import backends
 from engine.build import calibrate
+from engine.build.context import GuardConfig
 from engine.classify.artifact import Artifact, write_manifest
 from engine.core.spec import Spec
 from engine.io import sha256_file
-from engine.presets import PRESETS, preset, shared
+from engine.presets import PRESETS, Preset, preset, shared
+
+if TYPE_CHECKING:
+    from engine.build.context import BuildContext
 
 RECHECK_DIR = "recheck"   # the guard's FP32 graph, built by the same backend, inside the artifact
 
 
-@dataclasses.dataclass
-class GuardConfig:
-    """The margin guard's settings; a None of calibration_count, safety, recheck_batch or budget is
-    the device preset's (engine/presets/classification.py), filled in by `for_device` when the build starts."""
-    enabled: bool = True                  # below fp32: re-check near-ties in FP32
-    calibration_images: Path | None = None  # a folder of the user's images; None: calibration_source
-    calibration_count: int | None = None  # calibration images tau is chosen on
-    safety: float | None = None           # factor on the estimated disagreements
-    recheck_batch: int | str | None = None  # static batch of the FP32 re-check graph, "auto" (measured)
-    recheck_backend: str | None = None    # backend of the re-check graph (default: the build's)
-    budget: float | None = None           # disagreements allowed, in basis points: tau keeps its estimate
-                                          # under it (under auto, what the decoder's flips leave of it)
-    calibration_source: str = "photos"    # photos (scikit-image's bundled photos) | renders
-    smoke_count: int = shared("smoke_count")   # renders that check the low-precision graph is not broken
-    calibration_check: calibrate.FolderCheck | None = None   # the caller's reasons to refuse calibration_images
-    run_images: int | None = None         # images one run classifies: "auto" sizes the re-check calls for them
-    calibration_trade: bool | None = None  # under auto with a low precision, trade the count (engine.build.
-                                           # calibration_trade); None: when calibration_count was not given
-
-    def for_device(self, device: str) -> GuardConfig:
-        """This config with every None that stands for the device preset's value filled in."""
-        pre = preset(device)
-        trade = self.calibration_trade if self.calibration_trade is not None else self.calibration_count is None
-        given = {"calibration_trade": trade, "calibration_count": pre.calibration_count, "safety": pre.guard_safety,
-                 "recheck_batch": pre.recheck_batch, "budget": pre.guard_budget}
-        return dataclasses.replace(self, **{k: v for k, v in given.items() if getattr(self, k) is None})
-
-
-def assemble(be, backend: str, net, spec: Spec, checkpoint: Path | None, device: str, tmp: Path,
-              guard: GuardConfig, extra: dict, t0: float, saved: dict | None = None,
-              chosen_guard: tuple | None = None) -> dict:
-    """The artifact's files and manifest in `tmp`: the backend's graph (`saved`: its manifest extras,
-    when the search already wrote its files there), below fp32 the guard, then manifest.json."""
+def assemble(ctx: BuildContext, backend: str, spec: Spec, extra: dict | None = None, saved: dict | None = None,
+             chosen_guard: tuple | None = None) -> dict:
+    """The artifact's files and manifest in `ctx.work`: the backend's graph (`saved`: its manifest extras,
+    when the search already wrote its files there), below fp32 the guard, then manifest.json.
+    `extra`: the manifest's extras (None: the context's)."""
     from engine.core.precision import describe as describe_policy
 
-    guarded = guard.enabled and spec.precision != "fp32" and be.NEEDS_WEIGHTS
-    extra = {**extra, "precision_policy": describe_policy(spec.precision)}
-    extra.update(saved if saved is not None else be.save(net, spec, device, tmp, margin=guarded,
-                                                         **quantized_args(be, spec, guard, device)))
+    be = backends.get(backend)
+    guarded = ctx.guard.enabled and spec.precision != "fp32" and be.NEEDS_WEIGHTS
+    extra = {**(ctx.extra if extra is None else extra), "precision_policy": describe_policy(spec.precision)}
+    extra.update(saved if saved is not None else be.save(ctx.net, spec, ctx.device, ctx.work, margin=guarded,
+                                                         **quantized_args(be, spec, ctx.guard)))
     if guarded:
-        extra["guard"] = build_guard(be, backend, net, spec, device, tmp, guard, chosen_guard)
-    extra["build"] = {**extra["build"], "seconds": round(time.perf_counter() - t0, 3)}
-    ck_sha = sha256_file(checkpoint) if checkpoint is not None else None
-    return write_manifest(tmp, spec, backend, device, checkpoint, ck_sha, extra)
+        extra["guard"] = build_guard(ctx, backend, spec, chosen_guard)
+    extra["build"] = {**extra["build"], "seconds": round(time.perf_counter() - ctx.t0, 3)}
+    ck_sha = sha256_file(ctx.checkpoint) if ctx.checkpoint is not None else None
+    return write_manifest(ctx.work, spec, backend, ctx.device, ctx.checkpoint, ck_sha, extra)
 
 
-def quantized_args(be, spec: Spec, guard: GuardConfig, device: str) -> dict:
+def quantized_args(be, spec: Spec, guard: GuardConfig) -> dict:
     """save()'s calibration images for a precision the backend quantizes (int8: activation ranges
-    observed on the guard's calibration source, never evaluation data); {} for the others."""
+    observed on the guard's calibration source, never evaluation data); {} for the others.
+    `guard`: with the preset's values filled in."""
     if spec.precision not in getattr(be, "QUANTIZED", ()):
         return {}
-    return {"calibration": calibration_pixels(spec, guard.for_device(device))[0]}
+    return {"calibration": calibration_pixels(spec, guard)[0]}
 
 
 SMOKE_AGREEMENT = shared("smoke_agreement")   # raw low precision agreeing with FP32 on fewer renders than this: a broken build
@@ -97,8 +78,7 @@ def calibration_pixels(spec: Spec, cfg: GuardConfig) -> tuple:
     return pixels, s.origin()
 
 
-def build_guard(be, backend: str, net, spec: Spec, device: str, tmp: Path, cfg: GuardConfig,
-                 chosen_guard: tuple | None = None) -> dict:
+def build_guard(ctx: BuildContext, backend: str, spec: Spec, chosen_guard: tuple | None = None) -> dict:
     """Choose tau with the compiled low-precision graph, then build the FP32 re-check graph.
     `chosen_guard`: (choose_tau's record, origin) when the search already chose tau with this graph."""
     import torch
@@ -106,8 +86,9 @@ def build_guard(be, backend: str, net, spec: Spec, device: str, tmp: Path, cfg: 
     from engine.core.model import wrap
 
     t0 = time.perf_counter()
+    cfg, device, tmp, net = ctx.guard, ctx.device, ctx.work, ctx.net
     view = Artifact(tmp, spec, backend, device, spec.precision, spec.batch_size, {}, {"guard": True})
-    low = be.load(view, torch.device(device))                       # the graph the run will execute
+    low = backends.get(backend).load(view, torch.device(device))   # the graph the run will execute
     ref = wrap(net, dataclasses.replace(spec, precision="fp32"), device, margin=True)
     if chosen_guard is not None:
         chosen, origin = chosen_guard
@@ -115,10 +96,9 @@ def build_guard(be, backend: str, net, spec: Spec, device: str, tmp: Path, cfg: 
         pixels, origin = calibration_pixels(spec, cfg)
         low_top1, margins = calibrate.classify(low, pixels, spec.batch_size, margin=True, device=device)
         ref_top1, ref_margins = calibrate.classify(ref, pixels, calibrate.REFERENCE_BATCH, margin=True, device=device)
-        chosen = calibrate.choose_tau(low_top1, margins, ref_top1, ref_margins, cfg.budget, cfg.safety,
-                                      preset(device).guard_confidence)
+        chosen = calibrate.choose_tau(low_top1, margins, ref_top1, ref_margins, tau_rule(cfg, ctx.preset))
     smoke = smoke_check(calibrate, low, ref, spec, device, cfg.smoke_count)
-    rbatch = cfg.for_device(device).recheck_batch
+    rbatch = cfg.recheck_batch
     rsweep = None
     if rbatch == "auto":
         rbatch, rsweep = measure_recheck_batch(net, spec, device, chosen["rechecked_fraction"], cfg.run_images)
@@ -137,6 +117,11 @@ def build_guard(be, backend: str, net, spec: Spec, device: str, tmp: Path, cfg: 
     if rsweep:
         out["recheck_sweep"] = rsweep
     return out
+
+
+def tau_rule(guard: GuardConfig, pre: Preset) -> calibrate.TauRule:
+    """The guard's rule for tau: its budget and safety, the preset's tail confidence."""
+    return calibrate.TauRule(guard.budget, guard.safety, pre.guard_confidence)
 
 
 def smoke_check(calibrate, low, ref, spec: Spec, device: str, count: int) -> dict:

@@ -16,6 +16,10 @@ and held its agreement (eager bf16 with its guard on a GPU; `_fallback`), and on
 the plain eager FP32 path without CUDA graphs (with the chosen decoder), said loudly. The manifest's `build.search` records every candidate measured, the
 verification and the choice; `build.decoder` the decoders measured.
 
+The build's state is one engine.build.context.BuildContext, made by engine.build.command.build; what
+this module learns (the decoder, the calibration reference, the search's result, its record and
+verifications) goes into it, and each step reads it there.
+
 One deadline covers it all (engine.build.clock): the calibration reference takes only the images
 that fit its share at the rate measured here (engine.build.reference), the search spends what it
 has left once the re-check graph and one verification are reserved at their estimates; a ranked
@@ -35,6 +39,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -42,7 +47,10 @@ from engine import backends, children
 from engine.build import assemble as parts
 from engine.build import autotune
 from engine.core.spec import Spec
-from engine.presets import preset, shared
+from engine.presets import shared
+
+if TYPE_CHECKING:
+    from engine.build.context import BuildContext
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -51,11 +59,12 @@ def _say(msg: str) -> None:
     print(f"engine.build: {msg}", file=sys.stderr, flush=True)
 
 
-def search_config(spec: Spec, backend: str, device: str, auto) -> tuple[autotune.SearchConfig, dict]:
-    """The candidates `auto` measures on this machine, and what it skips (with why)."""
+def search_config(ctx: BuildContext, backend: str) -> tuple[autotune.SearchConfig, dict]:
+    """The candidates `ctx.auto` measures on this machine (`backend`: the one a fixed backend names),
+    and what it skips (with why)."""
     from engine.build.measure import importable_backends, measurable_precisions
 
-    pre = preset(device)
+    spec, device, auto, pre = ctx.spec, ctx.device, ctx.auto, ctx.preset
     skipped: dict[str, str] = {}
     if auto.precision:
         if auto.precisions:
@@ -108,29 +117,32 @@ def _quantized(precisions: tuple[str, ...], mods: dict, device: str, skipped: di
     return tuple(kept), only
 
 
-def build_measured(net, spec: Spec, checkpoint, backend: str, device: str, guard, auto, tmp: Path, extra: dict,
-                   t0: float, bclock=None):
-    """Search, assemble the best candidate in `tmp`, verify it, all inside `bclock`'s deadline (an
-    engine.build.clock.BuildClock; None: the device preset's, from now); returns (spec, backend, manifest)."""
+def build_measured(ctx: BuildContext, backend: str):
+    """Search, assemble the best candidate in `ctx.work`, verify it, all inside `ctx.clock`'s deadline (an
+    engine.build.clock.BuildClock; None: the device preset's, from now); returns (spec, backend, manifest).
+    The context gains the decoder, the calibration reference and the search's result on the way."""
     from engine.build import reference
     from engine.build.clock import BuildClock
     from engine.core.model import wrap
 
-    pre = preset(device)
-    bclock = bclock or BuildClock(pre.build_deadline_s, {"recheck": pre.compile_estimate_s,
-                                                         "verify": pre.verify_estimate_s})
-    cfg, skipped = search_config(spec, backend, device, auto)
+    pre, spec, device, guard, net = ctx.preset, ctx.spec, ctx.device, ctx.guard, ctx.net
+    if ctx.clock is None:
+        ctx.clock = BuildClock(pre.build_deadline_s, {"recheck": pre.compile_estimate_s,
+                                                      "verify": pre.verify_estimate_s})
+    bclock = ctx.clock
+    cfg, skipped = search_config(ctx, backend)
     with bclock.phase("calibration"):
         # the FP32 reference on as many calibration images as fit the phase's share (engine.build.reference)
         low = guard.enabled and any(p != "fp32" for p in cfg.precisions)
-        after = (("recheck",) if low else ()) + (("verify",) if auto.verify else ())
+        after = (("recheck",) if low else ()) + (("verify",) if ctx.auto.verify else ())
         seconds = bclock.allowance("calibration", after, cfg.budget_s)
         end = bclock.clock() + seconds
         ref = wrap(net, dataclasses.replace(spec, precision="fp32"), device, margin=True)
         stream = parts.calibration_stream(spec, guard)
-        fit = reference.fitted(ref, stream, guard.calibration_count, seconds, bclock.clock, device,
-                               later=_decoder_passes(device))
-        guard, extra = _choose_decoder(net, spec, device, guard, extra, len(fit.pixels))
+        fit = reference.fitted(ref, stream, guard.calibration_count,
+                               reference.Window(seconds, bclock.clock, device, later=_decoder_passes(device)))
+        _choose_decoder(ctx, len(fit.pixels))
+        guard = ctx.guard                                  # precision's share of the budget now
         pilot = (next((p for p in cfg.precisions if p != "fp32"), None)
                  if low and guard.calibration_trade and guard.run_images else None)   # no run size: no trade
         if pilot is not None:
@@ -139,22 +151,20 @@ def build_measured(net, spec: Spec, checkpoint, backend: str, device: str, guard
 
             fit, trade = calibration_trade.extended(
                 fit, ref, wrap(net, dataclasses.replace(spec, precision=pilot), device, margin=True), stream,
-                end - bclock.clock(), bclock.clock, device, run_images=guard.run_images,
-                max_images=pre.calibration_max_images, budget=guard.budget, safety=guard.safety,
-                confidence=pre.guard_confidence)
+                reference.Window(end - bclock.clock(), bclock.clock, device),
+                calibration_trade.Trade(guard.run_images, pre.calibration_max_images, parts.tau_rule(guard, pre)))
             trade["precision"] = pilot
             _say(f"calibration: {trade['count']} images (pilot {trade['pilot']}, cap {trade['cap']}: "
                  f"{trade['cap_why']}): expected tau {trade['tau']:.4g}, re-checked fraction "
                  f"{trade['rechecked_fraction']:.1%}; about {trade['calibration_s']:.0f} s of calibration against "
                  f"{trade['recheck_s']:.0f} s of re-checks in a run of {trade['run_images']} images")
-            extra = {**extra, "build": {**extra["build"], "calibration": trade}}
+            ctx.extra = {**ctx.extra, "build": {**ctx.extra["build"], "calibration": trade}}
         if fit.cut:
             bclock.note(fit.cut)
-        pixels, origin, ref_top1, ref_margins = fit.pixels, fit.origin, fit.top1, fit.margins
-    work = Path(tempfile.mkdtemp(prefix="search.", dir=tmp.parent))   # the candidates' graphs, in the build's work folder
+        ctx.calibration = fit
+    work = Path(tempfile.mkdtemp(prefix="search.", dir=ctx.work.parent))   # the candidates' graphs, in the build's work folder
     try:
-        return _search_and_assemble(net, spec, checkpoint, backend, device, guard, auto, tmp, extra,
-                                    t0, cfg, skipped, pixels, origin, (ref_top1, ref_margins), work, bclock)
+        return _search_and_assemble(ctx, cfg, skipped, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -174,60 +184,65 @@ def _decoder_passes(device: str) -> float:
     return 0.0
 
 
-def _choose_decoder(net, spec: Spec, device: str, guard, extra: dict, count: int) -> tuple:
-    """(guard with precision's share of the budget, extra naming the decoder): the first decoder
-    whose own flips, on JPEGs at natural sizes through its own resize, leave precision a budget
-    (engine.build.decoder_choice; `count` of them, at most the preset's verify_images); ENGINE_DECODER
-    pins the first."""
+def _choose_decoder(ctx: BuildContext, count: int) -> None:
+    """The first decoder whose own flips, on JPEGs at natural sizes through its own resize, leave
+    precision a budget (engine.build.decoder_choice; `count` of them, at most the preset's verify_images);
+    ENGINE_DECODER pins the first. The context gains its record (`decoder`, the manifest's extras) and
+    its guard precision's share of the budget."""
     from engine import settings
     from engine.build import decoder_choice as build_decoder
 
-    choice = build_decoder.for_build(net, spec, device, guard.budget, min(count, preset(device).verify_images),
-                                     first=settings.decoder())
+    guard = ctx.guard
+    choice = build_decoder.for_build(ctx.net, ctx.spec, ctx.device, guard.budget,
+                                     min(count, ctx.preset.verify_images), first=settings.decoder())
     _say(f"decoder {choice.name}: precision gets {choice.precision_budget:.4g} of the {guard.budget:g} basis "
          "points of the disagreement budget")
-    extra = {**extra, "decoder": choice.name, "build": {**extra["build"], "decoder": choice.record()}}
-    return dataclasses.replace(guard, budget=choice.precision_budget), extra
+    ctx.decoder = choice.record()
+    ctx.extra = {**ctx.extra, "decoder": choice.name, "build": {**ctx.extra["build"], "decoder": ctx.decoder}}
+    ctx.guard = dataclasses.replace(guard, budget=choice.precision_budget)
 
 
-def _search_and_assemble(net, spec, checkpoint, backend, device, guard, auto, tmp, extra, t0, cfg,
-                         skipped, pixels, origin, ref, work, bclock):
+def _search_and_assemble(ctx: BuildContext, cfg: autotune.SearchConfig, skipped: dict, work: Path):
+    """The search in `work` on the context's calibration reference, then the ranked candidates verified
+    in order, else the fallback: (spec, backend, manifest)."""
     from engine.build.clock import SearchDeadline
     from engine.build.disk import WorkDisk
     from engine.build.measure import Measurer
 
-    low = guard.enabled and any(p != "fp32" for p in cfg.precisions)
-    after = (("recheck",) if low else ()) + (("verify",) if auto.verify else ())
+    bclock, device = ctx.clock, ctx.device
+    low = ctx.guard.enabled and any(p != "fp32" for p in cfg.precisions)
+    after = (("recheck",) if low else ()) + (("verify",) if ctx.auto.verify else ())
     deadline = SearchDeadline(cfg.budget_s, bclock.clock, bclock, after)
     _say(f"autotune: measuring {', '.join(cfg.precisions)} x batch {', '.join(map(str, cfg.batch_sizes))} x "
          f"{', '.join(cfg.backends)} on {device_name(device)} (budget {cfg.budget_s:.0f} s"
          + (f", cut to the {deadline.left():.0f} s the deadline leaves)" if deadline.left() < cfg.budget_s - 0.5 else ")")
          + (f"; skipped: {'; '.join(f'{k}: {v}' for k, v in skipped.items())}" if skipped else ""))
-    m = Measurer(net, spec, device, pixels, ref, work, guard.budget, guard.safety, guard.recheck_batch)
-    disk = WorkDisk(work, 3 * _weight_bytes(net))
+    m = Measurer(ctx, work)
+    disk = WorkDisk(work, 3 * _weight_bytes(ctx.net))
     with bclock.phase("search"):
         result = autotune.search(m, cfg, skipped, clock=bclock.clock, deadline=deadline, disk=disk)
     import torch
 
-    record = {"device": device_name(device), "threads": torch.get_num_threads(), "budget_s": cfg.budget_s,
-              "seconds": round(result.seconds, 1), "calibration": origin, "skipped": result.skipped,
-              "dropped": result.dropped, "tie": autotune.TIE, "retime": autotune.RETIME, "prune": autotune.PRUNE,
-              "keep": autotune.KEEP, "disk": disk.record()}
-    verify: list[dict] = []
-    done = _verify_in_order(result, net, spec, checkpoint, device, guard, auto, tmp, extra, t0, pixels, origin,
-                            record, verify, bclock, work)
+    ctx.search = result
+    ctx.search_record = {"device": device_name(device), "threads": torch.get_num_threads(), "budget_s": cfg.budget_s,
+                         "seconds": round(result.seconds, 1), "calibration": ctx.calibration.origin,
+                         "skipped": result.skipped, "dropped": result.dropped, "tie": autotune.TIE,
+                         "retime": autotune.RETIME, "prune": autotune.PRUNE, "keep": autotune.KEEP,
+                         "disk": disk.record()}
+    ctx.verified = []
+    done = _verify_in_order(ctx, work)
     if done is not None:
         return done
-    return _fallback(result, cfg, net, spec, checkpoint, device, guard, tmp, extra, t0, origin, record, verify,
-                     bclock)
+    return _fallback(ctx, cfg)
 
 
-def _fallback(result, cfg, net, spec, checkpoint, device, guard, tmp, extra, t0, origin, record, verify, bclock):
+def _fallback(ctx: BuildContext, cfg: autotune.SearchConfig):
     """Nothing held, built and verified in time: the best measured candidate that needs no compile and
     held its agreement in the search (autotune.fallback_choice: on a GPU eager bf16 with its guard, ~7-9x
     eager FP32's rate), its re-check graph eager (nothing compiles after the deadline ran out); else, or
     when that cannot be assembled, the plain eager FP32 path without CUDA graphs. One stderr line says
     why and what; the manifest's `fallback` says it too. Returns (spec, backend, manifest)."""
+    result, verify, spec, bclock = ctx.search, ctx.verified, ctx.spec, ctx.clock
     cut = any(v.get("deadline") for v in verify) or any(
         "deadline" in t.why for t in result.trials if t.status in ("not compiled", "not screened"))
     why = ("the build's deadline left no time to measure and verify a candidate" if cut and not result.ranked
@@ -238,65 +253,63 @@ def _fallback(result, cfg, net, spec, checkpoint, device, guard, tmp, extra, t0,
     if pick is not None:
         c = pick.candidate
         cspec = dataclasses.replace(spec, precision=c.precision, batch_size=c.batch_size)
-        gargs = (pick.guard, origin) if c.precision != "fp32" else None
+        gargs = (pick.guard, ctx.calibration.origin) if c.precision != "fp32" else None
         what = (f"{c.name}, the fastest measured candidate that compiles nothing and held its agreement "
                 f"({pick.effective_images_per_s:.1f} images/s"
                 + (f", guarded: tau {pick.tau:.4g}, its re-check graph eager" if gargs else "") + ")")
         _say(f"autotune: WARNING: {why}; falling back to {what}; not verified end to end")
-        _clear(tmp)
+        _clear(ctx.work)
+        guard = ctx.guard
+        ctx.guard = dataclasses.replace(guard, recheck_backend=backends.REFERENCE)   # nothing compiles now
         try:
             with bclock.phase("recheck" if gargs else "verify"):
-                record["clock"] = bclock.record()
-                meta = _assemble(c, net, cspec, checkpoint, device, tmp,
-                                 dataclasses.replace(guard, recheck_backend=backends.REFERENCE), extra, t0, None,
-                                 gargs, result, record, verify, chosen=None,
-                                 fallback=f"{what}: {why}; not verified")
+                ctx.search_record["clock"] = bclock.record()
+                meta = _assemble(ctx, c, cspec, gargs=gargs, fallback=f"{what}: {why}; not verified")
             return cspec, c.backend, meta
         except Exception as e:  # noqa: BLE001 - said, and the plain path below is the artifact
             _say(f"autotune: the fallback {c.name} cannot be assembled ({autotune._why(e)}); building eager FP32")
-            _clear(tmp)
+            _clear(ctx.work)
+            ctx.guard = guard
     else:
         _say(f"autotune: WARNING: {why}; no candidate that compiles nothing held its agreement: building the plain "
              "eager FP32 path without CUDA graphs (not verified end to end: it is the reference's own network, "
              "with the run's decoder)")
     c = autotune.Candidate("fp32", spec.batch_size, backends.REFERENCE)
     fspec = dataclasses.replace(spec, precision="fp32")
-    record["clock"] = bclock.record()
-    meta = _assemble(c, net, fspec, checkpoint, device, tmp, guard, extra, t0, None, None, result,
-                     record, verify, chosen=None, fallback=f"eager FP32 without CUDA graphs: {why}; not verified")
+    ctx.search_record["clock"] = bclock.record()
+    meta = _assemble(ctx, c, fspec, fallback=f"eager FP32 without CUDA graphs: {why}; not verified")
     return fspec, backends.REFERENCE, meta
 
 
-def _verify_in_order(result, net, spec, checkpoint, device, guard, auto, tmp, extra, t0, pixels, origin, record,
-                     verify, bclock, work):
+def _verify_in_order(ctx: BuildContext, work: Path):
     """Assemble and verify the ranked candidates in order while the deadline allows one more; the first
     that passes is the artifact: (spec, backend, manifest), or None when none did in time."""
     from engine.build.measure import own_inductor_cache
 
-    pre = preset(device)
+    result, verify, guard, bclock, tmp = ctx.search, ctx.verified, ctx.guard, ctx.clock, ctx.work
     for trial in result.ranked:
         c = trial.candidate
         guarded = guard.enabled and c.precision != "fp32"
         # the guard's re-check graph: a compiling backend's compile is reserved at its estimate before it
         # starts (the longest compile so far); an eager one compiles nothing and is priced in `verify`
         compiles = guarded and getattr(backends.get(guard.recheck_backend or c.backend), "COMPILES", False)
-        need = (bclock.estimate["recheck"] if compiles else 0.0) + (bclock.estimate["verify"] if auto.verify else 0.0)
+        need = ((bclock.estimate["recheck"] if compiles else 0.0)
+                + (bclock.estimate["verify"] if ctx.auto.verify else 0.0))
         if bclock.left() < need:
             bclock.note(f"{c.name} not assembled or verified: {bclock.left():.0f} s left, it needs about {need:.0f} s")
             verify.append({"candidate": c.name, "ok": False, "deadline": True,
                            "why": f"not attempted: {bclock.left():.0f} s left of the deadline, about {need:.0f} s needed"})
             break
-        cspec = dataclasses.replace(spec, precision=c.precision, batch_size=c.batch_size)
+        cspec = dataclasses.replace(ctx.spec, precision=c.precision, batch_size=c.batch_size)
         # the re-check graph's compile: its Inductor cache in the work folder, removed with it
         cache = work / ".inductor" / "recheck" if compiles else None
         _clear(tmp)
         try:
             with bclock.phase("recheck" if guarded else "verify"), own_inductor_cache(cache):
                 saved = _adopt(result.handles[c.name], tmp)
-                gargs = (trial.guard, origin) if c.precision != "fp32" else None
-                record["clock"] = bclock.record()
-                meta = _assemble(c, net, cspec, checkpoint, device, tmp, guard, extra, t0, saved, gargs,
-                                 result, record, verify, chosen=c.name)
+                gargs = (trial.guard, ctx.calibration.origin) if c.precision != "fp32" else None
+                ctx.search_record["clock"] = bclock.record()
+                meta = _assemble(ctx, c, cspec, saved, gargs, chosen=c.name)
         except Exception as e:  # noqa: BLE001 - a candidate that cannot be assembled: the next one
             trial.status, trial.why = "failed", f"assembly: {autotune._why(e)}"
             _say(f"autotune: {c.name}: cannot assemble the artifact ({autotune._why(e)}); trying the next")
@@ -304,16 +317,15 @@ def _verify_in_order(result, net, spec, checkpoint, device, guard, auto, tmp, ex
             continue
         try:
             with bclock.phase("verify"):
-                v = (verify_artifact(tmp, net, cspec, device, pre.verify_images, pre.verify_alpha,
-                                     extra["build"]["decoder"], timeout=max(bclock.left(), 1.0)) if auto.verify
+                v = (verify_artifact(ctx, cspec, timeout=max(bclock.left(), 1.0)) if ctx.auto.verify
                      else {"ok": True, "skipped": "verification off"})
         except (OSError, ValueError, RuntimeError, subprocess.SubprocessError) as e:
             v = {"ok": False, "why": autotune._why(e)}
         verify.append({"candidate": c.name, **v})
         if v["ok"]:
             autotune.mark(result.trials, trial, chosen=True)
-            record["clock"] = bclock.record()
-            meta = _rewrite(tmp, meta, result, verify, record["clock"])    # the record with its verification
+            ctx.search_record["clock"] = bclock.record()
+            meta = _rewrite(ctx, meta)    # the record with its verification
             _say("autotune:\n" + autotune.format_table(result, c.name))
             _say(f"autotune: chose {c.name}: {trial.effective_images_per_s:.1f} images/s on the compiled graph"
                  + (f", verified end to end: {v['agreement']:.2%} of {v['images']} images agree with FP32 eager"
@@ -328,17 +340,18 @@ def _weight_bytes(net) -> int:
     return sum(t.numel() * t.element_size() for t in list(net.parameters()) + list(net.buffers()))
 
 
-def _assemble(c, net, cspec, checkpoint, device, tmp, guard, extra, t0, saved, gargs, result,
-              record, verify, chosen, fallback: str | None = None) -> dict:
-    """The artifact in `tmp` (the guard below fp32, the manifest with the search's record; `fallback`:
-    why the build is the eager FP32 path)."""
-    search = {**record, "candidates": result.table(), "chosen": chosen, "verify": verify, "fallback": fallback}
-    ex = {**extra, "build": {**extra["build"], "search": search}, "cuda_graphs": bool(c.cuda_graphs)}
-    return parts.assemble(backends.get(c.backend), c.backend, net, cspec, checkpoint, device, tmp, guard,
-                                  ex, t0, saved, gargs)
+def _assemble(ctx: BuildContext, c: autotune.Candidate, cspec: Spec, saved: dict | None = None,
+              gargs: tuple | None = None, chosen: str | None = None, fallback: str | None = None) -> dict:
+    """Candidate `c` as the artifact in `ctx.work` (the guard below fp32, with `gargs`: (choose_tau's
+    record, origin); the manifest with the search's record; `chosen`: its name when verified, `fallback`:
+    why the build is a fallback)."""
+    search = {**ctx.search_record, "candidates": ctx.search.table(), "chosen": chosen, "verify": ctx.verified,
+              "fallback": fallback}
+    ex = {**ctx.extra, "build": {**ctx.extra["build"], "search": search}, "cuda_graphs": bool(c.cuda_graphs)}
+    return parts.assemble(ctx, c.backend, cspec, ex, saved, gargs)
 
 
-def _rewrite(tmp: Path, meta: dict, result, verify: list, clock: dict) -> dict:
+def _rewrite(ctx: BuildContext, meta: dict) -> dict:
     """manifest.json again, its search record now with the final table, the verification and the clock."""
     from engine.classify.artifact import DIGEST_KEY, write_manifest
     from engine.core.spec import Spec as SpecType
@@ -346,11 +359,11 @@ def _rewrite(tmp: Path, meta: dict, result, verify: list, clock: dict) -> dict:
     own = ("format", "spec", "backend", "device", "precision", "batch_size", "checkpoint", "files", "versions",
            "graph", DIGEST_KEY)
     extra = {k: v for k, v in meta.items() if k not in own}
-    extra["build"] = {**extra["build"], "search": {**extra["build"]["search"], "candidates": result.table(),
-                                                   "verify": verify, "clock": clock}}
+    extra["build"] = {**extra["build"], "search": {**extra["build"]["search"], "candidates": ctx.search.table(),
+                                                   "verify": ctx.verified, "clock": ctx.search_record["clock"]}}
     ck = meta["checkpoint"]
-    (tmp / "manifest.json").unlink()
-    return write_manifest(tmp, SpecType.from_dict(meta["spec"]), meta["backend"], meta["device"],
+    (ctx.work / "manifest.json").unlink()
+    return write_manifest(ctx.work, SpecType.from_dict(meta["spec"]), meta["backend"], meta["device"],
                           Path(ck["path"]) if ck else None, ck["sha256"] if ck else None, extra)
 
 
@@ -380,22 +393,23 @@ def device_name(device: str) -> str:
     return f"{platform.machine()} CPU, capability {torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} CPUs"
 
 
-def verify_artifact(artifact: Path, net, spec: Spec, device: str, count: int, alpha: float,
-                    decoder: dict, timeout: float = shared("verify_timeout_s"),
+def verify_artifact(ctx: BuildContext, spec: Spec, timeout: float = shared("verify_timeout_s"),
                     in_process: bool | None = None) -> dict:
-    """The artifact end to end through scripts/run on `count` JPEG files at natural sizes (the decoder
-    check's: engine.build.decoder_choice.natural_jpegs, each decoder resizing them itself), with the
-    decoder the build chose (`decoder`: build_decoder.Choice.record()), against FP32 on
-    PIL's pixels (the reference). Two counts: the decoder's own flips (FP32 on its pixels against
-    FP32 on PIL's) and the total (the artifact against FP32 on PIL's pixels); ok when the total is
-    within calibrate.allowed_disagreements(the budget, n, alpha). `timeout`: the seconds the whole
-    check may take (scripts/run gets what the in-process passes leave of it, at least a second).
-    `in_process` (None: on CUDA): the artifact runs here, through the API scripts/run calls, not in a
-    child (`_run_here` says why)."""
+    """The artifact in `ctx.work` (built for `spec`) end to end through scripts/run on the preset's
+    verify_images JPEG files at natural sizes (the decoder check's: engine.build.decoder_choice.natural_jpegs,
+    each decoder resizing them itself), with the decoder the build chose (`ctx.decoder`:
+    build_decoder.Choice.record()), against FP32 on PIL's pixels (the reference, `ctx.net`). Two counts:
+    the decoder's own flips (FP32 on its pixels against FP32 on PIL's) and the total (the artifact against
+    FP32 on PIL's pixels); ok when the total is within calibrate.allowed_disagreements(the budget, n, the
+    preset's verify_alpha). `timeout`: the seconds the whole check may take (scripts/run gets what the
+    in-process passes leave of it, at least a second). `in_process` (None: on CUDA): the artifact runs
+    here, through the API scripts/run calls, not in a child (`_run_here` says why)."""
     from engine.build import calibrate
     from engine.build import decoder_choice as build_decoder
     from engine.core.model import wrap
 
+    artifact, net, device, decoder = ctx.work, ctx.net, ctx.device, ctx.decoder
+    count, alpha = ctx.preset.verify_images, ctx.preset.verify_alpha
     end = time.monotonic() + timeout
 
     name, budget = decoder["name"], decoder["budget_per_10k"]

@@ -190,7 +190,7 @@ def search(m: Measurer, cfg: SearchConfig, skipped: dict[str, str] | None = None
            clock: Callable[[], float] = time.perf_counter, deadline=None, disk=None) -> SearchResult:
     """Screen, compile what could win within the time left, time (retiming what is within reach of the
     leader), check agreement, confirm the leaders, rank. `deadline`: an engine.build.clock.SearchDeadline
-    (default: cfg.budget_s on `clock`); `disk`: an engine.build.disk.WorkDisk, checked before each compile."""
+    kept on `clock` (default: cfg.budget_s on `clock`); `disk`: an engine.build.disk.WorkDisk, checked before each compile."""
     t0 = clock()
     deadline = deadline or SearchDeadline(cfg.budget_s, clock)
     trials: list[Trial] = []
@@ -198,7 +198,7 @@ def search(m: Measurer, cfg: SearchConfig, skipped: dict[str, str] | None = None
     if not screened:
         return SearchResult(trials, [], dict(skipped or {}), clock() - t0, {})
     cands, compile_anyway = _candidates(cfg, screened)
-    run = Run(m, cfg, clock, deadline, disk, trials, cands, screened)
+    run = Run(m, cfg, deadline, disk, trials, cands, screened)
     best_screen = max(screened.values())
     for c in cands:
         rate = screened[(c.precision, c.batch_size)]
@@ -299,8 +299,9 @@ class Run:
     is slower, one within RETIME is retimed interleaved with the leader and slower only beyond the
     margin; files go as soon as a candidate loses (slower, rejected, failed, ranked beyond KEEP)."""
 
-    def __init__(self, m, cfg, clock, deadline, disk, trials: list, cands: list, screened: dict | None = None):
-        self.m, self.cfg, self.clock, self.deadline, self.disk = m, cfg, clock, deadline, disk
+    def __init__(self, m, cfg, deadline, disk, trials: list, cands: list, screened: dict | None = None):
+        self.m, self.cfg, self.deadline, self.disk = m, cfg, deadline, disk
+        self.clock = deadline.clock              # the search's clock, the one its deadline keeps
         self.screened = screened or {}           # (precision, batch) -> eager images/s
         self.trials = trials
         self.handles: dict = {}                  # candidate name -> handle, for the ones that hold and keep files
@@ -308,7 +309,7 @@ class Run:
         self.users = collections.Counter(_key(c) for c in cands)   # candidates of each compile still to decide
         self.dropped: dict[str, str] = {}        # backend -> why it was dropped
         self.compiles: list[float] = []          # seconds of each compile (its estimate: the longest)
-        self.timer = Timer(m, lambda t: self.built[_key(t.candidate)], clock, deadline.left)
+        self.timer = Timer(m, lambda t: self.built[_key(t.candidate)], self.clock, deadline.left)
         self._recheck: list = []                 # the re-check graph's rate (None: not measurable), asked once
 
     def recheck_rate(self) -> float | None:

@@ -24,6 +24,7 @@ budget (a binomial quantile): the search's FP32 candidates and the build's end-t
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import os
@@ -337,9 +338,18 @@ class ErrorTail:
         return np.where(t <= self.u, emp, tail)
 
 
+@dataclasses.dataclass(frozen=True)
+class TauRule:
+    """What tau is chosen for (choose_tau): the disagreement budget in basis points, the safety factor
+    on the estimate, and the tail bound's confidence (None: the point estimate)."""
+    budget: float
+    safety: float
+    confidence: float | None = None
+
+
 def choose_tau(low_top1: np.ndarray, margins: np.ndarray, ref_top1: np.ndarray, ref_margins: np.ndarray,
-               budget: float, safety: float, confidence: float | None = None, bound_images: int | None = None) -> dict:
-    """The smallest tau whose estimated disagreement rate, in basis points, stays under `budget`.
+               rule: TauRule, bound_images: int | None = None) -> dict:
+    """The smallest tau whose estimated disagreement rate, in basis points, stays under `rule.budget`.
 
     The estimator. Rounding moves each logit a little; an image whose low-precision margin
     (top-1 minus top-2 logit) is m can change its top-1 only if the error on that gap is at
@@ -352,8 +362,8 @@ def choose_tau(low_top1: np.ndarray, margins: np.ndarray, ref_top1: np.ndarray, 
         observed(tau) = BASIS_POINTS x (calibration disagreements with m_i >= tau) / N
         estimate(tau) = safety x max(model(tau), observed(tau))
 
-    `safety` covers what the calibration set cannot show: images with more near-ties
-    than the photos, an error tail heavier than exponential. `confidence` (the build passes
+    The rule's `safety` covers what the calibration set cannot show: images with more near-ties
+    than the photos, an error tail heavier than exponential. Its `confidence` (the build passes
     its preset's `guard_confidence`; None: the point estimate) takes the tail's scale at its
     upper bound (ErrorTail): the bound of a small sample, which tightens, and with it tau and
     the re-checked fraction, as the calibration set grows; `bound_images` sizes that bound for
@@ -362,6 +372,7 @@ def choose_tau(low_top1: np.ndarray, margins: np.ndarray, ref_top1: np.ndarray, 
     it is <= budget, and the expected re-checked fraction is the share of calibration
     margins below it. A budget no threshold meets re-checks every calibration image.
     """
+    budget, safety, confidence = rule.budget, rule.safety, rule.confidence
     if safety < 1:
         raise ValueError(f"safety factor must be >= 1, got {safety}")
     if budget <= 0:

@@ -23,6 +23,7 @@ import dataclasses
 import numpy as np
 
 from engine.build import calibrate
+from engine.build.reference import Window
 
 STEP = 1.25          # the counts weighed: the pilot, then x STEP each, then the cap
 
@@ -47,10 +48,10 @@ class Rates:
     recheck_s: float     # one re-checked image in a run (the FP32 graph)
 
 
-def projected(pilot: Pilot, n: int, budget: float, safety: float, confidence: float) -> dict:
+def projected(pilot: Pilot, n: int, rule: calibrate.TauRule) -> dict:
     """choose_tau on the pilot with its tail bound sized for n calibration images."""
-    return calibrate.choose_tau(pilot.low_top1, pilot.low_margins, pilot.ref_top1, pilot.ref_margins,
-                                budget, safety, confidence, bound_images=n)
+    return calibrate.choose_tau(pilot.low_top1, pilot.low_margins, pilot.ref_top1, pilot.ref_margins, rule,
+                                bound_images=n)
 
 
 def counts(lo: int, cap: int) -> list[int]:
@@ -62,14 +63,24 @@ def counts(lo: int, cap: int) -> list[int]:
     return out + [max(cap, lo)]
 
 
-def choose_count(pilot: Pilot, rates: Rates, run_images: int, cap: int, budget: float, safety: float,
-                 confidence: float, cap_why: str = "") -> dict:
+@dataclasses.dataclass(frozen=True)
+class Trade:
+    """What the count is traded for: the run's expected size in images, the most images the
+    calibration may take and why that many, and the rule tau is chosen with."""
+    run_images: int
+    cap: int
+    rule: calibrate.TauRule
+    cap_why: str = ""
+
+
+def choose_count(pilot: Pilot, rates: Rates, trade: Trade) -> dict:
     """The count with the least calibration + expected re-check seconds (module docstring), and the table."""
+    run_images, cap, rule = trade.run_images, trade.cap, trade.rule
     if run_images < 0 or min(rates.fp32_s, rates.low_s, rates.recheck_s) < 0:
         raise ValueError(f"the trade needs a run size and rates >= 0, got {run_images}, {rates}")
     rows = []
     for n in counts(len(pilot), cap):
-        g = projected(pilot, n, budget, safety, confidence)
+        g = projected(pilot, n, rule)
         cal = n * (rates.fp32_s + rates.low_s)
         rec = run_images * g["rechecked_fraction"] * rates.recheck_s
         rows.append({"count": n, "tau": round(g["tau"], 6), "rechecked_fraction": round(g["rechecked_fraction"], 6),
@@ -77,23 +88,24 @@ def choose_count(pilot: Pilot, rates: Rates, run_images: int, cap: int, budget: 
     best = min(rows, key=lambda r: (r["total_s"], r["count"]))
     return {"count": best["count"], "tau": best["tau"], "rechecked_fraction": best["rechecked_fraction"],
             "calibration_s": best["calibration_s"], "recheck_s": best["recheck_s"], "pilot": len(pilot),
-            "cap": cap, "cap_why": cap_why, "run_images": run_images,
+            "cap": cap, "cap_why": trade.cap_why, "run_images": run_images,
             "seconds_per_image": {"fp32": round(rates.fp32_s, 6), "low": round(rates.low_s, 6),
                                   "recheck": round(rates.recheck_s, 6)},
-            "confidence": confidence, "table": rows,
+            "confidence": rule.confidence, "table": rows,
             "rule": "the count with the least count x (fp32 + low seconds per image) + run_images x "
                     "projected re-checked fraction x re-check seconds per image, between the pilot and "
                     "the cap (engine.build.calibration_trade)"}
 
 
-def extended(fit, ref, low, stream: calibrate.Stream, seconds: float, clock, device: str, *, run_images: int,
-             max_images: int, budget: float, safety: float, confidence: float, batch: int = 16):
+def extended(fit, ref, low, stream: calibrate.Stream, window: Window, trade: Trade, batch: int = 16):
     """(reference, trade record): the pilot `fit` (engine.build.reference.Reference of the FP32 graph
     `ref`) classified by the low-precision margin graph `low` (timed), the count traded (choose_count,
-    capped by what fits `seconds` from now and by `max_images`), then the FP32 reference extended over
-    the stream to that count (engine.build.reference.fitted, cut by the same seconds)."""
+    capped by what fits the window's seconds from now and by `trade.cap`, the source's most), then the
+    FP32 reference extended over the stream to that count (engine.build.reference.fitted, cut by the
+    same seconds)."""
     from engine.build import reference
 
+    seconds, clock, device, max_images = window.seconds, window.clock, window.device, trade.cap
     t0 = clock()
     n0 = len(fit.pixels)
     low_top1, low_margins = calibrate.classify(low, fit.pixels, batch, margin=True, device=device)
@@ -106,20 +118,22 @@ def extended(fit, ref, low, stream: calibrate.Stream, seconds: float, clock, dev
     cap = max(n0, min(by_share, max_images))
     why = (f"the {seconds:.0f} s the deadline's share left for calibration" if by_share < max_images
            else f"the source's variety (calibration_max_images {max_images})")
-    trade = choose_count(pilot, rates, run_images, cap, budget, safety, confidence, why)
-    if trade["count"] <= n0:
-        return fit, trade
-    more = reference.fitted(ref, stream, trade["count"] - n0, seconds - (clock() - t0), clock, device,
-                            later=rates.low_s / rates.fp32_s if rates.fp32_s > 0 else 0.0, batch=batch)
+    record = choose_count(pilot, rates, dataclasses.replace(trade, cap=cap, cap_why=why))
+    if record["count"] <= n0:
+        return fit, record
+    more = reference.fitted(ref, stream, record["count"] - n0,
+                            reference.Window(seconds - (clock() - t0), clock, device,
+                                             later=rates.low_s / rates.fp32_s if rates.fp32_s > 0 else 0.0),
+                            batch=batch)
     if len(more.pixels) == 0:            # the source ended with the pilot (a folder of that many images)
-        trade["taken"] = n0
-        return fit, trade
-    origin = {**more.origin, "asked": trade["count"], "pilot": n0}
+        record["taken"] = n0
+        return fit, record
+    origin = {**more.origin, "asked": record["count"], "pilot": n0}
     origin.pop("fit", None)
     if "fit" in more.origin:
         origin["fit"] = more.origin["fit"]
     out = reference.Reference(np.concatenate([fit.pixels, more.pixels]), np.concatenate([fit.top1, more.top1]),
                               np.concatenate([fit.margins, more.margins]), origin, more.cut or fit.cut,
                               more.seconds_per_image, more.fp32_seconds_per_image)
-    trade["taken"] = len(out.pixels)
-    return out, trade
+    record["taken"] = len(out.pixels)
+    return out, record

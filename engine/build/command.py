@@ -19,6 +19,10 @@ the images: 1 is 0.01 %). The build prints the budget, tau and the expected re-c
 fraction; renders only check that the low-precision graph is not broken. `--no-guard`
 builds the raw low-precision form.
 
+`build()` makes the build's state once (engine.build.context.BuildContext: spec, device, its
+preset, guard, auto config, clock, work folder, network, manifest extras) and hands it to the
+assembly (engine.build.assemble) or the measured build (engine.build.auto).
+
 A measured build keeps one deadline (`--deadline-s`, the preset's `build_deadline_s`): it
 prints its plan (estimated seconds per phase) first and what each phase took last, and the
 manifest records both (engine.build.clock).
@@ -35,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import shutil
@@ -44,37 +47,28 @@ import time
 from pathlib import Path
 
 from engine import backends
-from engine.build.assemble import RECHECK_DIR, GuardConfig, assemble, measure_batch_size  # noqa: F401 - re-exported
+from engine.build.assemble import RECHECK_DIR, assemble, measure_batch_size  # noqa: F401 - re-exported
+from engine.build.context import AutoConfig, BuildContext, GuardConfig  # noqa: F401 - re-exported
 from engine.core.spec import CROP_MODES, PRECISIONS, Spec, resolve_spec
 from engine.io import folder_refusal, share_tree_like_root
 from engine.presets import PRESETS, per_device, preset
 
 
-@dataclasses.dataclass
-class AutoConfig:
-    """What `auto` leaves to the measurement (engine.build.autotune), and its limits."""
-    precision: bool = True                # measure the precisions (else the spec's)
-    batch_size: bool = True               # measure the preset's batch sizes (else the spec's)
-    backend: bool = True                  # measure the backends that import (else the build's)
-    precisions: tuple[str, ...] | None = None   # candidates to measure; None: the device's native ones
-    budget_s: float | None = None         # the search's time budget; None: the device preset's
-    verify: bool = True                   # run the chosen artifact end to end against FP32
-    deadline_s: float | None = None       # the whole build's seconds; None: the device preset's
-
-
 def build(spec: Spec, checkpoint: Path | None, out: Path, backend: str = backends.DEFAULT,
-          device: str = "cpu", guard: GuardConfig | None = None,
-          auto: AutoConfig | None = None, clock=time.monotonic) -> dict:
+          device: str = "cpu", guard: GuardConfig | None = None, auto: AutoConfig | None = None) -> dict:
     """Build the artifact for `spec` with `backend` (a name in engine.backends) and return its manifest.
     `auto`: measure the candidates on this machine and build the fastest that holds (engine.build.autotune),
-    every phase inside one deadline kept on `clock` (engine.build.clock)."""
+    every phase inside one deadline kept on `auto.clock` (engine.build.clock). The build's state is one
+    engine.build.context.BuildContext, made here and handed down."""
     import torch
 
     from engine.build.clock import BuildClock, say
     from engine.classify.tf32_off import set_fp32_math
     from engine.core.checkpoint import load_model
 
-    guard = (guard or GuardConfig()).for_device(device)   # the device preset's where the caller left None
+    # the device preset's values where the caller left None, looked up once
+    ctx = BuildContext(spec, device, guard or GuardConfig(), checkpoint=checkpoint, auto=auto)
+    guard, pre = ctx.guard, ctx.preset
     why = folder_refusal(out, "the artifact folder", is_artifact_folder, (checkpoint, guard.calibration_images))
     if why:
         raise ValueError(why)
@@ -87,30 +81,28 @@ def build(spec: Spec, checkpoint: Path | None, out: Path, backend: str = backend
         why = quantized_refusal(be, backend, spec.precision, device)
         if why:
             raise ValueError(why)
-    t0 = time.perf_counter()
-    bclock = None
+    ctx.t0 = time.perf_counter()
     if auto is not None:
-        pre = preset(device)
-        bclock = BuildClock(auto.deadline_s if auto.deadline_s is not None else pre.build_deadline_s,
-                            {"checkpoint": pre.checkpoint_estimate_s, "calibration": pre.calibration_estimate_s,
-                             "recheck": pre.compile_estimate_s, "verify": pre.verify_estimate_s}, clock)
+        ctx.clock = BuildClock(auto.deadline_s if auto.deadline_s is not None else pre.build_deadline_s,
+                               {"checkpoint": pre.checkpoint_estimate_s, "calibration": pre.calibration_estimate_s,
+                                "recheck": pre.compile_estimate_s, "verify": pre.verify_estimate_s}, auto.clock)
         if checkpoint is None or Path(checkpoint).is_file():   # else load_model's one error line, no plan
-            say(bclock.plan_line())
+            say(ctx.clock.plan_line())
     math = set_fp32_math()   # the calibration reference and the re-check graph: IEEE FP32 (ENGINE_TF32)
     with artifact_folder(out) as tmp:   # OUT's lock first: a second build stops before it loads anything
-        with bclock.phase("checkpoint") if bclock else contextlib.nullcontext():
-            net = load_model(spec, checkpoint) if be is None or be.NEEDS_WEIGHTS else None
-        extra = {"build": {"argv": sys.argv, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
-                 "fp32_math": math}
+        ctx.work = tmp
+        with ctx.clock.phase("checkpoint") if ctx.clock else contextlib.nullcontext():
+            ctx.net = load_model(spec, checkpoint) if be is None or be.NEEDS_WEIGHTS else None
+        ctx.extra = {"build": {"argv": sys.argv, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
+                     "fp32_math": math}
         if auto is not None:
             from engine.build import auto as build_auto
 
-            spec, backend, meta = build_auto.build_measured(net, spec, checkpoint, backend, device, guard, auto,
-                                                            tmp, extra, t0, bclock)
+            spec, backend, meta = build_auto.build_measured(ctx, backend)
         else:
-            meta = assemble(be, backend, net, spec, checkpoint, device, tmp, guard, extra, t0)
-    if bclock is not None:
-        say(bclock.actual_line())
+            meta = assemble(ctx, backend, spec)
+    if ctx.clock is not None:
+        say(ctx.clock.actual_line())
     return meta
 
 

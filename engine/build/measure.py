@@ -1,5 +1,6 @@
 """The real measurements behind engine.build.autotune: each
-candidate's compiled graph timed and checked against FP32 on the calibration images.
+candidate's compiled graph timed and checked against FP32 on the calibration images (the network,
+the images and the guard's budget come from the build's context, engine.build.context).
 
 Timing follows the usual rules: the graph is warmed up first (lazy inits, autotuned
 kernels, a first-call allocation), every clock read is synchronised with the device, and
@@ -12,6 +13,7 @@ import dataclasses
 import statistics
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -23,6 +25,9 @@ from engine.classify.artifact import Artifact
 from engine.core.model import wrap
 from engine.core.spec import Spec
 from engine.presets import shared
+
+if TYPE_CHECKING:
+    from engine.build.context import BuildContext
 
 MIN_CALLS, MIN_SECONDS, WARMUP = shared("timing_calls"), shared("timing_min_s"), shared("timing_warmup")
 MAX_CALLS = shared("timing_max_calls")
@@ -110,23 +115,22 @@ class Handle:
 
 
 class Measurer:
-    """engine.build.autotune.Measurer on the real network: `pixels` [N, S, S, 3] are the calibration
-    images, `ref` the FP32 graph's (top-1, margins) on them; compiled candidates are written
-    under `workdir/<name>`."""
+    """engine.build.autotune.Measurer on the real network of the build's context: its calibration
+    reference's pixels [N, S, S, 3] are the images, its top-1 and margins the FP32 graph's on them;
+    compiled candidates are written under `workdir/<name>`."""
 
-    def __init__(self, net, spec: Spec, device: str, pixels: np.ndarray, ref: tuple[np.ndarray, np.ndarray],
-                 workdir: Path, budget: float, safety: float, recheck_batch: int | None = None):
-        from engine.presets import preset
-
-        self.net, self.spec, self.device, self.pixels = net, spec, device, pixels
-        self.ref_top1, self.ref_margins = ref
-        self.workdir, self.budget, self.safety = workdir, budget, safety
-        self.alpha = preset(device).verify_alpha
-        self.confidence = preset(device).guard_confidence   # the tail bound tau is chosen with
-        self.recheck_batch = recheck_batch if isinstance(recheck_batch, int) else preset(device).recheck_batch
+    def __init__(self, ctx: BuildContext, workdir: Path):
+        self.net, self.spec, self.device = ctx.net, ctx.spec, ctx.device
+        cal = ctx.calibration
+        self.pixels, self.ref_top1, self.ref_margins = cal.pixels, cal.top1, cal.margins
+        self.workdir, self.budget = workdir, ctx.guard.budget
+        self.alpha = ctx.preset.verify_alpha
+        self.rule = calibrate.TauRule(ctx.guard.budget, ctx.guard.safety, ctx.preset.guard_confidence)
+        rbatch = ctx.guard.recheck_batch
+        self.recheck_batch = rbatch if isinstance(rbatch, int) else ctx.preset.recheck_batch
         self._recheck_rate: float | None = None
         self._screens: dict[tuple[str, int], float] = {}
-        s = spec.input_size
+        s = self.spec.input_size
         self._x = {}
         self._shape = lambda b: (b, s, s, 3)
 
@@ -207,8 +211,7 @@ class Measurer:
                              f"{wrong} of {n} calibration images disagree with the FP32 graph" if wrong > allowed
                              else "")
         top1, margins = calibrate.classify(h.fn, self.pixels, c.batch_size, margin=True, device=self.device)
-        g = calibrate.choose_tau(top1, margins, self.ref_top1, self.ref_margins, self.budget, self.safety,
-                                 self.confidence)
+        g = calibrate.choose_tau(top1, margins, self.ref_top1, self.ref_margins, self.rule)
         guarded = np.where(margins < g["tau"], self.ref_top1, top1)   # the guard's FP32 answers below tau
         agreement = float((guarded == self.ref_top1).mean())
         holds = g["estimated_per_10k"] <= self.budget

@@ -34,11 +34,22 @@ class Reference:
     fp32_seconds_per_image: float = 0.0   # its FP32 pass alone
 
 
-def fitted(ref, stream: calibrate.Stream, count: int, seconds: float, clock: Callable[[], float], device: str,
-           later: float = 0.0, batch: int = calibrate.REFERENCE_BATCH) -> Reference:
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """The time a reference pass may take: `seconds` from now on `clock`, on `device`, counting
+    `later` more passes of the phase over each image taken."""
+    seconds: float
+    clock: Callable[[], float]
+    device: str
+    later: float = 0.0
+
+
+def fitted(ref, stream: calibrate.Stream, count: int, window: Window,
+           batch: int = calibrate.REFERENCE_BATCH) -> Reference:
     """The FP32 reference `ref` (a margin graph) over as many of `count` images of `stream` as fit
-    `seconds`, counting `later` more passes of the phase over each image; at least the first batch
+    the window's seconds, counting its `later` more passes over each image; at least the first batch
     (the guard's minimum), whatever it costs."""
+    seconds, clock, device, later = window.seconds, window.clock, window.device, window.later
     t0 = clock()
     first = min(count, max(batch, calibrate.MIN_IMAGES))
     pixels, top1, margins = [], [], []

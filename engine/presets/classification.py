@@ -36,9 +36,9 @@ class Preset:
     recheck_batch: int = _field("`--recheck-batch` when none is given: the guard's FP32 re-check graph", default=8)
     guard_budget: float = _field("`--guard-budget` when none is given: disagreements with FP32 allowed, in basis "
                                  "points of the images (1 is 0.01 %); the guard's tau keeps its estimate under it",
-                                 names=("GuardConfig.budget", "choose_tau.budget"), default=10.0)
+                                 names=("GuardConfig.budget", "TauRule.budget"), default=10.0)
     guard_safety: float = _field("`--guard-safety` when none is given: the factor on the estimated disagreements "
-                                 "tau is chosen with", names=("GuardConfig.safety", "choose_tau.safety"),
+                                 "tau is chosen with", names=("GuardConfig.safety", "TauRule.safety"),
                                  default=2.0)
     calibration_count: int = _field("`--calibration-count` when none is given: calibration images tau is chosen on "
                                     "(under `auto`, with a low precision, the pilot the count is traded from)",
@@ -51,7 +51,7 @@ class Preset:
     # for calibration and by `calibration_max_images`.
     guard_confidence: float = _field("the one-sided confidence of the upper bound on the margin-error tail's scale "
                                      "tau is chosen with: a small calibration sample's tail is taken as heavy as it "
-                                     "may be", names=("choose_tau.confidence",), default=0.95)
+                                     "may be", names=("TauRule.confidence",), default=0.95)
     calibration_max_images: int = _field("the most calibration images the trade takes: past this many, crops of the "
                                          "bundled photos add little variety (a folder source ends at its files)",
                                          default=4096)
