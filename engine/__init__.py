@@ -19,11 +19,12 @@ on its own layer (tests/test_architecture.py reads this table and checks every i
     2      core/                   the spec, input geometry, graph, weights, precision policy, GPU hand-over
     3      decoders/, backends/    one file per decoder or runtime backend, each behind its registry
     4      classify/               an artifact loaded and run: the Classifier, runtime, pipeline, guard
-    5      build/, clip/           the measured classification build; the CLIP towers and their tuning
+    5      tuning/, clip/          the measured classification build; the CLIP towers and their tuning
     6      retrieval/              the index, the gallery embedding, the query pipeline
 
-Two exceptions, both named in the test: this file (the API facade) imports classify/ and retrieval/
-on first use, and engine.settings reads the decoders' and backends' name tables (modules that import
+Three exceptions, each named in the test: this file (the API facade) imports classify/ and retrieval/
+on first use, engine/build.py (the build command's name: `python -m engine.build`) hands over to
+tuning/, and engine.settings reads the decoders' and backends' name tables (modules that import
 nothing of the engine) to check a setting's value. kernels/ imports nothing of the engine; evaluator/
 imports the engine and never the reverse.
 """

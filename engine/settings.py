@@ -30,7 +30,7 @@ on and 0, false, no, off for off (an empty value is the default).
 | ENGINE_READAHEAD_BYTES | int 1..2^40 | 268435456 (256 MiB) | encoded bytes read ahead of the decoder, and handed to it at once (a larger file is read alone) |
 | ENGINE_HW_DECODER_LOAD | 0..1 | 0.9 | share of JPEG decoding DALI's GPU decoder gives the hardware JPEG engine (DALI's own default) |
 | ENGINE_SLOW_DECODER_OK | 0/1 | 0 | let the build's self-check pass a CUDA artifact that would decode with anything but dali-gpu |
-| ONEDNN_MAX_CPU_ISA | oneDNN ISA name | (unset: the CPU's) | oneDNN's own limit on the instructions its GEMMs use, read to know whether bf16 is native here (engine.build.measure) |
+| ONEDNN_MAX_CPU_ISA | oneDNN ISA name | (unset: the CPU's) | oneDNN's own limit on the instructions its GEMMs use, read to know whether bf16 is native here (engine.tuning.measure) |
 | OPENBLAS_NUM_THREADS | 1..1024 | 1 (engine.threads) | threads numpy's OpenBLAS starts as numpy loads (a value OpenBLAS cannot use is refused); the shell entry points and engine.threads set 1 unless it is set, and each past the first counts in the address-space need (engine.memory); OpenBLAS reads it itself |
 | TMPDIR | path | /tmp | scratch space (a run keeps its own folder there and removes it on exit) |
 | CLIP_MODEL_DIR | path | (the caller's) | local CLIP folder or state-dict file |

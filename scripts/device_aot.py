@@ -200,7 +200,7 @@ def build(phases_path: Path, args: list[str]) -> int:
     from torch._inductor import cpp_builder
 
     from engine.backends import aot
-    from engine.build import main as build_main
+    from engine.tuning import main as build_main
 
     ph = Phases(phases_path)
     aot.export_top1 = ph.timed("export", aot.export_top1)

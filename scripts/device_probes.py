@@ -140,8 +140,8 @@ def _installed(dist: str) -> str | None:
 
 def not_exercised(doc: dict, scored: dict) -> list[str]:
     """The parts of the scored setup this run did not exercise, from what it saw (doc)."""
-    from engine.build import GuardConfig
     from engine.decoders import default_decoder
+    from engine.tuning import GuardConfig
 
     env, steps = doc.get("steps", {}).get("env") or {}, doc.get("steps", {})
     pkgs = (steps.get("packages") or {}).get("packages") or {}
@@ -473,8 +473,8 @@ def attention(device: str, batch: int, tokens: int, heads: int = 16, dim: int = 
 
 def batch_sweep(model: str, kwargs: dict, size: int, ckpt: Path, device: str, batches: list[int]) -> dict:
     """Policy-bf16 eager inference alone per batch size (engine.build's measurement)."""
-    from engine.build import measure_batch_size
     from engine.core.spec import resolve_spec
+    from engine.tuning import measure_batch_size
 
     spec = resolve_spec(model, input_size=size, crop_mode="squash", crop_pct=1.0, precision="bf16",
                         model_kwargs=kwargs)

@@ -109,7 +109,7 @@ def small_cohort(tmp_path_factory) -> Path:
 
 
 def _build(tmp_path_factory, ckpt: Path, backend: str, crop_mode: str, batch_size: int = 16) -> Path:
-    from engine.build import build
+    from engine.tuning import build
 
     out = tmp_path_factory.mktemp(f"art_{backend}_{crop_mode}") / "artifact"
     build(tiny_spec(crop_mode, batch_size), ckpt, out, backend=backend, device="cpu")

@@ -94,9 +94,11 @@ def engine_layers() -> dict[str, int]:
     return layers
 
 
-# the layer rule's exceptions: the API facade imports classify/ and retrieval/ on first use; engine.settings
+# the layer rule's exceptions: the API facade imports classify/ and retrieval/ on first use, the build
+# command's name (engine/build.py: `python -m engine.build`) hands over to tuning/; engine.settings
 # checks ENGINE_DECODER and CLIP_TOWERS against the registries' name tables, which import nothing of the engine
 FACADE = "engine"
+COMMAND_NAMES = {"engine.build": "engine.tuning"}
 NAME_TABLES = {"engine.decoders.registry", "engine.backends"}
 
 
@@ -113,6 +115,12 @@ def layer_violations(mods: dict[str, Path]) -> list[str]:
     out = []
     for name, path in sorted(mods.items()):
         if not name.startswith("engine") or name == FACADE:
+            continue
+        if name in COMMAND_NAMES:      # a command's name: it imports the one package it names, nothing else
+            wrong = [(line, t) for line, t in _import_lines(path, name, known)
+                     if t.startswith("engine") and not t.startswith(COMMAND_NAMES[name])]
+            out += [f"{path.relative_to(REPO)}:{line} imports {t} (the command name {name} hands over to "
+                    f"{COMMAND_NAMES[name]} only)" for line, t in wrong]
             continue
         here = _folder(name, layers)
         for line, target in _import_lines(path, name, known):
@@ -146,13 +154,13 @@ def test_the_layer_check_sees_every_kind_of_import(tmp_path):
     planted = tmp_path / "planted.py"
     planted.write_text("from typing import TYPE_CHECKING\nimport engine.io\n"
                        "from engine.classify.runtime import load_runtime\n"
-                       "if TYPE_CHECKING:\n    from engine.build.table import Rows\n"
+                       "if TYPE_CHECKING:\n    from engine.tuning.table import Rows\n"
                        "def f():\n    from engine.retrieval import search\n"
                        "    importlib.import_module('engine.clip.tune')\n")
     mods = {m: p for m, p in _modules().items() if m.startswith("engine")}
     mods["engine.decoders.planted"] = planted
     found = [f.split(" imports ")[1].split()[0] for f in layer_violations(mods) if "planted" in f]
-    assert found == ["engine.classify.runtime", "engine.build.table", "engine.retrieval.search",
+    assert found == ["engine.classify.runtime", "engine.tuning.table", "engine.retrieval.search",
                      "engine.clip.tune"], found
 
 
@@ -236,10 +244,10 @@ def test_adding_a_backend_is_one_file_and_one_entry(tmp_path, monkeypatch):
     import torch
 
     from engine import backends
-    from engine.build import build
     from engine.classify.artifact import load_artifact
     from engine.classify.runtime import load_runtime
     from engine.core.spec import Spec
+    from engine.tuning import build
 
     mod = tmp_path / "backend_seven.py"
     mod.write_text(
@@ -364,9 +372,9 @@ def test_ray_is_imported_by_the_ray_build_only():
 
 
 # the engine in folders by job: a few shared modules at its root, each job a package
-ENGINE_ROOT_MODULES = {"__init__", "children", "cli", "io", "memory", "process_stats", "progress", "settings",
-                       "stdio", "threads"}
-ENGINE_PACKAGES = {"backends", "build", "classify", "clip", "core", "decoders", "presets", "retrieval"}
+ENGINE_ROOT_MODULES = {"__init__", "build", "children", "cli", "io", "memory", "process_stats", "progress",
+                       "settings", "stdio", "threads"}
+ENGINE_PACKAGES = {"backends", "classify", "clip", "core", "decoders", "presets", "retrieval", "tuning"}
 
 
 def test_engine_is_in_folders_by_job():
@@ -379,3 +387,19 @@ def test_engine_is_in_folders_by_job():
     assert packages == ENGINE_PACKAGES, f"engine/'s packages changed: {sorted(packages ^ ENGINE_PACKAGES)}"
     for pkg in packages:
         assert (engine / pkg / "__init__.py").is_file(), f"engine/{pkg}/ has no __init__.py"
+
+
+# folder names GitHub's Python .gitignore template ignores (generated output, environments): a forker
+# who adds that template would have new files in such a folder left out of their commits without a word
+TEMPLATE_IGNORED = {"build", "develop-eggs", "dist", "downloads", "eggs", ".eggs", "lib", "lib64", "parts", "sdist",
+                    "var", "wheels", "share", "htmlcov", "env", "venv", "ENV", "site", "instance", "target"}
+
+
+def test_no_tracked_folder_has_a_name_the_common_ignore_templates_hide():
+    import subprocess
+
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True).stdout.split()
+    if not tracked:
+        pytest.skip("not a git checkout")
+    folders = {part for path in tracked for part in Path(path).parts[:-1]}
+    assert not folders & TEMPLATE_IGNORED, f"tracked folders an ignore template hides: {sorted(folders & TEMPLATE_IGNORED)}"

@@ -17,7 +17,6 @@ import torch
 from conftest import REPO, tiny_spec
 from safetensors.torch import save_file
 
-from engine.build import build
 from engine.classify.artifact import (
     DIGEST_KEY,
     FORMAT,
@@ -32,6 +31,7 @@ from engine.classify.artifact import (
 from engine.classify.runtime import load_runtime
 from engine.core.checkpoint import create_model, load_model
 from engine.core.model import wrap
+from engine.tuning import build
 
 
 @pytest.fixture(scope="module")
@@ -364,7 +364,7 @@ def test_rebuild_replaces_atomically(tmp_path, ckpt):
 
 
 def test_failed_rebuild_keeps_the_old_artifact(tmp_path, ckpt, monkeypatch):
-    import engine.build.assemble
+    import engine.tuning.assemble
 
     out = tmp_path / "artifact"
     build(tiny_spec(), ckpt, out, backend="eager")
@@ -373,7 +373,7 @@ def test_failed_rebuild_keeps_the_old_artifact(tmp_path, ckpt, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(engine.build.assemble, "write_manifest", boom)   # the manifest, written last
+    monkeypatch.setattr(engine.tuning.assemble, "write_manifest", boom)   # the manifest, written last
     with pytest.raises(RuntimeError, match="disk full"):
         build(dataclasses.replace(tiny_spec(), batch_size=8), ckpt, out, backend="eager")
     assert _siblings(out) == ["artifact"]
@@ -561,7 +561,7 @@ def test_engine_build_debug_lets_the_library_reports_through(monkeypatch, tmp_pa
     """`python -m engine.build --debug` is ENGINE_DEBUG=1 for the compiles in it (and its children),
     and only for that call: main() called in-process leaves the environment as it found it."""
     from engine.backends import aot
-    from engine.build import command
+    from engine.tuning import command
 
     monkeypatch.setenv("ENGINE_DEBUG", "0")
     monkeypatch.delenv("ENGINE_DEBUG")          # absent, and put back as it was at teardown

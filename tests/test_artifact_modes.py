@@ -39,7 +39,7 @@ def test_a_tree_gets_its_roots_read_access(tmp_path):
 
 
 def test_an_artifact_built_under_umask_077_is_0644_files_and_0755_folders(tmp_path, tiny_checkpoint):
-    from engine.build import build
+    from engine.tuning import build
 
     out = tmp_path / "artifact"
     old = os.umask(0o077)

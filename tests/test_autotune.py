@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import REPO, tiny_spec
 
-from engine.build.autotune import Agreement, Candidate, SearchConfig, rank, search
+from engine.tuning.autotune import Agreement, Candidate, SearchConfig, rank, search
 
 
 class Clock:
@@ -247,18 +247,18 @@ class _BuildFake(FakeMeasurer):
 
 def _context(net, spec, pixels, ref, budget=10.0, safety=2.0, recheck_batch=None):
     """A build's context on the CPU for a Measurer: the network, its calibration pixels and FP32 (top-1, margins)."""
-    from engine.build.assemble import GuardConfig
-    from engine.build.context import BuildContext
-    from engine.build.reference import Reference
+    from engine.tuning.assemble import GuardConfig
+    from engine.tuning.context import BuildContext
+    from engine.tuning.reference import Reference
 
     return BuildContext(spec, "cpu", GuardConfig(budget=budget, safety=safety, recheck_batch=recheck_batch), net=net,
                         calibration=Reference(pixels, *ref, origin={}))
 
 
 def _auto_build(tmp_path, tiny_checkpoint, monkeypatch, verify_ok=lambda name: True, **plant):
-    from engine.build import AutoConfig, GuardConfig, build
-    from engine.build import auto as build_auto
-    from engine.build import measure as autotune_measure
+    from engine.tuning import AutoConfig, GuardConfig, build
+    from engine.tuning import auto as build_auto
+    from engine.tuning import measure as autotune_measure
 
     real = autotune_measure.Measurer
     monkeypatch.setattr(autotune_measure, "Measurer", lambda *a, **k: _BuildFake(real, *a, **k, **plant))
@@ -314,9 +314,9 @@ def test_when_every_candidate_fails_the_build_is_eager_fp32_without_graphs(tmp_p
 
 def test_the_re_check_rate_is_the_fp32_network_at_the_re_check_batch_measured_once(tiny_checkpoint, monkeypatch,
                                                                                    tmp_path):
-    from engine.build import measure as autotune_measure
     from engine.core.checkpoint import load_model
     from engine.presets import preset
+    from engine.tuning import measure as autotune_measure
 
     spec = tiny_spec("squash", 16, "bf16")
     net = load_model(spec, tiny_checkpoint)
@@ -384,7 +384,7 @@ def test_a_candidate_within_reach_of_the_leader_is_retimed_interleaved_and_the_t
     assert order == [16, 8, 16, 16, 16, 8, 16, 8, 16, 8]
     by = {t.candidate.batch_size: t for t in res.trials}
     assert by[8].status == "slower" and "median of 4" in by[8].why and len(by[16].timings) == 6
-    from engine.build.autotune import format_table
+    from engine.tuning.autotune import format_table
 
     table = format_table(res, "aot/fp32/b16")
     legend = table.split("\ncandidate ")[0]
@@ -448,9 +448,9 @@ class FilesMeasurer(FakeMeasurer):
 def test_the_search_fits_a_disk_quota_of_three_compiles_by_removing_losers(tmp_path, capsys):
     """Six candidates of 1 MiB each under a 3.2 MiB quota: every loser's files go as it loses, only
     KEEP (2) that hold keep theirs, so every candidate is compiled and the best two are left."""
-    from engine.build.autotune import KEEP
-    from engine.build.disk import WorkDisk
     from engine.io import tree_bytes
+    from engine.tuning.autotune import KEEP
+    from engine.tuning.disk import WorkDisk
 
     size, work = 1 << 20, tmp_path / "work"
     work.mkdir()
@@ -498,7 +498,7 @@ def test_a_guarded_candidate_disturbed_on_its_only_timing_is_timed_again_before_
 
 
 def test_the_docs_explain_every_column_and_status_of_the_table():
-    from engine.build.table import COLUMNS, STATUSES
+    from engine.tuning.table import COLUMNS, STATUSES
 
     text = (REPO / "docs" / "classification.md").read_text()
     for name in (*COLUMNS, *STATUSES):

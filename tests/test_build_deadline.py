@@ -52,10 +52,10 @@ def _build(tmp_path, ckpt, monkeypatch, deadline, compile_s=1.0, verify_s=1.0, v
     """engine.build's auto build of the tiny model (eager, counted as a compiling backend so the
     compile rules apply) on a fake clock, `count` calibration renders, each image a real graph
     classifies costing `per_image_s` more; returns (manifest, clock, measurer, verified names)."""
-    from engine.build import AutoConfig, GuardConfig, assemble, build, calibrate
-    from engine.build import auto as build_auto
-    from engine.build import measure as autotune_measure
     from engine.core import checkpoint
+    from engine.tuning import AutoConfig, GuardConfig, assemble, build, calibrate
+    from engine.tuning import auto as build_auto
+    from engine.tuning import measure as autotune_measure
 
     clock, made = Clock(), []
     real = autotune_measure.Measurer
@@ -202,8 +202,8 @@ def test_a_backend_failing_for_a_reason_of_the_machine_is_compiled_once(tmp_path
 
 
 def test_a_disk_quota_of_about_three_compiles_still_gives_a_verified_artifact(tmp_path, tiny_checkpoint, monkeypatch):
-    from engine.build import disk as build_disk
     from engine.io import tree_bytes
+    from engine.tuning import disk as build_disk
 
     one = tiny_checkpoint.stat().st_size               # one candidate's files: the FP32 weights, about
     quota = int(3.5 * one)
@@ -235,7 +235,7 @@ def test_the_end_to_end_checks_child_is_stopped_at_the_time_left_with_what_it_st
     check fails with one reason instead of raising."""
     import time
 
-    from engine.build import auto as build_auto
+    from engine.tuning import auto as build_auto
 
     fake = tmp_path / "repo"
     (fake / "scripts").mkdir(parents=True)

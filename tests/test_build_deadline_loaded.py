@@ -1,6 +1,6 @@
 """A measured build of the tiny model as a process, with two busy loops beside it on the machine's
 cores, and a short deadline: every phase is cut to what it has (the calibration to the images that
-fit its share), so the build ends within its deadline plus the slack engine.build.clock states."""
+fit its share), so the build ends within its deadline plus the slack engine.tuning.clock states."""
 from __future__ import annotations
 
 import json
@@ -17,7 +17,7 @@ from conftest import REPO
 from evaluator.synthetic.cohort import TINY_INPUT, TINY_KWARGS, TINY_MODEL
 
 DEADLINE_S = 15
-SLACK_S = 20     # engine.build.clock: one step no clock cuts, the eager FP32 fallback's assembly, the exit
+SLACK_S = 20     # engine.tuning.clock: one step no clock cuts, the eager FP32 fallback's assembly, the exit
 
 
 @contextmanager

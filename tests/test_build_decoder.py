@@ -1,4 +1,4 @@
-"""The build's decoder choice (engine.build.decoder_choice) and the end-to-end gate (engine.build.calibrate.
+"""The build's decoder choice (engine.tuning.decoder_choice) and the end-to-end gate (engine.tuning.calibrate.
 allowed_disagreements): a decoder whose own flips against PIL break the budget is replaced by the
 next one, PIL last, and the artifact records the one taken."""
 from __future__ import annotations
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from conftest import tiny_spec
 
-from engine.build import decoder_choice as build_decoder
-from engine.build.calibrate import allowed_disagreements
+from engine.tuning import decoder_choice as build_decoder
+from engine.tuning.calibrate import allowed_disagreements
 
 
 def _binomial_cdf(k: int, n: int, p: float) -> float:
@@ -147,10 +147,10 @@ def flipping_decoder(monkeypatch):
 
 @pytest.mark.abi   # slow: a build's measured decoder and precision choice
 def test_a_decoder_kept_leaves_precision_the_rest_of_the_budget(tiny_checkpoint, flipping_decoder, monkeypatch):
-    from engine.build import auto as build_auto
-    from engine.build.assemble import GuardConfig
-    from engine.build.context import BuildContext
     from engine.core.checkpoint import load_model
+    from engine.tuning import auto as build_auto
+    from engine.tuning.assemble import GuardConfig
+    from engine.tuning.context import BuildContext
 
     monkeypatch.setattr(sys.modules[__name__], "EVERY", 1000)     # the first of 100 images only: 100 basis points
     spec = tiny_spec("squash", 16)
@@ -166,7 +166,7 @@ def test_a_decoder_kept_leaves_precision_the_rest_of_the_budget(tiny_checkpoint,
 @pytest.mark.abi   # slow: a whole build with its decoder check
 def test_at_build_time_a_flipping_decoder_gives_way_to_pil_which_the_artifact_records(tmp_path, tiny_checkpoint,
                                                                                    flipping_decoder, capsys):
-    from engine.build import AutoConfig, GuardConfig, build
+    from engine.tuning import AutoConfig, GuardConfig, build
 
     meta = build(tiny_spec("squash", 16), tiny_checkpoint, tmp_path / "art", backend="eager", device="cpu",
                  guard=GuardConfig(calibration_source="renders", calibration_count=100),
@@ -235,9 +235,9 @@ def test_the_check_images_come_at_natural_sizes_larger_and_smaller_than_the_inpu
 
 def _decoder_chosen(net, spec, budget: float) -> dict:
     """The manifest extras after the build's decoder choice on 256 natural-size JPEGs, on the CPU."""
-    from engine.build import auto as build_auto
-    from engine.build.assemble import GuardConfig
-    from engine.build.context import BuildContext
+    from engine.tuning import auto as build_auto
+    from engine.tuning.assemble import GuardConfig
+    from engine.tuning.context import BuildContext
 
     ctx = BuildContext(spec, "cpu", GuardConfig(budget=budget), net=net, extra={"build": {}})
     build_auto._choose_decoder(ctx, 256)

@@ -12,8 +12,8 @@ import numpy as np
 from conftest import tiny_spec
 from test_autotune import Clock, FakeMeasurer, _BuildFake, _cfg
 
-from engine.build import autotune
-from engine.build.autotune import search
+from engine.tuning import autotune
+from engine.tuning.autotune import search
 
 # a Hopper-like GPU: bf16 and fp16 screen alike, fp8's eager form is slower than bf16's eager (its
 # compiled graph is the fastest), fp32 far behind; TensorRT a little faster than AOTInductor
@@ -139,11 +139,11 @@ def test_a_slower_candidate_that_compiles_nothing_gets_its_agreement_measured_fo
 
 def test_when_every_verification_fails_the_fallback_is_the_measured_eager_bf16_with_its_guard(
         tmp_path, tiny_checkpoint, monkeypatch, capsys):
-    from engine.build import AutoConfig, GuardConfig, build
-    from engine.build import auto as build_auto
-    from engine.build import measure as autotune_measure
     from engine.classify.artifact import load_artifact
     from engine.classify.runtime import load_runtime
+    from engine.tuning import AutoConfig, GuardConfig, build
+    from engine.tuning import auto as build_auto
+    from engine.tuning import measure as autotune_measure
 
     real = autotune_measure.Measurer
 
@@ -184,10 +184,10 @@ def test_the_end_to_end_check_can_run_in_the_builds_process_without_a_child(tmp_
     """On CUDA the check runs where the build's context is (no scripts/run child to open another)."""
     from engine import build as engine_build
     from engine import children
-    from engine.build import auto as build_auto
-    from engine.build.context import BuildContext
     from engine.core.checkpoint import load_model
     from engine.presets import preset
+    from engine.tuning import auto as build_auto
+    from engine.tuning.context import BuildContext
 
     spec = tiny_spec("squash", 16)
     engine_build.build(spec, tiny_checkpoint, tmp_path / "art", backend="eager", device="cpu")
@@ -209,9 +209,9 @@ def test_a_first_compile_slower_than_the_time_left_falls_back_to_the_eager_bf16_
     """On a fake clock: the first AOTInductor compile takes 1,250 of the 1,500 s, leaving no time to
     verify it (its re-check compile is reserved at that estimate); the eager bf16 candidate measured
     before it (compile-free candidates go first) is the artifact, with its guard, not eager FP32."""
-    from engine.build import AutoConfig, GuardConfig, build
-    from engine.build import auto as build_auto
-    from engine.build import measure as autotune_measure
+    from engine.tuning import AutoConfig, GuardConfig, build
+    from engine.tuning import auto as build_auto
+    from engine.tuning import measure as autotune_measure
 
     clock, real = Clock(), autotune_measure.Measurer
 

@@ -242,8 +242,8 @@ def test_build_sh_is_a_thin_wrapper_of_the_build_step():
 
 
 def test_the_contest_passes_its_guard_budget_and_calibration_check(read_only_checkpoint, tmp_path):
-    from engine.build import parse_args
     from engine.presets import PRESETS
+    from engine.tuning import parse_args
     from evaluator.contest import build_step, task
     from evaluator.contest.agreement import threshold
     from evaluator.contest.eval_data_signs import calibration_refusals

@@ -1,14 +1,14 @@
-"""How many calibration images (engine.build.calibration_trade): the count with the least calibration
+"""How many calibration images (engine.tuning.calibration_trade): the count with the least calibration
 time plus a run's expected re-check time, from a pilot, capped; the tail bound that makes it worth it
-(engine.build.calibrate.choose_tau's `confidence`)."""
+(engine.tuning.calibrate.choose_tau's `confidence`)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from engine.build import calibration_trade as trade
-from engine.build.calibrate import TauRule, choose_tau
 from engine.presets import preset
+from engine.tuning import calibration_trade as trade
+from engine.tuning.calibrate import TauRule, choose_tau
 
 
 def _pilot(n: int = 256, seed: int = 0) -> trade.Pilot:
@@ -78,8 +78,8 @@ def test_an_auto_build_traded_its_count_and_the_manifest_records_the_trade(tmp_p
     from conftest import tiny_spec
 
     from engine import presets
-    from engine.build import AutoConfig, GuardConfig, build
-    from engine.build import auto as build_auto
+    from engine.tuning import AutoConfig, GuardConfig, build
+    from engine.tuning import auto as build_auto
 
     # a pilot of 16 renders, at most 48: the trade's whole range fits a test
     monkeypatch.setitem(presets.PRESETS, "cpu", dataclasses.replace(presets.PRESETS["cpu"], calibration_count=16,

@@ -1,4 +1,4 @@
-"""engine.build.compile_failures.environmental: a fault of the machine's toolchain (the same for every
+"""engine.tuning.compile_failures.environmental: a fault of the machine's toolchain (the same for every
 candidate of a backend) told apart from a fault of the candidate, on the error texts compilers,
 linkers and Inductor write."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import errno
 
 import pytest
 
-from engine.build.compile_failures import environmental
+from engine.tuning.compile_failures import environmental
 
 
 class CppCompileError(RuntimeError):

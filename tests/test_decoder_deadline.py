@@ -92,7 +92,7 @@ def test_the_router_sends_a_jpeg_with_more_scans_than_dali_takes_to_the_referenc
 
 @pytest.fixture(scope="module")
 def null_artifact(tmp_path_factory) -> Path:
-    from engine.build import build
+    from engine.tuning import build
 
     out = tmp_path_factory.mktemp("null") / "artifact"
     build(tiny_spec(batch_size=4), None, out, backend="null", device="cpu")

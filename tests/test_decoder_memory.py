@@ -105,7 +105,7 @@ def test_the_pixel_budget_is_a_setting_read_in_the_child_too(monkeypatch):
 
 
 def _null_artifact(dst: Path, batch_size: int = 16) -> Path:
-    from engine.build import build
+    from engine.tuning import build
 
     build(tiny_spec(batch_size=batch_size), None, dst, backend="null", device="cpu")
     return dst

@@ -89,7 +89,7 @@ def _probe(fn, seen: list):
 def test_calibration_feeds_the_low_precision_graph_on_its_device(fake_cuda, tmp_path):
     """engine.build's guard calibration classifies host pixels with the graph the run executes."""
     from engine.backends import eager
-    from engine.build import calibrate
+    from engine.tuning import calibrate
 
     art = _artifact(tmp_path, "bf16", guard=True)
     low = eager.load(art, torch.device("cuda"))

@@ -51,7 +51,7 @@ def test_gpu_decoders_match_the_reference(small_cohort, name, crop_mode):
 @pytest.mark.parametrize("backend,precision", [("eager", "fp32"), ("eager", "bf16"), ("eager", "fp16"),
                                                ("aot", "fp32"), ("aot", "bf16")])
 def test_cuda_artifacts_agree_with_the_fp32_reference(cohort, tiny_checkpoint, tmp_path, backend, precision):
-    from engine.build import build
+    from engine.tuning import build
 
     art = tmp_path / "art"
     build(tiny_spec("squash", 32, precision), tiny_checkpoint, art, backend=backend, device="cuda")
@@ -65,9 +65,9 @@ def test_cuda_artifacts_agree_with_the_fp32_reference(cohort, tiny_checkpoint, t
 
 
 def test_cuda_graph_replay_equals_plain_launches(tiny_checkpoint, tmp_path):
-    from engine.build import build
     from engine.classify.artifact import load_artifact
     from engine.classify.runtime import load_runtime
+    from engine.tuning import build
 
     art = tmp_path / "art"
     build(tiny_spec("squash", 16), tiny_checkpoint, art, backend="eager", device="cuda")
@@ -84,11 +84,11 @@ def test_cuda_graph_replay_equals_plain_launches(tiny_checkpoint, tmp_path):
 def test_tensorrt_artifact_builds_loads_and_agrees(tiny_checkpoint, tmp_path):
     """The trt backend end to end on the GPU: build (guarded bf16), load through the runtime, classify."""
     pytest.importorskip("torch_tensorrt", reason="torch_tensorrt is not installed: no TensorRT artifact is tested")
-    from engine.build import build
     from engine.classify.artifact import load_artifact
     from engine.classify.runtime import load_runtime
     from engine.core.checkpoint import load_model
     from engine.core.model import wrap
+    from engine.tuning import build
 
     spec = tiny_spec("squash", 16, "bf16")
     art = tmp_path / "art"

@@ -228,7 +228,7 @@ def test_the_abi_captures_cuda_graphs_only_after_the_decoder_is_built(tmp_path, 
 
     import engine.classify.runtime as runtime
     import engine.decoders as decoders
-    from engine.build import build
+    from engine.tuning import build
     from evaluator.contest import run as contest_run
 
     art = tmp_path / "art"
@@ -274,9 +274,9 @@ def _flags() -> tuple[bool, bool]:
 
 def test_the_runtime_runs_fp32_without_tf32_and_reports_it(tmp_path, tf32_on, monkeypatch):
     from engine import backends
-    from engine.build import build
     from engine.classify.artifact import load_artifact
     from engine.classify.runtime import load_runtime
+    from engine.tuning import build
 
     build(tiny_spec("squash", B), None, tmp_path / "art", backend="null")
     seen = []
@@ -299,7 +299,7 @@ def test_the_runtime_runs_fp32_without_tf32_and_reports_it(tmp_path, tf32_on, mo
 
 def test_the_build_calibrates_against_fp32_without_tf32_and_records_it(tmp_path, tiny_checkpoint, tf32_on,
                                                                          monkeypatch):
-    from engine.build import GuardConfig, build, calibrate
+    from engine.tuning import GuardConfig, build, calibrate
 
     meta = build(tiny_spec("squash", B), None, tmp_path / "null", backend="null")
     assert meta["fp32_math"] == {"tf32_matmul": False, "tf32_conv": False}

@@ -45,7 +45,7 @@ F, D = "{file}", "{dir}"   # stand for an existing file and an existing folder
 PARSERS: dict[str, tuple | None] = {
     "engine/cli.py": None,
     "evaluator/cir/flags.py": None,
-    "engine/build/command.py": ("engine.build.command", "parse_args",
+    "engine/tuning/command.py": ("engine.tuning.command", "parse_args",
                                 {"": ["--model", "m", "--out", D, "--checkpoint", F]}),
     "engine/clip/bench.py": ("engine.clip.bench", "main", {"": ["--clip", D]}),
     "engine/presets/__main__.py": ("engine.presets.__main__", "main", {"": []}),
@@ -353,8 +353,8 @@ def test_the_build_knobs_refuse_hostile_values_naming_the_knob(tmp_path, clean_e
 
 def test_a_long_deadline_reaches_no_clock_as_an_overflow(monkeypatch, tmp_path):
     """A deadline of 1e6 s (valid) or more (an API caller) is cut before it becomes a timeout."""
-    from engine.build import auto
-    from engine.build.clock import BuildClock
+    from engine.tuning import auto
+    from engine.tuning.clock import BuildClock
 
     MAX_WAIT_S = 30 * 86400.0   # the longest deadline a build keeps (engine.cli.MAX_DEADLINE_S)
 

@@ -14,7 +14,7 @@ import torch
 from conftest import REPO, tiny_spec
 from test_autotune import Clock, FakeMeasurer, _context
 
-from engine.build.autotune import Candidate, SearchConfig, search
+from engine.tuning.autotune import Candidate, SearchConfig, search
 
 VNNI = {"avx2", "avx512f", "avx512_vnni"}
 
@@ -28,8 +28,8 @@ def no_torchao(monkeypatch):
 
 
 def _native(monkeypatch, flags=VNNI, machine="x86_64"):
-    from engine.build.measure import measurable_precisions
     from engine.core import int8
+    from engine.tuning.measure import measurable_precisions
 
     monkeypatch.setattr(int8, "cpu_flags", lambda: flags)
     monkeypatch.setattr(int8.platform, "machine", lambda: machine)
@@ -70,8 +70,8 @@ def test_int8_is_skipped_with_its_reason(monkeypatch, request, case, reason):
 
 def _ctx(spec, **auto):
     """A CPU build's context asking `auto` (AutoConfig's fields) to measure."""
-    from engine.build.command import AutoConfig
-    from engine.build.context import BuildContext
+    from engine.tuning.command import AutoConfig
+    from engine.tuning.context import BuildContext
 
     return BuildContext(spec, "cpu", auto=AutoConfig(**auto))
 
@@ -79,13 +79,13 @@ def _ctx(spec, **auto):
 def test_int8_is_measured_on_the_quantizing_backend_only(monkeypatch):
     """--search-precisions int8 with a backend that cannot quantize is a skipped reason, not a failure;
     the off switch wins over --search-precisions; with aot and eager only aot/int8 candidates exist."""
-    from engine.build.auto import search_config
+    from engine.tuning.auto import search_config
 
     monkeypatch.delenv("ENGINE_INT8", raising=False)
     spec = tiny_spec()
     cfg, skipped = search_config(_ctx(spec, precisions=("fp32", "int8"), backend=False), "eager")
     assert cfg.precisions == ("fp32",) and "not eager" in skipped["int8"]
-    monkeypatch.setattr("engine.build.measure.importable_backends", lambda device: (["aot", "eager"], {}))
+    monkeypatch.setattr("engine.tuning.measure.importable_backends", lambda device: (["aot", "eager"], {}))
     cfg, skipped = search_config(_ctx(spec, precisions=("fp32", "int8")), "aot")
     assert cfg.precisions == ("fp32", "int8") and cfg.only == {"int8": ("aot",)} and "int8" not in skipped
     clock = Clock()
@@ -109,7 +109,7 @@ def test_int8_is_measured_on_the_quantizing_backend_only(monkeypatch):
 
 
 def test_a_fixed_int8_build_with_a_backend_that_cannot_quantize_is_refused(tmp_path, monkeypatch):
-    from engine.build.command import build
+    from engine.tuning.command import build
 
     with pytest.raises(ValueError, match="--precision int8 is built by a quantizing backend \\(aot\\), not eager"):
         build(tiny_spec(precision="int8"), tmp_path / "ck.safetensors", tmp_path / "art", backend="eager")
@@ -148,10 +148,10 @@ class _Rates(dict):
 def test_an_auto_build_lists_the_int8_candidate_or_why_it_was_skipped(tmp_path, tiny_checkpoint, monkeypatch,
                                                                        switch):
     from engine import settings
-    from engine.build import AutoConfig, GuardConfig, build
-    from engine.build import auto as build_auto
-    from engine.build import measure as autotune_measure
     from engine.core import int8
+    from engine.tuning import AutoConfig, GuardConfig, build
+    from engine.tuning import auto as build_auto
+    from engine.tuning import measure as autotune_measure
 
     monkeypatch.setenv("ENGINE_INT8", switch)
     settings.reload()
@@ -182,11 +182,11 @@ def test_the_int8_graph_runs_onednn_int8_gemms_and_holds_the_guard(tmp_path, tin
     """A real PT2E quantization of the tiny model, compiled by AOTInductor with freezing (~2 min on two
     cores): its generated code calls oneDNN's quantized GEMMs, it holds the guard against the FP32 graph
     on natural photos, and its .so answers the same in a process that never imports torchao."""
-    from engine.build import calibrate
-    from engine.build.measure import Measurer
     from engine.core.checkpoint import load_model
     from engine.core.int8 import import_problem
     from engine.core.model import wrap
+    from engine.tuning import calibrate
+    from engine.tuning.measure import Measurer
 
     if import_problem():
         pytest.skip(import_problem())

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, TINY_INPUT, TINY_KWARGS, TINY_MODEL
 
-from engine.build import command
 from engine.io import make_owned_temp, take_lock
+from engine.tuning import command
 
 NULL_BUILD = ["--model", TINY_MODEL, "--backend", "null", "--precision", "fp32", "--batch-size", "1",
               "--input-size", str(TINY_INPUT), "--model-kwargs", json.dumps(TINY_KWARGS)]

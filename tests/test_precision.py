@@ -9,13 +9,13 @@ import torch
 from conftest import tiny_spec
 from torch import nn
 
-from engine.build.calibrate import TauRule, choose_tau, folder_pixels, generated_pixels
 from engine.classify.guard import Guard
 from engine.core.checkpoint import load_model
 from engine.core.model import Top1Model, wrap
 from engine.core.precision import Fp32Linear, Fp32Norm, LowPrecisionLinear, _fold_qkv_bias, apply_policy
 from engine.core.spec import Spec
 from engine.presets import preset
+from engine.tuning.calibrate import TauRule, choose_tau, folder_pixels, generated_pixels
 
 
 def test_policy_puts_gemms_low_and_keeps_norms_head_and_patch_embed_fp32(tiny_checkpoint):
@@ -204,7 +204,7 @@ def test_projection_fusion_is_exact_on_an_eva02_large_layout():
 
 @pytest.mark.abi   # a build with a measured batch-size search
 def test_batch_size_auto_measures_and_records(tiny_checkpoint, tmp_path):
-    from engine.build import main
+    from engine.tuning import main
 
     out = tmp_path / "art"
     rc = main(["--model", tiny_spec().model, "--checkpoint", str(tiny_checkpoint), "--out", str(out),
@@ -219,8 +219,8 @@ def test_batch_size_auto_measures_and_records(tiny_checkpoint, tmp_path):
     assert set(rows) == {8, 16, 32} and all(r["precision"] == "fp32" and r["backend"] == "eager" for r in rows.values())
     assert search["chosen"] == f"eager/fp32/b{meta['batch_size']}" and rows[meta["batch_size"]]["status"] == "chosen"
     # the fastest on the graph, unless a simpler one ties: a smaller batch whose median is within TIE
-    # plus the spread of the two rows' timings (engine.build.retime.margin)
-    from engine.build.retime import spread
+    # plus the spread of the two rows' timings (engine.tuning.retime.margin)
+    from engine.tuning.retime import spread
 
     chosen = rows[meta["batch_size"]]
     best = max((r for r in rows.values() if r.get("images_per_s")), key=lambda r: r["images_per_s"])
@@ -257,7 +257,7 @@ def test_reference_path_never_blocks_on_a_fifo(tmp_path):
 def test_tau_from_natural_photos_for_a_budget_is_below_the_worst_case_rule_on_renders(tiny_checkpoint):
     """The default calibration (photo crops, a disagreement budget) against renders with the
     worst-case rule (tau = 2 x the largest margin error seen): a smaller tau, fewer re-checks."""
-    from engine.build.calibrate import classify, margin_errors, photo_pixels
+    from engine.tuning.calibrate import classify, margin_errors, photo_pixels
 
     spec = tiny_spec(batch_size=16, precision="bf16")
     net = load_model(spec, tiny_checkpoint)

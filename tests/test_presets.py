@@ -161,20 +161,20 @@ def test_the_scan_finds_each_form_it_checks(tmp_path):
 # (its module reads it: `PRUNE = shared("search_prune")`) or a fact added here with its reason.
 FACTS: dict[str, dict[str, str]] = {
     # units, formats and protocols: what a number means, not how much of something to use
-    "engine/build/calibrate.py": {"BASIS_POINTS": "the unit of budgets: basis points in a rate of 1",
+    "engine/tuning/calibrate.py": {"BASIS_POINTS": "the unit of budgets: basis points in a rate of 1",
                                   "MIN_IMAGES": "the guard's statistical floor: tau on fewer images means nothing",
                                   "MAX_FILE_BYTES": "a limit against a hostile calibration folder"},
-    "engine/build/command.py": {"ALL_BP": "a rate of 1 in basis points (--guard-budget's upper bound)",
+    "engine/tuning/command.py": {"ALL_BP": "a rate of 1 in basis points (--guard-budget's upper bound)",
                                 "MAX_BATCH": "the range of --batch-size (a limit, not a default)"},
-    "engine/build/autotune.py": {"SIMPLER": "the order of precisions by simplicity, the tie-break rule",
+    "engine/tuning/autotune.py": {"SIMPLER": "the order of precisions by simplicity, the tie-break rule",
                                  "SCREEN_CALLS": "a screen's calls: one warm-up, two timed (the method)"},
-    "engine/build/decoder_choice.py": {"NATURAL_SEED": "the check images' draw: another than the calibration's",
+    "engine/tuning/decoder_choice.py": {"NATURAL_SEED": "the check images' draw: another than the calibration's",
                                        "NATURAL_SIDES": "what a natural size is: smaller and larger than the input",
                                        "NATURAL_ASPECT": "the same: a photo's aspects",
                                        "NATURAL_QUALITY": "the same: a camera's JPEG qualities"},
-    "engine/build/calibration_trade.py": {"STEP": "the trade's grid: how finely counts are weighed (its resolution)"},
-    "engine/build/watchdog.py": {"REPEAT_S": "how often a stopped compile is told again (hygiene, not a budget)"},
-    "engine/build/clock.py": {"MAX_WAIT_S": "a sanity bound on a wait (30 days), not a budget"},
+    "engine/tuning/calibration_trade.py": {"STEP": "the trade's grid: how finely counts are weighed (its resolution)"},
+    "engine/tuning/watchdog.py": {"REPEAT_S": "how often a stopped compile is told again (hygiene, not a budget)"},
+    "engine/tuning/clock.py": {"MAX_WAIT_S": "a sanity bound on a wait (30 days), not a budget"},
     "engine/classify/artifact.py": {"SAMPLE_BLOCKS": "the artifact format's sampled digest (16 blocks)",
                                     "SAMPLE_BYTES": "the artifact format's sampled digest (64 KiB blocks)"},
     "engine/cli.py": {"EXIT_FAILED": "the exit status convention", "EXIT_USAGE": "the exit status convention",
@@ -336,7 +336,7 @@ def test_python_m_engine_presets_prints_both_tables():
 
 
 def test_the_build_help_says_what_each_option_does_and_prints_the_presets_values():
-    from engine.build import argument_parser
+    from engine.tuning import argument_parser
 
     p = argument_parser()
     text = " ".join(p.format_help().split())          # argparse wraps long help lines

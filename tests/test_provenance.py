@@ -61,7 +61,7 @@ def test_demo_record_says_generated_images(demo_artifact, tmp_path):
     assert "--checkpoint" in rec["build"]["argv"]
     assert rec["environment"]["torch"] and rec["environment"]["timm"]
     sources = {f["path"] for f in rec["source"]["files"]}
-    assert {"evaluator/rehearsal/provenance.py", "scripts/run", "engine/build/command.py"} <= sources
+    assert {"evaluator/rehearsal/provenance.py", "scripts/run", "engine/tuning/command.py"} <= sources
     assert rec["flagged"] == []
 
 

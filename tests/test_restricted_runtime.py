@@ -70,7 +70,7 @@ def test_a_root_built_artifact_loads_as_another_user_with_its_modes_as_built(sma
     unprivileged user under the scored address-space bound: every file the build wrote is readable."""
     from conftest import tiny_spec
 
-    from engine.build import build
+    from engine.tuning import build
     from evaluator.rehearsal.sandbox import interpreter_mounts, user_command
 
     base = Path(tempfile.mkdtemp(prefix="restricted-"))

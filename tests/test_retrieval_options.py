@@ -15,7 +15,7 @@ from tests.cir_helpers import REPO, build_args, built_index, corpus, full_run, r
 
 MAX_PARAMETERS = 7
 # folders held to MAX_PARAMETERS, each with its own state objects
-CHECKED_FOLDERS = ("engine/retrieval", "engine/build")
+CHECKED_FOLDERS = ("engine/retrieval", "engine/tuning")
 
 
 def _parameters(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:

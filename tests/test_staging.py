@@ -21,7 +21,7 @@ from conftest import REPO, run_abi, tiny_spec
 @pytest.fixture(scope="module")
 def null_artifact(tmp_path_factory) -> Path:
     """The `null` backend (class 0 for every image): the whole ABI runs without a model."""
-    from engine.build import build
+    from engine.tuning import build
 
     out = tmp_path_factory.mktemp("art_null") / "artifact"
     build(tiny_spec(), None, out, backend="null", device="cpu")

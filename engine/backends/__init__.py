@@ -7,7 +7,7 @@ A backend module declares everything the rest of the kit needs to know about it:
     COMPILED          suffixes of those files that are compiled code (the rehearsal's
                       no-JIT check and provenance ask this)
     NEEDS_WEIGHTS     False when it builds without a checkpoint
-    COMPILES          True when save() compiles (engine.build.autotune times that, and budgets for it)
+    COMPILES          True when save() compiles (engine.tuning.autotune times that, and budgets for it)
     AUTO              True when `--backend auto` may measure it (the null backend answers class 0)
     OPTIONS           (optional) compile options save(..., options=) takes, "default" first
     unavailable(device) -> str | None   (optional) why it cannot build here (None: it can)

@@ -39,7 +39,7 @@ PACKAGE_MODEL_DIR = ("data", "aotinductor", "model")   # where a .pt2 keeps the 
 SOURCES = (".cpp", ".h", ".hpp", ".cu", ".c")            # the package's C++ sources: not needed to load
 
 
-OPTIONS = ("default", "max-autotune")   # compile options engine.build.autotune may time against each other
+OPTIONS = ("default", "max-autotune")   # compile options engine.tuning.autotune may time against each other
 
 
 def inductor_configs(device: str, options: str = "default") -> dict:

@@ -3,7 +3,7 @@
 The low-precision graph returns top-1 and its margin (top-1 minus top-2 logit, FP32).
 Where the margin is under tau, rounding may have swapped the two leading classes, so
 those images go through a second, FP32 graph and take its answer. tau is chosen at
-build time for a stated disagreement budget (engine.build.calibrate.choose_tau).
+build time for a stated disagreement budget (engine.tuning.calibrate.choose_tau).
 
 Re-checks cost what they must: the rows to re-check are gathered across batches into
 one buffer of the FP32 graph's static batch R and sent through it when the buffer is

@@ -25,7 +25,7 @@ def default_decoder(device: str) -> str:
 
 def artifact_decoder(meta: dict) -> str:
     """The decoder an artifact's manifest names (the build measured it against PIL:
-    engine.build.decoder_choice), else the fast one of its device."""
+    engine.tuning.decoder_choice), else the fast one of its device."""
     name = meta.get("decoder")
     return name if name in DECODERS else default_decoder(meta.get("device", "cpu"))
 

@@ -5,7 +5,7 @@ no other module holds a literal default for a field of this table (tests/test_pr
 The retrieval engine's table is engine/presets/retrieval.py. `python -m engine.presets` prints
 both, as docs/classification.md and docs/retrieval.md show them (a test keeps them equal).
 
-`auto` means measured on the build machine (engine.build.autotune): the precision, the batch size
+`auto` means measured on the build machine (engine.tuning.autotune): the precision, the batch size
 and the backend are the fastest candidate that holds the disagreement budget there.
 """
 from __future__ import annotations
@@ -44,7 +44,7 @@ class Preset:
                                     "(under `auto`, with a low precision, the pilot the count is traded from)",
                                     names=("photo_pixels.count", "generated_pixels.count", "folder_pixels.count"),
                                     default=256)
-    # The trade (engine.build.calibration_trade): more calibration images tighten the bound on the
+    # The trade (engine.tuning.calibration_trade): more calibration images tighten the bound on the
     # margin-error tail, and with it tau and the share of a run re-checked in FP32; each costs the
     # build an FP32 and a low-precision inference. The count is the one with the least calibration +
     # expected re-check seconds for a run of the caller's size (`--run-images`; no size given, no trade), capped by the deadline's share

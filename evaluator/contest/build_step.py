@@ -108,7 +108,7 @@ def check_knobs(flags: list[str]) -> None:
     """engine.build's parser on `flags`: a value it refuses is one line naming the knob."""
     import argparse
 
-    from engine.build import parse_args
+    from engine.tuning import parse_args
 
     try:
         parse_args(flags, exit_on_error=False)
@@ -203,9 +203,9 @@ def run_check(artifact: Path) -> None:
 
 def build_step(clock=time.monotonic) -> int:
     from engine import settings as engine_settings
-    from engine.build.command import is_artifact_folder
     from engine.io import folder_refusal
     from engine.presets import preset
+    from engine.tuning.command import is_artifact_folder
     from evaluator import settings
     from evaluator.contest.task import DEFAULT_MODEL
 

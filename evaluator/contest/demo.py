@@ -133,9 +133,9 @@ def claim_demo_folders(out: Path, artifact: Path, ckpt: Path) -> None:
     """UsageError, before anything is written, unless `out` may hold the demo (absent, empty, or
     an earlier demo's folder) and `artifact` may be (re)built (absent, empty, or an artifact of this
     kit, not holding the demo's checkpoint): engine.io.folder_refusal's rules."""
-    from engine.build.command import is_artifact_folder
     from engine.cli import UsageError
     from engine.io import folder_refusal
+    from engine.tuning.command import is_artifact_folder
     from evaluator.synthetic.cohort import kit_made
 
     def earlier_demo(d: Path) -> bool:   # a demo's folder, or one holding the kit's tiny checkpoint to reuse

@@ -74,9 +74,9 @@ def content_flags(path: Path) -> list[str]:
 
 
 def calibration_refusals(folder: Path, files: list[Path]) -> list[str]:
-    """engine.build.calibrate's folder check: `REL: flag` for every file of `folder` whose name, or
+    """engine.tuning.calibrate's folder check: `REL: flag` for every file of `folder` whose name, or
     (for a file that is not an image) whose content, looks like ImageNet validation data."""
-    from engine.build.calibrate import IMAGE_SUFFIXES
+    from engine.tuning.calibrate import IMAGE_SUFFIXES
 
     flags = []
     for p in files:

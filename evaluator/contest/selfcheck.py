@@ -41,10 +41,10 @@ def _err(msg: str) -> None:
 
 def stale_reasons(build_argv: list[str]) -> list[str]:
     """Why the artifact named by `--out` in `build_argv` cannot be reused ([] = reusable)."""
-    from engine.build import parse_args
     from engine.classify.artifact import ArtifactError, load_artifact
     from engine.core.spec import Spec, resolve_spec
     from engine.io import sha256_file
+    from engine.tuning import parse_args
 
     a = parse_args(build_argv)
     if not (a.out / "manifest.json").is_file():
@@ -54,12 +54,12 @@ def stale_reasons(build_argv: list[str]) -> list[str]:
     except ArtifactError as e:
         return [f"artifact is not intact: {e}"]
     reasons = []
-    # the same mapping engine.build.command applies, so the comparison is one-to-one with the flags;
+    # the same mapping engine.tuning.command applies, so the comparison is one-to-one with the flags;
     # what auto measured is the artifact's, provided it was measured on a machine like this one
     precision = art.precision if a.precision == "auto" else a.precision
     batch = art.batch_size if a.batch_size == "auto" else a.batch_size
     if a.auto:
-        from engine.build.auto import device_name
+        from engine.tuning.auto import device_name
 
         search = art.meta.get("build", {}).get("search")
         here = device_name(a.device)

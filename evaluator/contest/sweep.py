@@ -44,7 +44,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reference", required=True, type=Path, help="practice answers (TSV) or a reference .i32")
     p.add_argument("--precisions", default="fp32,bf16",
                    help="comma-separated: fp32, bf16, fp16, fp8 (fp8: Hopper), auto (the build's own measured "
-                        "choice, engine.build.autotune: built once, whatever --batch-sizes says)")
+                        "choice, engine.tuning.autotune: built once, whatever --batch-sizes says)")
     p.add_argument("--batch-sizes", default="32", help="comma-separated static batch sizes")
     from engine.backends import BACKENDS
 
@@ -100,7 +100,7 @@ def run_one(a: argparse.Namespace, precision: str, batch: int, ref, unreadable, 
     guard = meta.get("guard") or {}
     entry["tau"] = guard.get("tau")
     search = meta.get("build", {}).get("search")
-    if search:   # the build's measurement (engine.build.autotune): what it chose, on which machine
+    if search:   # the build's measurement (engine.tuning.autotune): what it chose, on which machine
         entry.update({"chosen": search["chosen"], "built": f"{meta['precision']} b{meta['batch_size']} "
                       f"{meta['backend']}", "measured_on": search["device"],
                       "candidates": search["candidates"]})

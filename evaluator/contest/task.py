@@ -12,7 +12,7 @@ and what the build may spend of the disagreements its gate allows.
                         unit (basis points of the images: 50)
 
 The 50 hold everything the artifact changes: the decoder's own flips against PIL (the build
-measures them, engine.build.decoder_choice, and takes the next decoder when they break the 50) and
+measures them, engine.tuning.decoder_choice, and takes the next decoder when they break the 50) and
 precision's (the guard's estimate, times its safety 2, held under 50 minus the decoder's
 measured rate). The margin of 2 covers the scored run's chance and the calibration photos
 standing in for its images: at a true rate of 50 the run's disagreements are about
@@ -35,7 +35,7 @@ def allowed_disagreements(images: int = COHORT_IMAGES) -> int:
 
 def guard_budget() -> float:
     """The build's disagreement budget, decoder and precision together: the gate's allowance over
-    GATE_MARGIN, in engine.build.calibrate's unit (basis points of the images): 100 / 2 = 50."""
-    from engine.build.calibrate import BASIS_POINTS
+    GATE_MARGIN, in engine.tuning.calibrate's unit (basis points of the images): 100 / 2 = 50."""
+    from engine.tuning.calibrate import BASIS_POINTS
 
     return allowed_disagreements() / GATE_MARGIN * BASIS_POINTS / COHORT_IMAGES

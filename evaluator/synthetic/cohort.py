@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.build.renders import Template, render, templates
 from engine.io import write_atomic
 from engine.progress import Progress
+from engine.tuning.renders import Template, render, templates
 
 TINY_MODEL = "eva02_tiny_patch14_224"
 TINY_KWARGS = {"depth": 4}

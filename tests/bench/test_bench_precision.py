@@ -81,7 +81,7 @@ def photo_cohort(root: Path, count: int, seed: int) -> None:
     """`count` JPEG crops (quality 90) of scikit-image's photos and a manifest (id<TAB>path)."""
     from PIL import Image
 
-    from engine.build.calibrate import augmented_crop, photo_sources
+    from engine.tuning.calibrate import augmented_crop, photo_sources
 
     photos = photo_sources()
     keys = sorted(photos)

@@ -3,7 +3,7 @@
 A template is colour blobs over a background gradient with oriented stripes; each
 render jitters it. Used for generated cohorts, for fitting a test head whose logits
 look trained, and as the smoke check of a guarded low-precision build (the guard's tau
-comes from natural photos: engine.build.calibrate).
+comes from natural photos: engine.tuning.calibrate).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""The real measurements behind engine.build.autotune: each
+"""The real measurements behind engine.tuning.autotune: each
 candidate's compiled graph timed and checked against FP32 on the calibration images (the network,
-the images and the guard's budget come from the build's context, engine.build.context).
+the images and the guard's budget come from the build's context, engine.tuning.context).
 
 Timing follows the usual rules: the graph is warmed up first (lazy inits, autotuned
 kernels, a first-call allocation), every clock read is synchronised with the device, and
@@ -19,15 +19,15 @@ import numpy as np
 import torch
 
 from engine import backends
-from engine.build import calibrate
-from engine.build.autotune import Agreement, Candidate
 from engine.classify.artifact import Artifact
 from engine.core.model import wrap
 from engine.core.spec import Spec
 from engine.presets import shared
+from engine.tuning import calibrate
+from engine.tuning.autotune import Agreement, Candidate
 
 if TYPE_CHECKING:
-    from engine.build.context import BuildContext
+    from engine.tuning.context import BuildContext
 
 MIN_CALLS, MIN_SECONDS, WARMUP = shared("timing_calls"), shared("timing_min_s"), shared("timing_warmup")
 MAX_CALLS = shared("timing_max_calls")
@@ -115,7 +115,7 @@ class Handle:
 
 
 class Measurer:
-    """engine.build.autotune.Measurer on the real network of the build's context: its calibration
+    """engine.tuning.autotune.Measurer on the real network of the build's context: its calibration
     reference's pixels [N, S, S, 3] are the images, its top-1 and margins the FP32 graph's on them;
     compiled candidates are written under `workdir/<name>`."""
 

@@ -2,7 +2,7 @@
 chosen on the calibration images, the FP32 re-check graph), then the manifest.
 
 engine.build decides what to build (a fixed spec, or the measured choice of
-engine.build.auto) and calls `assemble` with the build's context (engine.build.context.BuildContext:
+engine.tuning.auto) and calls `assemble` with the build's context (engine.tuning.context.BuildContext:
 the network, device, guard, work folder and manifest extras); the timing helpers for the batch sizes
 live here too.
 """
@@ -15,15 +15,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine import backends
-from engine.build import calibrate
-from engine.build.context import GuardConfig
 from engine.classify.artifact import Artifact, write_manifest
 from engine.core.spec import Spec
 from engine.io import sha256_file
 from engine.presets import PRESETS, Preset, preset, shared
+from engine.tuning import calibrate
+from engine.tuning.context import GuardConfig
 
 if TYPE_CHECKING:
-    from engine.build.context import BuildContext
+    from engine.tuning.context import BuildContext
 
 RECHECK_DIR = "recheck"   # the guard's FP32 graph, built by the same backend, inside the artifact
 
@@ -60,7 +60,7 @@ SMOKE_AGREEMENT = shared("smoke_agreement")   # raw low precision agreeing with 
 
 
 def calibration_stream(spec: Spec, cfg: GuardConfig) -> calibrate.Stream:
-    """The guard's calibration source, read as far as it is needed (engine.build.reference times it)."""
+    """The guard's calibration source, read as far as it is needed (engine.tuning.reference times it)."""
     if cfg.calibration_images is not None:
         return calibrate.folder_stream(cfg.calibration_images, spec, cfg.calibration_check)
     if cfg.calibration_source == "renders":

@@ -1,6 +1,6 @@
 """How many calibration images: the calibration's time against the re-check time it saves a run.
 
-The guard's tau is chosen on a sample (engine.build.calibrate.choose_tau), and a small sample's
+The guard's tau is chosen on a sample (engine.tuning.calibrate.choose_tau), and a small sample's
 margin-error tail is taken at its upper confidence bound: the fewer images, the larger tau, and
 the larger the share of a run's images re-checked in FP32. Each calibration image costs the build
 one FP32 and one low-precision inference now; each re-checked image costs a run one FP32 inference.
@@ -13,7 +13,7 @@ bound sized for n images (`bound_images`): f(n), the expected re-checked fractio
 
 with t_fp32, t_low and t_recheck the seconds per image measured by the build, R the expected run
 size (the caller's `--run-images`), and the cap the smallest of the deadline's share for
-calibration (engine.build.reference cuts what does not fit it) and the source's variety (the
+calibration (engine.tuning.reference cuts what does not fit it) and the source's variety (the
 preset's `calibration_max_images`). The record holds the whole table.
 """
 from __future__ import annotations
@@ -22,8 +22,8 @@ import dataclasses
 
 import numpy as np
 
-from engine.build import calibrate
-from engine.build.reference import Window
+from engine.tuning import calibrate
+from engine.tuning.reference import Window
 
 STEP = 1.25          # the counts weighed: the pilot, then x STEP each, then the cap
 
@@ -94,16 +94,16 @@ def choose_count(pilot: Pilot, rates: Rates, trade: Trade) -> dict:
             "confidence": rule.confidence, "table": rows,
             "rule": "the count with the least count x (fp32 + low seconds per image) + run_images x "
                     "projected re-checked fraction x re-check seconds per image, between the pilot and "
-                    "the cap (engine.build.calibration_trade)"}
+                    "the cap (engine.tuning.calibration_trade)"}
 
 
 def extended(fit, ref, low, stream: calibrate.Stream, window: Window, trade: Trade, batch: int = 16):
-    """(reference, trade record): the pilot `fit` (engine.build.reference.Reference of the FP32 graph
+    """(reference, trade record): the pilot `fit` (engine.tuning.reference.Reference of the FP32 graph
     `ref`) classified by the low-precision margin graph `low` (timed), the count traded (choose_count,
     capped by what fits the window's seconds from now and by `trade.cap`, the source's most), then the
-    FP32 reference extended over the stream to that count (engine.build.reference.fitted, cut by the
+    FP32 reference extended over the stream to that count (engine.tuning.reference.fitted, cut by the
     same seconds)."""
-    from engine.build import reference
+    from engine.tuning import reference
 
     seconds, clock, device, max_images = window.seconds, window.clock, window.device, trade.cap
     t0 = clock()

@@ -1,10 +1,10 @@
-"""One build's state, made once by engine.build.command.build and handed down instead of argument lists,
+"""One build's state, made once by engine.tuning.command.build and handed down instead of argument lists,
 and the two configs a caller gives it (GuardConfig, AutoConfig; engine.build re-exports both).
 
 What the whole build shares is set when it starts (spec, device, its preset looked up once, the guard
 with the preset's values filled in, the auto config, the deadline's clock); the work folder, the
 network and the manifest's extras as the command reaches them; under `auto` the measured pieces as
-they become known (engine.build.auto: the decoder, the calibration reference, the search's result,
+they become known (engine.tuning.auto: the decoder, the calibration reference, the search's result,
 its record and verifications). What differs per candidate (its spec, its files, its tau) is passed
 beside the context.
 """
@@ -20,10 +20,10 @@ from engine.core.spec import Spec
 from engine.presets import Preset, preset, shared
 
 if TYPE_CHECKING:
-    from engine.build.autotune import SearchResult
-    from engine.build.calibrate import FolderCheck
-    from engine.build.clock import BuildClock
-    from engine.build.reference import Reference
+    from engine.tuning.autotune import SearchResult
+    from engine.tuning.calibrate import FolderCheck
+    from engine.tuning.clock import BuildClock
+    from engine.tuning.reference import Reference
 
 
 @dataclasses.dataclass
@@ -60,7 +60,7 @@ class GuardConfig:
 
 @dataclasses.dataclass
 class AutoConfig:
-    """What `auto` leaves to the measurement (engine.build.autotune), and its limits."""
+    """What `auto` leaves to the measurement (engine.tuning.autotune), and its limits."""
     precision: bool = True                # measure the precisions (else the spec's)
     batch_size: bool = True               # measure the preset's batch sizes (else the spec's)
     backend: bool = True                  # measure the backends that import (else the build's)
@@ -68,7 +68,7 @@ class AutoConfig:
     budget_s: float | None = None         # the search's time budget; None: the device preset's
     verify: bool = True                   # run the chosen artifact end to end against FP32
     deadline_s: float | None = None       # the whole build's seconds; None: the device preset's
-    clock: Callable[[], float] = time.monotonic   # the deadline's clock (engine.build.clock.BuildClock)
+    clock: Callable[[], float] = time.monotonic   # the deadline's clock (engine.tuning.clock.BuildClock)
 
 
 @dataclasses.dataclass
@@ -81,11 +81,11 @@ class BuildContext:
     checkpoint: Path | None = None
     net: Any = None                         # the FP32 network (None: a backend that needs no weights)
     auto: AutoConfig | None = None          # what `auto` measures (None: a fixed build)
-    clock: BuildClock | None = None         # the deadline kept under auto (engine.build.clock)
+    clock: BuildClock | None = None         # the deadline kept under auto (engine.tuning.clock)
     extra: dict = dataclasses.field(default_factory=dict)   # the manifest's extras so far
     t0: float = dataclasses.field(default_factory=time.perf_counter)   # the build's start (its seconds)
     preset: Preset | None = None            # None: the device's, looked up here
-    # measured under auto, as they become known (engine.build.auto)
+    # measured under auto, as they become known (engine.tuning.auto)
     decoder: dict | None = None             # the decoder chosen: build_decoder.Choice.record()
     calibration: Reference | None = None    # the FP32 reference on the calibration images
     search: SearchResult | None = None      # the search's trials, ranked and handles

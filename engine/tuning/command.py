@@ -8,24 +8,24 @@
         [--recheck-batch N|auto] [--run-images N] [--search-budget-s S] [--deadline-s S]
 
 Precision, backend and batch size default to the device's preset (engine/presets/classification.py):
-`auto` there, measured on this machine (engine.build.auto). Below FP32 the network follows
+`auto` there, measured on this machine (engine.tuning.auto). Below FP32 the network follows
 the mixed-precision policy (engine.core.precision) and the build is guarded by default
 (engine.classify.guard): the low-precision graph also returns its top-1/top-2 margin, a second FP32
 graph of `--recheck-batch` images re-checks the rows under tau, and tau is chosen here on
-natural photos that are not evaluation data (engine.build.calibrate: scikit-image's bundled
+natural photos that are not evaluation data (engine.tuning.calibrate: scikit-image's bundled
 photos, or `--calibration-images DIR`) as the smallest threshold whose estimated
 disagreement rate, times a safety factor, stays under `--guard-budget` (in basis points of
 the images: 1 is 0.01 %). The build prints the budget, tau and the expected re-checked
 fraction; renders only check that the low-precision graph is not broken. `--no-guard`
 builds the raw low-precision form.
 
-`build()` makes the build's state once (engine.build.context.BuildContext: spec, device, its
+`build()` makes the build's state once (engine.tuning.context.BuildContext: spec, device, its
 preset, guard, auto config, clock, work folder, network, manifest extras) and hands it to the
-assembly (engine.build.assemble) or the measured build (engine.build.auto).
+assembly (engine.tuning.assemble) or the measured build (engine.tuning.auto).
 
 A measured build keeps one deadline (`--deadline-s`, the preset's `build_deadline_s`): it
 prints its plan (estimated seconds per phase) first and what each phase took last, and the
-manifest records both (engine.build.clock).
+manifest records both (engine.tuning.clock).
 
 The artifact is written into a work folder beside it and renamed into place, so an
 interrupted build never leaves a directory that looks complete. `--out` must be an artifact
@@ -47,24 +47,24 @@ import time
 from pathlib import Path
 
 from engine import backends
-from engine.build.assemble import RECHECK_DIR, assemble, measure_batch_size  # noqa: F401 - re-exported
-from engine.build.context import AutoConfig, BuildContext, GuardConfig  # noqa: F401 - re-exported
 from engine.core.spec import CROP_MODES, PRECISIONS, Spec, resolve_spec
 from engine.io import folder_refusal, share_tree_like_root
 from engine.presets import PRESETS, per_device, preset
+from engine.tuning.assemble import RECHECK_DIR, assemble, measure_batch_size  # noqa: F401 - re-exported
+from engine.tuning.context import AutoConfig, BuildContext, GuardConfig  # noqa: F401 - re-exported
 
 
 def build(spec: Spec, checkpoint: Path | None, out: Path, backend: str = backends.DEFAULT,
           device: str = "cpu", guard: GuardConfig | None = None, auto: AutoConfig | None = None) -> dict:
     """Build the artifact for `spec` with `backend` (a name in engine.backends) and return its manifest.
-    `auto`: measure the candidates on this machine and build the fastest that holds (engine.build.autotune),
-    every phase inside one deadline kept on `auto.clock` (engine.build.clock). The build's state is one
-    engine.build.context.BuildContext, made here and handed down."""
+    `auto`: measure the candidates on this machine and build the fastest that holds (engine.tuning.autotune),
+    every phase inside one deadline kept on `auto.clock` (engine.tuning.clock). The build's state is one
+    engine.tuning.context.BuildContext, made here and handed down."""
     import torch
 
-    from engine.build.clock import BuildClock, say
     from engine.classify.tf32_off import set_fp32_math
     from engine.core.checkpoint import load_model
+    from engine.tuning.clock import BuildClock, say
 
     # the device preset's values where the caller left None, looked up once
     ctx = BuildContext(spec, device, guard or GuardConfig(), checkpoint=checkpoint, auto=auto)
@@ -96,7 +96,7 @@ def build(spec: Spec, checkpoint: Path | None, out: Path, backend: str = backend
         ctx.extra = {"build": {"argv": sys.argv, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
                      "fp32_math": math}
         if auto is not None:
-            from engine.build import auto as build_auto
+            from engine.tuning import auto as build_auto
 
             spec, backend, meta = build_auto.build_measured(ctx, backend)
         else:
@@ -198,7 +198,7 @@ def _batch_size(text: str) -> int | str:
 
 
 def _folder_check(text: str):
-    """MODULE:FUNCTION -> the function (engine.build.calibrate.FolderCheck), imported now."""
+    """MODULE:FUNCTION -> the function (engine.tuning.calibrate.FolderCheck), imported now."""
     import importlib
 
     module, _, name = text.partition(":")
@@ -238,7 +238,7 @@ def argument_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--device", choices=tuple(PRESETS), default="cpu",
                    help="the device the artifact runs on and is measured on; it picks the preset (engine/presets/classification.py)")
     p.add_argument("--precision", choices=PRECISIONS + ("auto",),
-                   help="auto: measured on this machine (engine.build.autotune): the fastest of the device's native "
+                   help="auto: measured on this machine (engine.tuning.autotune): the fastest of the device's native "
                         "precisions that holds the guard's disagreement budget (default: the device preset's, "
                         f"engine/presets/classification.py: {per_device('precision')})")
     p.add_argument("--backend", choices=tuple(backends.BACKENDS) + ("auto",),
@@ -392,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             spec, guard, auto = plan(a)                                    # plan
             meta = build(spec, a.checkpoint, a.out, backend=backends.DEFAULT if a.backend == "auto" else a.backend,
-                         device=a.device, guard=guard, auto=auto)          # run the phases (engine.build.clock)
+                         device=a.device, guard=guard, auto=auto)          # run the phases (engine.tuning.clock)
         except (OSError, ValueError, RuntimeError) as e:
             return refuse(e, a.debug)
         except (Terminated, KeyboardInterrupt) as e:   # its work folder and children are gone already

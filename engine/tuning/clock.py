@@ -1,7 +1,7 @@
 """One deadline for the whole measured build, spent phase by phase.
 
 The build's phases run one after the other: the checkpoint load, the calibration reference
-(the FP32 graph on the calibration images), the search (engine.build.autotune), the guard's FP32
+(the FP32 graph on the calibration images), the search (engine.tuning.autotune), the guard's FP32
 re-check graph (a second compile, below FP32), the end-to-end verification. A `BuildClock`
 holds the deadline, the plan (estimated seconds per phase, printed first and recorded), what
 each phase measured (printed last and recorded), and `left()`. The search spends what is left
@@ -10,10 +10,10 @@ was measured (the longest compile so far stands for the re-check graph's compile
 verification for the next one). Every clock is injectable, so tests run on a fake one.
 
 Each phase is cut to what it has. The calibration reference takes as many calibration images as fit
-its `allowance` at the rate its first batch measured (engine.build.reference); the search screens and
-compiles only what fits what it has left (engine.build.autotune); a candidate is assembled and
+its `allowance` at the rate its first batch measured (engine.tuning.reference); the search screens and
+compiles only what fits what it has left (engine.tuning.autotune); a candidate is assembled and
 verified only while its estimate fits, and the end-to-end check's child gets what is left as its
-timeout (engine.build.auto). What no clock can cut is a step already started: the checkpoint load,
+timeout (engine.tuning.auto). What no clock can cut is a step already started: the checkpoint load,
 the calibration's first batch (the guard's minimum, calibrate.MIN_IMAGES, through the FP32 reference
 and the decoder's check), one screen call, one compile or one verification that outruns its estimate.
 So the build ends within the deadline, counted from this clock's start (after the process's imports),

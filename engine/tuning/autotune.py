@@ -15,21 +15,21 @@ max-autotune, one level up:
    of any, and fp16 not compiled where bf16 holds at the same screened cost (`Run._same_cost`);
 3. trial: compile a candidate with its backend when its estimate fits the time and the disk
    left (`Run`; a compile past the preset's `compile_share` of the time left is stopped and its
-   backend dropped: engine.build.watchdog), time the compiled graph at steady state (warm-up excluded,
+   backend dropped: engine.tuning.watchdog), time the compiled graph at steady state (warm-up excluded,
    synchronised clocks, median of several calls), then classify the calibration images: FP32
    candidates must agree with the FP32 graph, low-precision ones get their guard's tau
-   (engine.build.calibrate.choose_tau) and must hold the disagreement budget; a low-precision rate
+   (engine.tuning.calibrate.choose_tau) and must hold the disagreement budget; a low-precision rate
    counts its expected re-check cost;
 4. retime: a candidate within RETIME of the leader is timed again interleaved with it, and
-   every rate is the median of its timings (engine.build.retime); at the end the KEEP best
+   every rate is the median of its timings (engine.tuning.retime); at the end the KEEP best
    that hold are timed again interleaved;
 5. choice: the fastest that holds; a faster one replaces a simpler one (FP32 over guarded low
    precision, no extra compile options, fewer moving parts) only beyond TIE plus the spread.
 
-The measurements go through a `Measurer` (real: `engine.build.measure.Measurer`), so
+The measurements go through a `Measurer` (real: `engine.tuning.measure.Measurer`), so
 the search's logic is tested with fake timings. The first candidate of each precision that compiles
 nothing (the eager backend) has its agreement measured even when it is slower: `fallback_choice`
-takes the best of those that held when nothing compiled is verified in time (engine.build.auto).
+takes the best of those that held when nothing compiled is verified in time (engine.tuning.auto).
 Everything measured lands in the table
 the manifest records; a candidate that fails to compile, capture or agree is one line on
 stderr and a row saying why, and a loser's files are removed as it loses.
@@ -43,12 +43,12 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from engine.build.clock import SearchDeadline
-from engine.build.compile_failures import environmental
-from engine.build.retime import RETIME, ROUNDS, TIE, Timer, faster, margin  # noqa: F401 - TIE: a search rule
-from engine.build.table import LEGEND, format_table  # noqa: F401 - the table the build prints
-from engine.build.watchdog import CompileStopped, stop_after
 from engine.presets import shared
+from engine.tuning.clock import SearchDeadline
+from engine.tuning.compile_failures import environmental
+from engine.tuning.retime import RETIME, ROUNDS, TIE, Timer, faster, margin  # noqa: F401 - TIE: a search rule
+from engine.tuning.table import LEGEND, format_table  # noqa: F401 - the table the build prints
+from engine.tuning.watchdog import CompileStopped, stop_after
 
 PRUNE = shared("search_prune")   # a (precision, batch) screened under 60 % of the best is not compiled (unless
                                  # it is its precision's best)
@@ -126,7 +126,7 @@ class Agreement:
 
 
 class Measurer(Protocol):
-    """The measuring side of the search (real: engine.build.measure; tests: fakes)."""
+    """The measuring side of the search (real: engine.tuning.measure; tests: fakes)."""
 
     def screen(self, precision: str, batch_size: int) -> float:
         """images/s of the eager policy network at this precision and batch."""
@@ -149,7 +149,7 @@ class Measurer(Protocol):
 @dataclasses.dataclass
 class SearchConfig:
     """What the search measures and within what: the preset's fields (batch_sizes, budget_s, options,
-    cuda_graphs, compile_estimate_s) have no defaults here; engine.build.auto.search_config fills them
+    cuda_graphs, compile_estimate_s) have no defaults here; engine.tuning.auto.search_config fills them
     from the device's preset (engine/presets/classification.py)."""
     precisions: tuple[str, ...]     # to measure (native ones unless asked otherwise)
     batch_sizes: tuple[int, ...]
@@ -189,8 +189,8 @@ def _say(msg: str) -> None:
 def search(m: Measurer, cfg: SearchConfig, skipped: dict[str, str] | None = None,
            clock: Callable[[], float] = time.perf_counter, deadline=None, disk=None) -> SearchResult:
     """Screen, compile what could win within the time left, time (retiming what is within reach of the
-    leader), check agreement, confirm the leaders, rank. `deadline`: an engine.build.clock.SearchDeadline
-    kept on `clock` (default: cfg.budget_s on `clock`); `disk`: an engine.build.disk.WorkDisk, checked before each compile."""
+    leader), check agreement, confirm the leaders, rank. `deadline`: an engine.tuning.clock.SearchDeadline
+    kept on `clock` (default: cfg.budget_s on `clock`); `disk`: an engine.tuning.disk.WorkDisk, checked before each compile."""
     t0 = clock()
     deadline = deadline or SearchDeadline(cfg.budget_s, clock)
     trials: list[Trial] = []
@@ -210,12 +210,12 @@ def search(m: Measurer, cfg: SearchConfig, skipped: dict[str, str] | None = None
     return SearchResult(trials, ranked, dict(skipped or {}), clock() - t0, run.handles, dict(run.dropped))
 
 
-SCREEN_CALLS = 3     # a screen's calls of its batch: one warm-up, two timed (engine.build.measure.Measurer.screen)
+SCREEN_CALLS = 3     # a screen's calls of its batch: one warm-up, two timed (engine.tuning.measure.Measurer.screen)
 
 
 def _screen(m: Measurer, cfg: SearchConfig, trials: list[Trial], clock, deadline=None) -> dict[tuple[str, int], float]:
     """Every (precision, batch) once on the eager policy network: {(precision, batch): images/s}. With a
-    `deadline` (an engine.build.clock.SearchDeadline), a screen starts only while its cost, at the seconds
+    `deadline` (an engine.tuning.clock.SearchDeadline), a screen starts only while its cost, at the seconds
     per image the screens so far took (that precision's, else the slowest), fits what is left."""
     from engine.backends import REFERENCE
 
@@ -293,7 +293,7 @@ def _key(c: Candidate) -> tuple:
 
 class Run:
     """One search's candidate loop. In the order a candidate meets them: a backend dropped after a
-    failure of the machine (engine.build.compile_failures) is not compiled again; a compile starts when FIT
+    failure of the machine (engine.tuning.compile_failures) is not compiled again; a compile starts when FIT
     x its estimate is left and the disk holds one more; after its first timing a candidate more than
     RETIME under the leader (the better of two timings, against a leader settled on SETTLED timings)
     is slower, one within RETIME is retimed interleaved with the leader and slower only beyond the
@@ -408,7 +408,7 @@ class Run:
         t = self.clock()
         if self.disk is not None:
             self.disk.before()
-        # the watchdog: a compile past its share of the time left is stopped (engine.build.watchdog)
+        # the watchdog: a compile past its share of the time left is stopped (engine.tuning.watchdog)
         limit = self.cfg.compile_share * left if compiles and self.cfg.compile_share else None
         stopped = False
         try:

@@ -19,8 +19,8 @@ the search's agreement are held to that). One that breaks the budget, or cannot 
 stderr line. The artifact's manifest records the decoder (`decoder`), and `scripts/run`
 decodes with it.
 
-The end-to-end check of the artifact (engine.build.auto.verify_artifact) then holds the
-decoder's flips and precision's together to B, with engine.build.calibrate.allowed_disagreements.
+The end-to-end check of the artifact (engine.tuning.auto.verify_artifact) then holds the
+decoder's flips and precision's together to B, with engine.tuning.calibrate.allowed_disagreements.
 """
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from engine.build.calibrate import BASIS_POINTS, REFERENCE_BATCH
 from engine.decoders.registry import FALLBACK
+from engine.tuning.calibrate import BASIS_POINTS, REFERENCE_BATCH
 
 REFERENCE = "pil"
 NATURAL_SEED = 2             # the decoder check's crops: another draw than the calibration crops' (seed 1)
@@ -55,12 +55,12 @@ def _why(e: BaseException) -> str:
 
 def natural_jpegs(spec, count: int, seed: int = NATURAL_SEED) -> tuple[list[bytes], dict]:
     """(count JPEG files at natural sizes, their record): crops of scikit-image's bundled photos
-    (engine.build.calibrate.photo_sources; procedural renders where scikit-image is missing), each
+    (engine.tuning.calibrate.photo_sources; procedural renders where scikit-image is missing), each
     resized to a width of NATURAL_SIDES input sides and an aspect within NATURAL_ASPECT, then
     encoded at a quality in NATURAL_QUALITY. Every decoder resizes and crops them itself."""
     from PIL import Image
 
-    from engine.build import calibrate
+    from engine.tuning import calibrate
 
     rng = np.random.default_rng(seed)
     try:
@@ -83,7 +83,7 @@ def natural_jpegs(spec, count: int, seed: int = NATURAL_SEED) -> tuple[list[byte
             y, x = int(rng.integers(0, hh - ch + 1)), int(rng.integers(0, ww - cw + 1))
             img = Image.fromarray(px[y:y + ch, x:x + cw]).resize((w, h), Image.Resampling.LANCZOS)
         else:
-            from engine.build.renders import render, templates
+            from engine.tuning.renders import render, templates
 
             temps = temps if temps is not None else templates(100, seed + 2000)
             img = Image.fromarray(render(temps[int(rng.integers(len(temps)))], w, h, rng))
@@ -178,7 +178,7 @@ class Choice:
                 "rule": "the first decoder (fast first, PIL last) whose FP32 flips against FP32 on PIL's "
                         "pixels, on JPEGs at natural sizes each decoder resizes itself, in basis points, "
                         "are under the budget; precision gets the rest "
-                        "(engine.build.decoder_choice)"}
+                        "(engine.tuning.decoder_choice)"}
 
 
 def choose(names: Sequence[str], blobs: list[bytes], classify: Classify, budget: float,
@@ -225,8 +225,8 @@ def for_build(net, spec, device: str, budget: float, count: int, first: str | No
     """The build's decoder: `count` JPEGs at natural sizes (natural_jpegs), each decoder of
     `order(device, first)` against PIL under the FP32 graph of `net`, each through its own resize.
     `make(name)`: (decoder, None) or (None, why not); default: `start` in this process."""
-    from engine.build import calibrate
     from engine.core.model import wrap
+    from engine.tuning import calibrate
 
     fp32 = wrap(net, dataclasses.replace(spec, precision="fp32"), device)
 

@@ -6,13 +6,13 @@ Images (engine.build `--calibration-source`, `--calibration-images DIR`):
              a coffee cup, a rocket launch, a motorcycle, coins, a clock, ...: none is from
              ImageNet), each flipped at random, colour-jittered and JPEG-encoded with a fixed
              seed, then preprocessed by the PIL reference path of the spec;
-    renders  the procedural renders of engine.build.renders (a smoke check that a build is not
+    renders  the procedural renders of engine.tuning.renders (a smoke check that a build is not
              broken; they say little about photos' margins);
     DIR      a folder of the user's own images; the caller may pass a check (`refuse`, engine.build
              `--calibration-check`) whose reasons refuse the folder, e.g. that it holds evaluation data.
 
 Each source is a `Stream`, read only as far as it is needed: the measured build's FP32 reference
-(engine.build.reference) takes as many images as fit its share of the deadline, at least MIN_IMAGES,
+(engine.tuning.reference) takes as many images as fit its share of the deadline, at least MIN_IMAGES,
 and the record counts those. Both precisions classify every image taken: the compiled low-precision graph (top-1 and its
 margin) and the FP32 reference (top-1 and its margin). `choose_tau` then picks the
 smallest tau whose estimated disagreement rate stays under a budget; its docstring states
@@ -162,8 +162,8 @@ def generated_stream(spec: Spec, seed: int = 1) -> Stream:
 
     from PIL import Image
 
-    from engine.build.renders import render, templates
     from engine.decoders.pil import decode_pil
+    from engine.tuning.renders import render, templates
 
     def images() -> Iterator[tuple[np.ndarray, bytes]]:
         rng = np.random.default_rng(seed)
@@ -176,7 +176,7 @@ def generated_stream(spec: Spec, seed: int = 1) -> Stream:
             px = decode_pil(buf.getvalue(), spec)
             yield px, px.tobytes()
 
-    return Stream(images(), {"origin": f"procedural renders (engine.build.renders), seed {seed}"}, "pixels_sha256")
+    return Stream(images(), {"origin": f"procedural renders (engine.tuning.renders), seed {seed}"}, "pixels_sha256")
 
 
 def generated_pixels(spec: Spec, count: int, seed: int = 1) -> tuple[np.ndarray, dict]:
@@ -314,7 +314,7 @@ class ErrorTail:
     largest error seen). With a `confidence`, lambda is its upper bound at that confidence
     (tail_scale_factor): a small sample's tail is taken as heavy as it may be, and the bound
     tightens as the sample grows; `images` sizes the bound as if the sample had that many
-    images at the same excess rate (the projection of engine.build.calibration_trade)."""
+    images at the same excess rate (the projection of engine.tuning.calibration_trade)."""
 
     def __init__(self, errors: np.ndarray, confidence: float | None = None, images: int | None = None):
         e = np.sort(np.asarray(errors, np.float64))
@@ -414,5 +414,5 @@ def choose_tau(low_top1: np.ndarray, margins: np.ndarray, ref_top1: np.ndarray, 
                                       "scale": round(tail.scale, 6), "point_scale": round(tail.point_scale, 6),
                                       "confidence": confidence, "scale_factor": round(tail.factor, 4)}},
             "rule": "smallest tau with safety x max(model, observed) disagreements, in basis points of the "
-                    "images, <= budget (engine.build.calibrate.choose_tau)",
+                    "images, <= budget (engine.tuning.calibrate.choose_tau)",
             "curve": curve}

@@ -6,11 +6,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from engine.build.retime import RETIME, TIE
+from engine.tuning.retime import RETIME, TIE
 
 
 class Rows(Protocol):
-    """What the table reads of a search's result (engine.build.autotune.SearchResult, which imports
+    """What the table reads of a search's result (engine.tuning.autotune.SearchResult, which imports
     this module: the table names the shape it needs instead of importing it back)."""
     trials: Sequence[Any]           # autotune.Trial: candidate, status, why, timings, the rates, agreement, tau
     skipped: dict[str, str]

@@ -1,6 +1,6 @@
 """The FP32 calibration reference, timed against the calibration phase's share of the build's deadline.
 
-The calibration images come from a source read only as far as it is needed (engine.build.calibrate.Stream).
+The calibration images come from a source read only as far as it is needed (engine.tuning.calibrate.Stream).
 Batch by batch, each is read and classified by the FP32 graph; the seconds per image measured so far
 (reading it, its FP32 pass, and the `later` passes the phase still makes for it: the decoder's check
 reads and classifies one natural-size JPEG per calibration image, twice; the count trade's extension
@@ -11,7 +11,7 @@ down midway stops early. The first batch is the guard's minimum (calibrate.MIN_I
 A cut is one line ("calibration: 64 of 256 images fit the 40 s left for it at 1.6 images/s") and the
 record (`origin`) counts the images actually used; every later pass over the calibration images (the
 search's agreement, the guard's tau) reads those and no more. `seconds_per_image` and
-`fp32_seconds_per_image` are the rates the count trade (engine.build.calibration_trade) weighs.
+`fp32_seconds_per_image` are the rates the count trade (engine.tuning.calibration_trade) weighs.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from engine.build import calibrate
+from engine.tuning import calibrate
 
 
 @dataclasses.dataclass

@@ -1,14 +1,14 @@
 """`engine.build ... auto`: measure the candidates here, build the fastest that holds, verify it end
 to end, and fall back to what is known to work.
 
-First the decoder (engine.build.decoder_choice): the device's fast one unless its own flips against
+First the decoder (engine.tuning.decoder_choice): the device's fast one unless its own flips against
 PIL break the disagreement budget, then the next, PIL last; precision gets the budget it
-leaves. After the search (engine.build.autotune) ranks the candidates that hold that budget, the
+leaves. After the search (engine.tuning.autotune) ranks the candidates that hold that budget, the
 first is assembled into the artifact (its compiled graph reused from the search, the guard's
 re-check graph added below fp32, the decoder recorded) and run through `scripts/run` with
 that decoder on JPEGs at natural sizes (the decoder check's: each decoder resizes them itself); its answers are counted against
 FP32 on PIL's pixels, beside the decoder's own flips, and the total must be within the gate
-the budget allows on that many images (engine.build.calibrate.allowed_disagreements, the preset's
+the budget allows on that many images (engine.tuning.calibrate.allowed_disagreements, the preset's
 verify_alpha); on CUDA the artifact runs in this process instead of a scripts/run child
 (`_run_here` says why). A candidate that fails that is one stderr line, and the next is tried;
 when none is left, the build falls back to the fastest measured candidate that compiles nothing
@@ -16,17 +16,17 @@ and held its agreement (eager bf16 with its guard on a GPU; `_fallback`), and on
 the plain eager FP32 path without CUDA graphs (with the chosen decoder), said loudly. The manifest's `build.search` records every candidate measured, the
 verification and the choice; `build.decoder` the decoders measured.
 
-The build's state is one engine.build.context.BuildContext, made by engine.build.command.build; what
+The build's state is one engine.tuning.context.BuildContext, made by engine.tuning.command.build; what
 this module learns (the decoder, the calibration reference, the search's result, its record and
 verifications) goes into it, and each step reads it there.
 
-One deadline covers it all (engine.build.clock): the calibration reference takes only the images
-that fit its share at the rate measured here (engine.build.reference), the search spends what it
+One deadline covers it all (engine.tuning.clock): the calibration reference takes only the images
+that fit its share at the rate measured here (engine.tuning.reference), the search spends what it
 has left once the re-check graph and one verification are reserved at their estimates; a ranked
 candidate is assembled and verified only while its estimate fits, and when none was verified in
 time the build is that fallback (the manifest's `fallback` says why and which, `clock` what each
 phase planned and took). The search's work folder holds every candidate's files and Inductor cache, a
-loser's removed as it loses (engine.build.disk: its size, free space and peak).
+loser's removed as it loses (engine.tuning.disk: its size, free space and peak).
 """
 from __future__ import annotations
 
@@ -44,13 +44,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from engine import backends, children
-from engine.build import assemble as parts
-from engine.build import autotune
 from engine.core.spec import Spec
 from engine.presets import shared
+from engine.tuning import assemble as parts
+from engine.tuning import autotune
 
 if TYPE_CHECKING:
-    from engine.build.context import BuildContext
+    from engine.tuning.context import BuildContext
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -62,7 +62,7 @@ def _say(msg: str) -> None:
 def search_config(ctx: BuildContext, backend: str) -> tuple[autotune.SearchConfig, dict]:
     """The candidates `ctx.auto` measures on this machine (`backend`: the one a fixed backend names),
     and what it skips (with why)."""
-    from engine.build.measure import importable_backends, measurable_precisions
+    from engine.tuning.measure import importable_backends, measurable_precisions
 
     spec, device, auto, pre = ctx.spec, ctx.device, ctx.auto, ctx.preset
     skipped: dict[str, str] = {}
@@ -119,11 +119,11 @@ def _quantized(precisions: tuple[str, ...], mods: dict, device: str, skipped: di
 
 def build_measured(ctx: BuildContext, backend: str):
     """Search, assemble the best candidate in `ctx.work`, verify it, all inside `ctx.clock`'s deadline (an
-    engine.build.clock.BuildClock; None: the device preset's, from now); returns (spec, backend, manifest).
+    engine.tuning.clock.BuildClock; None: the device preset's, from now); returns (spec, backend, manifest).
     The context gains the decoder, the calibration reference and the search's result on the way."""
-    from engine.build import reference
-    from engine.build.clock import BuildClock
     from engine.core.model import wrap
+    from engine.tuning import reference
+    from engine.tuning.clock import BuildClock
 
     pre, spec, device, guard, net = ctx.preset, ctx.spec, ctx.device, ctx.guard, ctx.net
     if ctx.clock is None:
@@ -132,7 +132,7 @@ def build_measured(ctx: BuildContext, backend: str):
     bclock = ctx.clock
     cfg, skipped = search_config(ctx, backend)
     with bclock.phase("calibration"):
-        # the FP32 reference on as many calibration images as fit the phase's share (engine.build.reference)
+        # the FP32 reference on as many calibration images as fit the phase's share (engine.tuning.reference)
         low = guard.enabled and any(p != "fp32" for p in cfg.precisions)
         after = (("recheck",) if low else ()) + (("verify",) if ctx.auto.verify else ())
         seconds = bclock.allowance("calibration", after, cfg.budget_s)
@@ -146,8 +146,8 @@ def build_measured(ctx: BuildContext, backend: str):
         pilot = (next((p for p in cfg.precisions if p != "fp32"), None)
                  if low and guard.calibration_trade and guard.run_images else None)   # no run size: no trade
         if pilot is not None:
-            # the count: calibration seconds against a run's expected re-check seconds (engine.build.calibration_trade)
-            from engine.build import calibration_trade
+            # the count: calibration seconds against a run's expected re-check seconds (engine.tuning.calibration_trade)
+            from engine.tuning import calibration_trade
 
             fit, trade = calibration_trade.extended(
                 fit, ref, wrap(net, dataclasses.replace(spec, precision=pilot), device, margin=True), stream,
@@ -170,11 +170,11 @@ def build_measured(ctx: BuildContext, backend: str):
 
 
 def _decoder_passes(device: str) -> float:
-    """The decoder check's passes over each calibration image after the reference's (engine.build.decoder_choice):
+    """The decoder check's passes over each calibration image after the reference's (engine.tuning.decoder_choice):
     PIL's and the fast decoder's, each read and classified; none when the first decoder that can start is PIL."""
     from engine import settings
-    from engine.build import decoder_choice as build_decoder
     from engine.decoders import start_problem
+    from engine.tuning import decoder_choice as build_decoder
 
     for name in build_decoder.order(device, settings.decoder()):
         if name == build_decoder.REFERENCE:
@@ -186,11 +186,11 @@ def _decoder_passes(device: str) -> float:
 
 def _choose_decoder(ctx: BuildContext, count: int) -> None:
     """The first decoder whose own flips, on JPEGs at natural sizes through its own resize, leave
-    precision a budget (engine.build.decoder_choice; `count` of them, at most the preset's verify_images);
+    precision a budget (engine.tuning.decoder_choice; `count` of them, at most the preset's verify_images);
     ENGINE_DECODER pins the first. The context gains its record (`decoder`, the manifest's extras) and
     its guard precision's share of the budget."""
     from engine import settings
-    from engine.build import decoder_choice as build_decoder
+    from engine.tuning import decoder_choice as build_decoder
 
     guard = ctx.guard
     choice = build_decoder.for_build(ctx.net, ctx.spec, ctx.device, guard.budget,
@@ -205,9 +205,9 @@ def _choose_decoder(ctx: BuildContext, count: int) -> None:
 def _search_and_assemble(ctx: BuildContext, cfg: autotune.SearchConfig, skipped: dict, work: Path):
     """The search in `work` on the context's calibration reference, then the ranked candidates verified
     in order, else the fallback: (spec, backend, manifest)."""
-    from engine.build.clock import SearchDeadline
-    from engine.build.disk import WorkDisk
-    from engine.build.measure import Measurer
+    from engine.tuning.clock import SearchDeadline
+    from engine.tuning.disk import WorkDisk
+    from engine.tuning.measure import Measurer
 
     bclock, device = ctx.clock, ctx.device
     low = ctx.guard.enabled and any(p != "fp32" for p in cfg.precisions)
@@ -284,7 +284,7 @@ def _fallback(ctx: BuildContext, cfg: autotune.SearchConfig):
 def _verify_in_order(ctx: BuildContext, work: Path):
     """Assemble and verify the ranked candidates in order while the deadline allows one more; the first
     that passes is the artifact: (spec, backend, manifest), or None when none did in time."""
-    from engine.build.measure import own_inductor_cache
+    from engine.tuning.measure import own_inductor_cache
 
     result, verify, guard, bclock, tmp = ctx.search, ctx.verified, ctx.guard, ctx.clock, ctx.work
     for trial in result.ranked:
@@ -396,7 +396,7 @@ def device_name(device: str) -> str:
 def verify_artifact(ctx: BuildContext, spec: Spec, timeout: float = shared("verify_timeout_s"),
                     in_process: bool | None = None) -> dict:
     """The artifact in `ctx.work` (built for `spec`) end to end through scripts/run on the preset's
-    verify_images JPEG files at natural sizes (the decoder check's: engine.build.decoder_choice.natural_jpegs,
+    verify_images JPEG files at natural sizes (the decoder check's: engine.tuning.decoder_choice.natural_jpegs,
     each decoder resizing them itself), with the decoder the build chose (`ctx.decoder`:
     build_decoder.Choice.record()), against FP32 on PIL's pixels (the reference, `ctx.net`). Two counts:
     the decoder's own flips (FP32 on its pixels against FP32 on PIL's) and the total (the artifact against
@@ -404,9 +404,9 @@ def verify_artifact(ctx: BuildContext, spec: Spec, timeout: float = shared("veri
     preset's verify_alpha). `timeout`: the seconds the whole check may take (scripts/run gets what the
     in-process passes leave of it, at least a second). `in_process` (None: on CUDA): the artifact runs
     here, through the API scripts/run calls, not in a child (`_run_here` says why)."""
-    from engine.build import calibrate
-    from engine.build import decoder_choice as build_decoder
     from engine.core.model import wrap
+    from engine.tuning import calibrate
+    from engine.tuning import decoder_choice as build_decoder
 
     artifact, net, device, decoder = ctx.work, ctx.net, ctx.device, ctx.decoder
     count, alpha = ctx.preset.verify_images, ctx.preset.verify_alpha
@@ -477,7 +477,7 @@ def _run_here(artifact: Path, blobs: list[bytes], decoder: str) -> tuple[np.ndar
 def _run_script(artifact: Path, blobs: list[bytes], decoder: str, timeout: float) -> tuple[np.ndarray, dict]:
     """(top-1 [n] int32, {wall_s, images_per_s, cuda_graph} or {why}) of scripts/run over `blobs`
     written as files, with `decoder` (the one the artifact records, named explicitly)."""
-    from engine.build.clock import bounded_s  # a timeout subprocess can hold: a huge deadline is cut
+    from engine.tuning.clock import bounded_s  # a timeout subprocess can hold: a huge deadline is cut
 
     with tempfile.TemporaryDirectory(prefix="engine-verify-") as d:
         root = Path(d)

@@ -1,6 +1,7 @@
 """The build: a checkpoint becomes an artifact folder, its choices measured on this machine.
 
-    python -m engine.build ...          the command (engine.build.command: parse, plan, build, report)
+    python -m engine.build ...          the command (engine/build.py, the command's name, runs
+                                        engine.tuning.command: parse, plan, build, report)
 
     command.py        the flags and `build()`: one spec, or the measured choice, written atomically
     context.py        the build's state (BuildContext), made once by `build()` and handed down
@@ -15,7 +16,9 @@
     renders.py        procedural renders: generated cohorts, a test head's fit, the guard's smoke check
 
 Importing this package imports nothing heavy; `build`, `main`, `parse_args` and the other names
-of engine.build.command are loaded from it on first use.
+of engine.tuning.command are loaded from it on first use. The folder is not named build/: the
+common ignore templates hide a folder of that name (generated output), and a forker's new file
+there would be left out of their commits without a word.
 """
 from __future__ import annotations
 
@@ -28,5 +31,5 @@ _FROM_COMMAND = ("AutoConfig", "GuardConfig", "RECHECK_DIR", "argument_parser", 
 
 def __getattr__(name: str) -> Any:
     if name in _FROM_COMMAND:
-        return getattr(importlib.import_module("engine.build.command"), name)
-    raise AttributeError(f"module 'engine.build' has no attribute {name!r}")
+        return getattr(importlib.import_module("engine.tuning.command"), name)
+    raise AttributeError(f"module 'engine.tuning' has no attribute {name!r}")

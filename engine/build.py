@@ -1,0 +1,27 @@
+"""`python -m engine.build`: the build command, whose code lives in engine/tuning/ (its name here
+stays the command's: scripts and docs call it so).
+
+`from engine.build import build, GuardConfig, AutoConfig, ...` keeps working too: the names of
+engine.tuning.command are loaded from it on first use, and importing this module imports nothing
+heavy. A file, not a build/ folder: the common ignore templates hide folders named build/.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any
+
+_FROM_COMMAND = ("AutoConfig", "GuardConfig", "RECHECK_DIR", "argument_parser", "build", "main",
+                 "measure_batch_size", "parse_args")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _FROM_COMMAND:
+        return getattr(importlib.import_module("engine.tuning.command"), name)
+    raise AttributeError(f"module 'engine.build' has no attribute {name!r}")
+
+
+if __name__ == "__main__":
+    from engine.tuning.command import main
+
+    sys.exit(main())
