@@ -132,6 +132,17 @@ def aot_artifact_center(tmp_path_factory, tiny_checkpoint) -> Path:
     return _build(tmp_path_factory, tiny_checkpoint, "aot", "center")
 
 
+@pytest.fixture(scope="session")
+def plain_run(tmp_path_factory, small_cohort, eager_artifact):
+    """scripts/run over the small cohort with the eager artifact and `--report`, once for the session:
+    (CompletedProcess, OUTPUT, report). The tests that compare another run's answers against the
+    plain layout's read these (do not write to them)."""
+    d = tmp_path_factory.mktemp("plain_run")
+    out, report = d / "pred.i32", d / "timing.json"
+    r = run_abi(small_cohort / "manifest.tsv", small_cohort, out, eager_artifact, "--report", str(report))
+    return r, out, report
+
+
 def run_abi(manifest: Path, root: Path, output: Path, artifact: Path, *extra: str, env: dict | None = None,
             timeout: float = 300):
     """scripts/run as a whole process; returns the CompletedProcess."""

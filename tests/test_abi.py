@@ -39,9 +39,8 @@ def _expected(manifest: Path, root: Path, artifact: Path, decoder: str = "dali-c
     return np.concatenate(out)
 
 
-def test_output_bytes_match_in_process_predictions(small_cohort, eager_artifact, tmp_path):
-    out, report = tmp_path / "pred.i32", tmp_path / "timing.json"
-    r = run_abi(small_cohort / "manifest.tsv", small_cohort, out, eager_artifact, "--report", str(report))
+def test_output_bytes_match_in_process_predictions(small_cohort, eager_artifact, plain_run):
+    r, out, report = plain_run          # scripts/run MANIFEST IMAGE_ROOT OUTPUT --report FILE
     assert r.returncode == 0, r.stderr
     assert r.stdout == ""  # nothing on stdout by default
     data = out.read_bytes()
@@ -65,11 +64,11 @@ def test_output_bytes_match_in_process_predictions(small_cohort, eager_artifact,
     assert {e["stage"] for e in rep["timeline"]} == {"decode", "inference"}
 
 
-def test_row_order_crlf_and_no_trailing_newline(small_cohort, eager_artifact, tmp_path):
+def test_row_order_crlf_and_no_trailing_newline(small_cohort, eager_artifact, plain_run, tmp_path):
     rows = (small_cohort / "manifest.tsv").read_text().splitlines()
-    base = tmp_path / "base.i32"
-    assert run_abi(small_cohort / "manifest.tsv", small_cohort, base, eager_artifact).returncode == 0
-    ref = np.fromfile(base, "<i4")
+    base, plain, _ = plain_run                                    # the manifest as it is
+    assert base.returncode == 0, base.stderr[-3000:]
+    ref = np.fromfile(plain, "<i4")
     perm = np.random.default_rng(3).permutation(len(rows))
     m = tmp_path / "shuffled.tsv"
     m.write_bytes(("\r\n".join(rows[i] for i in perm)).encode())  # CRLF, no final newline
@@ -287,10 +286,11 @@ def test_a_stale_output_never_survives_a_failed_or_killed_run(small_cohort, eage
 
 
 @pytest.mark.parametrize("how", ["dev-full", "closed", "closed-pipe"])
-def test_a_broken_stderr_or_stdout_does_not_change_the_result(small_cohort, eager_artifact, tmp_path, how):
+def test_a_broken_stderr_or_stdout_does_not_change_the_result(small_cohort, eager_artifact, plain_run, tmp_path,
+                                                             how):
     """Diagnostics are best effort: the run writes the same OUTPUT and exits 0 whatever stderr is."""
-    ref = tmp_path / "ref.i32"
-    assert run_abi(small_cohort / "manifest.tsv", small_cohort, ref, eager_artifact).returncode == 0
+    plain, ref, _ = plain_run                                     # the same run with stderr as usual
+    assert plain.returncode == 0, plain.stderr[-3000:]
     out = tmp_path / "p.i32"
     cmd = [str(REPO / "scripts" / "run"), str(small_cohort / "manifest.tsv"), str(small_cohort), str(out)]
     env = {**os.environ, "ENGINE_ARTIFACT": str(eager_artifact)}

@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import REPO, readme_python_block, run_abi
+from conftest import REPO, readme_python_block
 from PIL import Image
 
 import engine
@@ -20,10 +20,9 @@ EXAMPLE = readme_python_block(0)
 
 
 @pytest.fixture(scope="module")
-def abi_output(small_cohort, eager_artifact, tmp_path_factory):
-    """scripts/run's OUTPUT on the small cohort, as int32."""
-    out = tmp_path_factory.mktemp("api") / "pred.i32"
-    r = run_abi(small_cohort / "manifest.tsv", small_cohort, out, eager_artifact)
+def abi_output(plain_run):
+    """scripts/run's OUTPUT on the small cohort with the eager artifact (the session's run), as int32."""
+    r, out, _ = plain_run
     assert r.returncode == 0, r.stderr[-3000:]
     return np.fromfile(out, "<i4")
 

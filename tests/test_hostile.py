@@ -140,7 +140,8 @@ def test_a_crashing_isolated_decoder_costs_one_batch_not_the_run(tmp_path, monke
     buf = io.BytesIO()
     Image.new("RGB", (120, 90), (10, 200, 30)).save(buf, "JPEG")
     jpg = buf.getvalue()
-    dec = IsolatedDecoder("crashy", "crashy_decoder", spec, 4, 1, deadline=lambda n: 20.0)
+    # the hanging batch waits out its whole deadline: short, yet far over the child's few ms a batch
+    dec = IsolatedDecoder("crashy", "crashy_decoder", spec, 4, 1, deadline=lambda n: 8.0)
     try:
         a, failed = dec.decode([jpg, None, jpg])
         assert (a == 7).all() and failed == {1: "not read"}                 # the child's answer
@@ -159,7 +160,7 @@ def test_a_crashing_isolated_decoder_costs_one_batch_not_the_run(tmp_path, monke
     finally:
         dec.close()
     err = capfd.readouterr().err
-    assert "the decoder process died (signal SIGSEGV)" in err and "no answer within 20 s" in err
+    assert "the decoder process died (signal SIGSEGV)" in err and "no answer within 8 s" in err
     assert err.count("starting a fresh decoder process") == 2
 
 

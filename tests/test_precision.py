@@ -203,9 +203,12 @@ def test_projection_fusion_is_exact_on_an_eva02_large_layout():
 
 
 @pytest.mark.abi   # a build with a measured batch-size search
-def test_batch_size_auto_measures_and_records(tiny_checkpoint, tmp_path):
+def test_batch_size_auto_measures_and_records(tiny_checkpoint, tmp_path, monkeypatch):
     from engine.tuning import main
 
+    # the reference decoder pinned: no decoder is measured against it (tests/test_build_decoder.py
+    # measures that), the batch sizes are
+    monkeypatch.setenv("ENGINE_DECODER", "pil")
     out = tmp_path / "art"
     rc = main(["--model", tiny_spec().model, "--checkpoint", str(tiny_checkpoint), "--out", str(out),
                "--input-size", "112", "--crop-mode", "squash", "--crop-pct", "1.0", "--model-kwargs", '{"depth": 4}',

@@ -68,9 +68,9 @@ def _error_lines(r) -> list[str]:
 # --- trusted staging ---------------------------------------------------------------------------
 
 @pytest.mark.abi
-def test_a_staged_image_root_answers_every_row_as_the_plain_layout(small_cohort, eager_artifact, tmp_path):
-    plain = tmp_path / "plain.i32"
-    r = run_abi(small_cohort / "manifest.tsv", small_cohort, plain, eager_artifact)
+def test_a_staged_image_root_answers_every_row_as_the_plain_layout(small_cohort, eager_artifact, plain_run,
+                                                                  tmp_path):
+    r, plain, _ = plain_run                                      # the plain layout: the cohort as it is
     assert r.returncode == 0, r.stderr[-3000:]
     want_lines = len(_unreadable(r.stderr))
     assert want_lines == 3                                      # the cohort's planted broken files

@@ -208,17 +208,18 @@ def _main(argv: list[str] | None, on_row, log_summary: bool = True) -> int:
         return _error(f"{e}")
     with held:
         t0 = time.perf_counter()
-        from engine.clip.load import ClipLoadError
         from engine.retrieval.index import IndexLoadError, load_index
         from engine.retrieval.jsonl import read_requests, stderr_warn
-        from engine.retrieval.query import PipelineError
 
         warn = stderr_warn("cir_run")
-        try:
+        try:   # the index and the requests are read before torch loads: a bad one costs no import time
             index = load_index(cfg.index_dir)
             requests = read_requests(cfg.queries, warn)
         except (IndexLoadError, OSError, ValueError) as e:
             return _error(f"{e}")
+        from engine.clip.load import ClipLoadError
+        from engine.retrieval.query import PipelineError
+
         try:
             method = chosen_method(cfg, index.meta.get("method") or {})
         except (TypeError, ValueError) as e:

@@ -102,12 +102,9 @@ def run(a) -> int:
     t0 = time.perf_counter()
     settings.check(("threads", "readers", "omp_wait_policy", "max_file_bytes", "progress", "tf32"))
     threaded = thread_settings(a.device)      # before torch loads (engine.core.checkpoint imports it)
-    from engine.core.checkpoint import CheckpointError
-    from engine.core.spec import resolve_spec
-    from engine.threads import apply_torch
     from evaluator.contest.manifest import read_manifest, resolve_image
 
-    apply_torch(threaded["budget"])
+    # the inputs a user names are checked before torch loads: a mistake costs no import time
     rows = read_manifest(a.manifest)          # ManifestError names the file and line
     if not a.image_root.is_dir():
         raise UsageError(f"IMAGE_ROOT is not a directory: {a.image_root}")
@@ -115,7 +112,12 @@ def run(a) -> int:
         raise UsageError(f"OUTPUT folder does not exist: {a.output.parent}")
     if not a.checkpoint.is_file():
         raise UsageError(f"checkpoint not found: {a.checkpoint}")
+    from engine.core.checkpoint import CheckpointError
+    from engine.core.spec import resolve_spec
+    from engine.threads import apply_torch
     from evaluator.contest.selfcheck import recorded_fields
+
+    apply_torch(threaded["budget"])
 
     rec = recorded_fields(a.checkpoint) if a.model is None else {}
     if a.model is None and "model" not in rec:
