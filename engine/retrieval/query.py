@@ -23,6 +23,7 @@ what was used (bank source and size, means, re-inspection counts) for the run's 
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
@@ -214,17 +215,13 @@ class QueryPipeline:
             for o in hooks.setup:
                 o.setup(space)
 
+    @contextlib.contextmanager
     def _naming_index(self):
         """Where an option cannot run on this index, its one line names the index folder."""
-        import contextlib
-
-        @contextlib.contextmanager
-        def naming():
-            try:
-                yield
-            except PipelineError as e:
-                raise PipelineError(f"{self.index.dir}: {e}") from None
-        return naming()
+        try:
+            yield
+        except PipelineError as e:
+            raise PipelineError(f"{self.index.dir}: {e}") from None
 
     # ------------------------------------------------------------ set-up
     @property
