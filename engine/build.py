@@ -11,12 +11,11 @@ import importlib
 import sys
 from typing import Any
 
-_FROM_COMMAND = ("AutoConfig", "GuardConfig", "RECHECK_DIR", "argument_parser", "build", "main",
-                 "measure_batch_size", "parse_args")
+from engine.tuning import COMMAND_NAMES  # imports nothing heavy
 
 
 def __getattr__(name: str) -> Any:
-    if name in _FROM_COMMAND:
+    if name in COMMAND_NAMES:
         return getattr(importlib.import_module("engine.tuning.command"), name)
     raise AttributeError(f"module 'engine.build' has no attribute {name!r}")
 

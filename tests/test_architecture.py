@@ -98,7 +98,7 @@ def engine_layers() -> dict[str, int]:
 # command's name (engine/build.py: `python -m engine.build`) hands over to tuning/; engine.settings
 # checks ENGINE_DECODER and CLIP_TOWERS against the registries' name tables, which import nothing of the engine
 FACADE = "engine"
-COMMAND_NAMES = {"engine.build": "engine.tuning"}
+COMMAND_MODULES = {"engine.build": "engine.tuning"}
 NAME_TABLES = {"engine.decoders.registry", "engine.backends"}
 
 
@@ -116,11 +116,11 @@ def layer_violations(mods: dict[str, Path]) -> list[str]:
     for name, path in sorted(mods.items()):
         if not name.startswith("engine") or name == FACADE:
             continue
-        if name in COMMAND_NAMES:      # a command's name: it imports the one package it names, nothing else
+        if name in COMMAND_MODULES:      # a command's name: it imports the one package it names, nothing else
             wrong = [(line, t) for line, t in _import_lines(path, name, known)
-                     if t.startswith("engine") and not t.startswith(COMMAND_NAMES[name])]
+                     if t.startswith("engine") and not t.startswith(COMMAND_MODULES[name])]
             out += [f"{path.relative_to(REPO)}:{line} imports {t} (the command name {name} hands over to "
-                    f"{COMMAND_NAMES[name]} only)" for line, t in wrong]
+                    f"{COMMAND_MODULES[name]} only)" for line, t in wrong]
             continue
         here = _folder(name, layers)
         for line, target in _import_lines(path, name, known):

@@ -119,22 +119,6 @@ class Workspace:
 
     Error = PipelineError
 
-    @property
-    def corpus(self) -> Path | None:
-        return self.settings.corpus
-
-    @property
-    def bank_chunk(self) -> int:
-        return self.settings.bank_chunk
-
-    @property
-    def allow_outside_corpus(self) -> bool:
-        return self.settings.allow_outside_corpus
-
-    @property
-    def max_reinspect(self) -> int | None:
-        return self.settings.max_reinspect
-
     @staticmethod
     def log(msg: str) -> None:
         _log(msg)
@@ -232,10 +216,6 @@ class QueryPipeline:
     def info(self) -> dict:
         return self.space.info
 
-    @staticmethod
-    def log(msg: str) -> None:
-        _log(msg)
-
     # ------------------------------------------------------------ encoding
     def _refs(self, batch) -> torch.Tensor:
         ref = []
@@ -301,10 +281,6 @@ class QueryPipeline:
             o.prepare(space, call)
 
     # ------------------------------------------------------------ answering
-    def score(self, q: torch.Tensor, ref_t: torch.Tensor) -> Scored:
-        """Queries q [B, D] scored against the gallery by the method's scorer (cosines without one)."""
-        return self.space.score(q, ref_t)
-
     def answer(self, batch) -> list[list[tuple[int, float]]]:
         """[(gallery row, score), ...] per request: at most k, best first, the reference excluded."""
         import functools

@@ -25,11 +25,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_FROM_COMMAND = ("AutoConfig", "GuardConfig", "RECHECK_DIR", "argument_parser", "build", "main",
+COMMAND_NAMES = ("AutoConfig", "GuardConfig", "RECHECK_DIR", "argument_parser", "build", "main",
                  "measure_batch_size", "parse_args")
 
 
 def __getattr__(name: str) -> Any:
-    if name in _FROM_COMMAND:
+    if name in COMMAND_NAMES:
         return getattr(importlib.import_module("engine.tuning.command"), name)
     raise AttributeError(f"module 'engine.tuning' has no attribute {name!r}")

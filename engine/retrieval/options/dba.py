@@ -33,7 +33,7 @@ class DBA(NeighbourMean):
             space.info["dba"] = "stored at build time"
             return kept
         t0 = time.perf_counter()
-        out = dba(rows, self.n, self.alpha, chunk=RETRIEVAL.dba_chunk if space.bank_chunk else 0)
+        out = dba(rows, self.n, self.alpha, chunk=RETRIEVAL.dba_chunk if space.settings.bank_chunk else 0)
         space.log(f"DBA n={self.n} alpha={self.alpha:g} is not stored in the index (build --dba {self.n} "
                  f"--dba-alpha {self.alpha:g} stores it): computed here in {time.perf_counter() - t0:.2f} s")
         space.info["dba"] = "computed at query time"

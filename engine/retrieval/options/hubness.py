@@ -92,7 +92,7 @@ class HubnessScorer(Option):
             raise space.Error(f"{self.name}: no query bank (no requests and no stored text bank)")
         params = ScorerParams(self.beta, self.temp, self.k)
         space.stats = bank_stats(self.name, torch.cat(parts), space.gallery, params, torch.cat(ex),
-                                has_queries=self.uses_requests, chunk=space.bank_chunk)
+                                has_queries=self.uses_requests, chunk=space.settings.bank_chunk)
         space.info["bank"] = " + ".join(src)
 
     def row_state(self, space, cos, ref_t):

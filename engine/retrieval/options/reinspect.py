@@ -62,7 +62,7 @@ class Reinspect(Option):
     def _budget(self, space):
         from engine.retrieval.reinspect import ReinspectBudget
 
-        return ReinspectBudget(self.n, space.max_reinspect)
+        return ReinspectBudget(self.n, space.settings.max_reinspect)
 
     def setup(self, space) -> None:
         """The re-inspector over the corpus's records (none, said, when the records cannot be found)."""
@@ -73,7 +73,7 @@ class Reinspect(Option):
         from engine.retrieval.reinspect import Reinspector, ViewDecoding
 
         meta = space.meta
-        root = space.corpus or (Path(meta["corpus"]) if meta.get("corpus") else
+        root = space.settings.corpus or (Path(meta["corpus"]) if meta.get("corpus") else
                                Path(meta["records"]["path"]).parent if meta.get("records", {}).get("path") else None)
         records = root / "records.jsonl" if root else None
         if records is None or not records.is_file():
@@ -86,7 +86,7 @@ class Reinspect(Option):
             raise space.Error(f"re-inspection: cannot read {records}: {e}") from None
         ids = space.ids
         # the same rule as the build: regular files where the records lead, unless confined to the corpus
-        read_path = record_reader(root, _Lookup(paths), confine=not space.allow_outside_corpus)
+        read_path = record_reader(root, _Lookup(paths), confine=not space.settings.allow_outside_corpus)
 
         def read(row: int) -> bytes:
             return read_path(str(ids[row]))
